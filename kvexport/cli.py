@@ -1,0 +1,281 @@
+"""The ``kvexport`` command: a thin click layer over the library (parse, call, render).
+
+Results go to stdout, progress to stderr. Every user error is one line and a non-zero
+exit, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import warnings
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from types import FrameType
+from typing import Any, TypeVar
+
+import click
+
+from kvexport.errors import KvexportError
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+EXIT_FAILED_CHECKS = 1  # verify ran and some check failed; user errors exit 2 (click's usage code)
+
+
+def _progress(message: str) -> None:
+    click.echo(f"kvexport: {message}", err=True)
+
+
+def _quiet_libraries() -> None:
+    """Keep third-party chatter off the terminal; kvexport reports what matters itself."""
+    warnings.filterwarnings("ignore")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+class UserError(click.ClickException):
+    """A ClickException that exits 2, like click's own usage errors."""
+
+    exit_code = 2
+
+
+def _run(call: Callable[[], Any]) -> Any:
+    """Run library code, turning user errors into one-line ClickExceptions."""
+    try:
+        return call()
+    except KvexportError as exc:
+        raise UserError(str(exc)) from None
+    except KeyboardInterrupt:
+        click.echo("kvexport: interrupted; nothing was written", err=True)
+        sys.exit(130)
+
+
+def json_option(function: F) -> F:
+    """``--json``: machine-readable output on stdout."""
+    return click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")(
+        function
+    )
+
+
+def provider_option(function: F) -> F:
+    """``--provider cpu|cuda|auto``."""
+    return click.option(
+        "--provider",
+        type=click.Choice(["cpu", "cuda", "auto"]),
+        default="cpu",
+        show_default=True,
+        help="ONNX Runtime execution provider; cuda fails if unavailable, auto picks the best.",
+    )(function)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="kvexport")
+def main() -> None:
+    """Export GPT-2 to ONNX prefill/decode graphs with a KV cache, and verify them."""
+    _quiet_libraries()
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)
+
+
+@main.command("gpt2")
+@click.option(
+    "--out", "out", required=True, type=click.Path(path_type=Path), help="Output directory."
+)
+@click.option(
+    "--model",
+    default="gpt2",
+    show_default=True,
+    help="Model directory or hub id; with --random-init a preset (gpt2, distilgpt2, gpt2-medium, "
+    "gpt2-large, gpt2-xl) or a config.json.",
+)
+@click.option(
+    "--random-init", is_flag=True, help="Seeded random weights for the architecture (offline)."
+)
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for --random-init.")
+@click.option(
+    "--target",
+    type=click.Choice(["portable", "ort-cpu", "ort-cuda"]),
+    default="portable",
+    show_default=True,
+    help="Where the graphs will run (only portable so far).",
+)
+@click.option(
+    "--attention",
+    type=click.Choice(["unfused", "onnx", "ort"]),
+    default=None,
+    help="Attention implementation (default per target; only unfused so far).",
+)
+@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option(
+    "--opset", default=18, show_default=True, type=click.IntRange(14, 24), help="ONNX opset."
+)
+@click.option("--all-logits", is_flag=True, help="Prefill returns logits for every position.")
+@click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
+@click.option("--allow-pickle", is_flag=True, help="Allow a trusted pickle (.bin) checkpoint.")
+@click.option(
+    "--exporter",
+    type=click.Choice(["auto", "dynamo", "torchscript"]),
+    default="auto",
+    show_default=True,
+    help="Export road; auto tries dynamo, then torchscript.",
+)
+@json_option
+def gpt2_command(
+    out: Path,
+    model: str,
+    random_init: bool,
+    seed: int,
+    target: str,
+    attention: str | None,
+    dtype: str,
+    opset: int,
+    all_logits: bool,
+    force: bool,
+    allow_pickle: bool,
+    exporter: str,
+    as_json: bool,
+) -> None:
+    """Export GPT-2 to OUT/ (prefill.onnx, decode.onnx, weights, kvexport.json, tokenizer.json)."""
+    from kvexport.export import DEFAULT_STRATEGY_ORDER, export_gpt2
+
+    strategies = DEFAULT_STRATEGY_ORDER if exporter == "auto" else (exporter,)
+    result = _run(
+        lambda: export_gpt2(
+            out,
+            model,
+            random_init=random_init,
+            seed=seed,
+            target=target,  # type: ignore[arg-type]
+            attention=attention,  # type: ignore[arg-type]
+            dtype=dtype,  # type: ignore[arg-type]
+            opset=opset,
+            all_logits=all_logits,
+            force=force,
+            allow_pickle=allow_pickle,
+            strategies=strategies,
+            progress=_progress,
+        )
+    )
+    manifest = result.manifest
+    if as_json:
+        click.echo(json.dumps(manifest.to_dict(), indent=2))
+        return
+    dims = manifest.dims
+    click.echo(f"exported {manifest.source.describe()} to {result.out_dir}")
+    click.echo(
+        f"  layers {dims.n_layer}, heads {dims.n_head} x {dims.head_dim}, vocab {dims.vocab_size}, "
+        f"positions {dims.n_positions}, {manifest.dtype}, opset {manifest.opset}"
+    )
+    click.echo(
+        f"  strategy {result.strategy}; nodes: prefill {result.node_counts['prefill']}, decode {result.node_counts['decode']}"
+    )
+    click.echo(
+        f"  weights {manifest.weights['bytes'] / 1e6:.1f} MB in {manifest.weights['file']} (shared)"
+    )
+    click.echo(f"  tokenizer: {manifest.tokenizer['source']}")
+    click.echo(f"  took {result.seconds:.1f} s; next: kvexport verify {result.out_dir}")
+
+
+@main.command("verify")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--steps", default=8, show_default=True, type=int, help="Decode steps after prefill.")
+@provider_option
+@json_option
+def verify_command(directory: Path, steps: int, provider: str, as_json: bool) -> None:
+    """Check DIRECTORY's graphs against PyTorch, step by step; exit 0 only if all checks hold."""
+    from kvexport.verify import verify
+
+    if steps < 1:
+        raise UserError(f"--steps {steps}: must be at least 1")
+    _progress(f"verifying {directory} ({steps} decode steps, provider {provider})")
+    report = _run(lambda: verify(directory, steps=steps, provider=provider))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        _render_verify(report)
+    if not report.ok:
+        sys.exit(EXIT_FAILED_CHECKS)
+
+
+def _render_verify(report: Any) -> None:
+    rows: dict[tuple[str, str], list[Any]] = {}
+    for check in report.tensors:
+        kind = "logits" if check.name == "logits" else "cache"
+        rows.setdefault((check.case, kind), []).append(check)
+    click.echo(
+        f"{'case':<20} {'tensor':<7} {'checks':>6} {'max abs diff':>13} {'max rel diff':>13} {'tol (abs/rel)':>15}  result"
+    )
+    for (case, kind), checks in rows.items():
+        worst_abs = max(c.max_abs_diff for c in checks)
+        worst_rel = max(c.max_rel_diff for c in checks)
+        ok = all(c.ok for c in checks)
+        tol = f"{checks[0].atol:g}/{checks[0].rtol:g}"
+        click.echo(
+            f"{case:<20} {kind:<7} {len(checks):>6} {worst_abs:>13.3e} {worst_rel:>13.3e} {tol:>15}  {'ok' if ok else 'FAIL'}"
+        )
+    for case in dict.fromkeys(t.case for t in report.tokens):
+        tokens = [t for t in report.tokens if t.case == case]
+        agree = sum(t.ok for t in tokens)
+        click.echo(
+            f"{case:<20} {'tokens':<7} {len(tokens):>6} {'greedy agree':>13} {agree:>13}/{len(tokens):<15} {'ok' if agree == len(tokens) else 'FAIL'}"
+        )
+    for line in report.failures():
+        click.echo(f"FAIL {line}")
+    verdict = "PASS" if report.ok else "FAIL"
+    click.echo(
+        f"{verdict}: {report.provider}, {report.dtype}, {report.steps} steps, {report.seconds:.1f} s"
+    )
+
+
+@main.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@json_option
+def inspect_command(path: Path, as_json: bool) -> None:
+    """Show the IO signature, op histogram and pass report of an export directory or .onnx file."""
+    from kvexport.inspection import inspect_path
+
+    report = _run(lambda: inspect_path(path))
+    if as_json:
+        click.echo(json.dumps(asdict(report), indent=2))
+        return
+    if report.manifest:
+        m = report.manifest
+        click.echo(
+            f"{report.path}: {m['source']['name']} ({m['source']['kind']}), {m['dtype']}, opset {m['opset']}, target {m['target']}, attention {m['attention']}, exported by {m['strategy']}"
+        )
+        click.echo(f"  config {m['config']}")
+        click.echo(
+            f"  weights {m['weights']['bytes'] / 1e6:.1f} MB in {m['weights']['file']}; tokenizer: {m['tokenizer']['file'] or 'none'}"
+        )
+        if m["verify"]:
+            click.echo(f"  last verify: {'PASS' if m['verify']['ok'] else 'FAIL'} ({m['verify']})")
+    for name, graph in report.graphs.items():
+        click.echo(f"\n[{name}] {graph.file}: {graph.nodes} nodes, opset {graph.opset}")
+        for direction, tensors in (("in ", graph.inputs), ("out", graph.outputs)):
+            for t in tensors:
+                click.echo(
+                    f"  {direction} {t.name:<28} {t.dtype:<8} [{', '.join(map(str, t.shape))}]"
+                )
+        click.echo("  ops: " + ", ".join(f"{op} {count}" for op, count in graph.ops.items()))
+    for entry in report.passes:
+        click.echo(
+            f"pass {entry['pass']} on {entry['graph']}: nodes {entry['nodes_before']} -> {entry['nodes_after']} {entry.get('counts', {})}"
+        )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

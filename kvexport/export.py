@@ -1,0 +1,450 @@
+"""Export GPT-2 to the prefill and decode graphs, with manifest, weights and tokenizer.
+
+Two export roads exist, each a named strategy tried in a declared order:
+
+- ``dynamo``: ``torch.onnx.export(dynamo=True)``. Compact graphs (about a quarter of
+  TorchScript's node count for decode) and the tied embedding / LM head stored once.
+  Decode has a static query length of 1 and a dynamic past length.
+- ``torchscript``: the legacy tracer. Kept as the fallback for models or torch
+  versions where ``torch.export`` fails.
+
+The manifest records which strategy produced the graphs and why earlier ones failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import onnx_ir as ir
+import torch
+
+from kvexport import __version__
+from kvexport.errors import ExportError, KvexportError
+from kvexport.manifest import GraphSpec, Manifest, cache_names
+from kvexport.models.gpt2 import (
+    DecodeModule,
+    Dtype,
+    ModelDims,
+    PrefillModule,
+    load_gpt2,
+    resolve_source,
+    weights_fingerprint,
+)
+from kvexport.storage import (
+    atomic_output_dir,
+    check_output_dir,
+    load_graph_structure,
+    save_with_shared_weights,
+)
+from kvexport.tokenizer import choose_tokenizer
+from passes import CleanupPass
+
+Target = Literal["portable", "ort-cpu", "ort-cuda"]
+Attention = Literal["unfused", "onnx", "ort"]
+Progress = Callable[[str], None]
+
+DEFAULT_OPSET = 18
+IO_INPUTS = ["input_ids", "attention_mask", "position_ids"]
+
+# Sample sizes for tracing. Every dynamic dim gets a distinct value >= 2, or the
+# exporter specialises it to a constant.
+_SAMPLE_BATCH = 2
+_SAMPLE_PROMPT = 7
+_SAMPLE_PAST = 6
+
+
+@dataclass(frozen=True)
+class GraphRequest:
+    """Everything a strategy needs to export one graph."""
+
+    name: str
+    module: torch.nn.Module
+    args: tuple[torch.Tensor, ...]
+    input_names: list[str]
+    output_names: list[str]
+    # input name -> {axis: dim name}; a dim named "total_sequence" is past_sequence + 1
+    dynamic_axes: dict[str, dict[int, str]]
+    opset: int
+
+
+class ExportStrategy(Protocol):
+    """One road from a torch module to an ``ir.Model``."""
+
+    name: str
+
+    def export(self, request: GraphRequest, workdir: Path) -> ir.Model:
+        """Export the request's module; ``workdir`` outlives the returned model's data."""
+        ...
+
+
+class DynamoStrategy:
+    """``torch.onnx.export(dynamo=True)`` via ``torch.export``."""
+
+    name = "dynamo"
+
+    def export(self, request: GraphRequest, workdir: Path) -> ir.Model:
+        """Export with dynamic batch / sequence / past dims."""
+        dims: dict[str, Any] = {}
+        for axes in request.dynamic_axes.values():
+            for dim_name in axes.values():
+                if dim_name != "total_sequence" and dim_name not in dims:
+                    dims[dim_name] = torch.export.Dim(dim_name, min=1)
+        if "past_sequence" in dims:
+            dims["total_sequence"] = dims["past_sequence"] + 1
+        shapes = [
+            {axis: dims[d] for axis, d in request.dynamic_axes.get(n, {}).items()}
+            for n in request.input_names
+        ]
+        n_plain = len(IO_INPUTS)
+        dynamic_shapes: dict[str, Any] = dict(zip(IO_INPUTS, shapes[:n_plain], strict=True))
+        if len(shapes) > n_plain:
+            dynamic_shapes["past"] = tuple(shapes[n_plain:])
+        program = torch.onnx.export(
+            request.module,
+            request.args,
+            dynamo=True,
+            input_names=request.input_names,
+            output_names=request.output_names,
+            dynamic_shapes=dynamic_shapes,
+            opset_version=request.opset,
+            optimize=True,
+            verbose=False,
+        )
+        assert program is not None
+        model = program.model
+        _rename_dims(
+            model,
+            {str(dims["total_sequence"]): "total_sequence"} if "total_sequence" in dims else {},
+        )
+        return model
+
+
+class TorchScriptStrategy:
+    """The legacy TorchScript tracer (``dynamo=False``)."""
+
+    name = "torchscript"
+
+    def export(self, request: GraphRequest, workdir: Path) -> ir.Model:
+        """Trace and export; reload as IR with weights read lazily from ``workdir``."""
+        path = workdir / f"{request.name}.torchscript.onnx"
+        dynamic_axes: dict[str, dict[int, str]] = dict(request.dynamic_axes)
+        for name in request.output_names:
+            if name == "logits":
+                dynamic_axes[name] = {0: "batch"}
+            else:
+                length = "total_sequence" if request.name == "decode" else "sequence"
+                dynamic_axes[name] = {0: "batch", 2: length}
+        torch.onnx.export(
+            request.module,
+            request.args,
+            str(path),
+            dynamo=False,
+            input_names=request.input_names,
+            output_names=request.output_names,
+            dynamic_axes=dynamic_axes,
+            opset_version=request.opset,
+            do_constant_folding=True,
+        )
+        return ir.load(path)
+
+
+STRATEGIES: dict[str, ExportStrategy] = {
+    s.name: s for s in (DynamoStrategy(), TorchScriptStrategy())
+}
+DEFAULT_STRATEGY_ORDER = ("dynamo", "torchscript")
+
+
+def _rename_dims(model: ir.Model, mapping: dict[str, str]) -> None:
+    """Rename symbolic dims everywhere (e.g. torch's ``s0 + 1`` -> ``total_sequence``)."""
+    if not mapping:
+        return
+    values = list(model.graph.inputs) + list(model.graph.outputs)
+    values += [out for node in model.graph.all_nodes() for out in node.outputs]
+    for value in values:
+        if value.shape is None:
+            continue
+        dims = [
+            ir.SymbolicDim(mapping.get(str(d), str(d))) if isinstance(d, ir.SymbolicDim) else d
+            for d in value.shape
+        ]
+        if any(isinstance(d, ir.SymbolicDim) and str(d) in mapping for d in value.shape):
+            value.shape = ir.Shape(dims)
+
+
+@dataclass(frozen=True)
+class StrategyAttempt:
+    """One strategy tried on one graph."""
+
+    graph: str
+    strategy: str
+    ok: bool
+    seconds: float
+    error: str | None = None
+
+
+@dataclass
+class ExportResult:
+    """What :func:`export_gpt2` produced."""
+
+    out_dir: Path
+    manifest: Manifest
+    strategy: str
+    attempts: list[StrategyAttempt] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def node_counts(self) -> dict[str, int]:
+        """Nodes per graph after the passes."""
+        return {name: spec.nodes for name, spec in self.manifest.graphs.items()}
+
+
+def _graph_requests(
+    model: torch.nn.Module, dims: ModelDims, all_logits: bool, opset: int
+) -> list[GraphRequest]:
+    gen = torch.Generator().manual_seed(0)
+    batch, prompt, past = _SAMPLE_BATCH, _SAMPLE_PROMPT, _SAMPLE_PAST
+    param = next(model.parameters())
+    ids = torch.randint(0, dims.vocab_size, (batch, prompt), generator=gen)
+    mask = torch.ones(batch, prompt, dtype=torch.int64)
+    positions = torch.arange(prompt).expand(batch, prompt).contiguous()
+    present = cache_names("present", dims.n_layer)
+    prefill = GraphRequest(
+        name="prefill",
+        module=PrefillModule(model, all_logits=all_logits),  # type: ignore[arg-type]
+        args=(ids, mask, positions),
+        input_names=IO_INPUTS,
+        output_names=["logits", *present],
+        dynamic_axes={n: {0: "batch", 1: "sequence"} for n in IO_INPUTS},
+        opset=opset,
+    )
+    cache_shape = (batch, dims.n_head, past, dims.head_dim)
+    past_tensors = tuple(
+        torch.randn(cache_shape, generator=gen).to(param.dtype) for _ in range(2 * dims.n_layer)
+    )
+    past_names = cache_names("past", dims.n_layer)
+    decode_axes = {
+        "input_ids": {0: "batch"},
+        "attention_mask": {0: "batch", 1: "total_sequence"},
+        "position_ids": {0: "batch"},
+        **{n: {0: "batch", 2: "past_sequence"} for n in past_names},
+    }
+    decode = GraphRequest(
+        name="decode",
+        module=DecodeModule(model),  # type: ignore[arg-type]
+        args=(
+            ids[:, :1].contiguous(),
+            torch.ones(batch, past + 1, dtype=torch.int64),
+            torch.full((batch, 1), past, dtype=torch.int64),
+            *past_tensors,
+        ),
+        input_names=[*IO_INPUTS, *past_names],
+        output_names=["logits", *present],
+        dynamic_axes=decode_axes,
+        opset=opset,
+    )
+    return [prefill, decode]
+
+
+@contextlib.contextmanager
+def _quiet_exporters() -> Iterator[None]:
+    """Silence the exporters' warnings and progress chatter; kvexport reports progress itself."""
+    loggers = [
+        logging.getLogger(n) for n in ("torch.onnx", "torch._dynamo", "torch.export", "onnxscript")
+    ]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
+
+
+def _export_graphs(
+    requests: Sequence[GraphRequest], order: Sequence[str], workdir: Path, progress: Progress
+) -> tuple[str, dict[str, ir.Model], list[StrategyAttempt]]:
+    """Try each strategy in order; the first that exports *both* graphs wins."""
+    attempts: list[StrategyAttempt] = []
+    for strategy_name in order:
+        strategy = STRATEGIES[strategy_name]
+        graphs: dict[str, ir.Model] = {}
+        for request in requests:
+            progress(f"exporting {request.name} graph ({strategy_name})")
+            started = time.perf_counter()
+            try:
+                with _quiet_exporters(), torch.no_grad():
+                    graphs[request.name] = strategy.export(request, workdir)
+            except Exception as exc:  # any exporter failure means: try the next road
+                message = (
+                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                )
+                attempts.append(
+                    StrategyAttempt(
+                        request.name, strategy_name, False, time.perf_counter() - started, message
+                    )
+                )
+                progress(f"{strategy_name} failed on {request.name}: {message}")
+                break
+            attempts.append(
+                StrategyAttempt(request.name, strategy_name, True, time.perf_counter() - started)
+            )
+        if len(graphs) == len(requests):
+            return strategy_name, graphs, attempts
+    tried = "; ".join(f"{a.strategy}/{a.graph}: {a.error}" for a in attempts if not a.ok)
+    raise ExportError(
+        f"every export strategy failed ({tried}); see `kvexport gpt2 --help` for --exporter"
+    )
+
+
+def _versions() -> dict[str, str]:
+    import onnx
+    import onnxruntime
+    import onnxscript
+    import transformers
+
+    return {
+        "kvexport": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "onnx": onnx.__version__,
+        "onnxruntime": onnxruntime.__version__,
+        "onnxscript": onnxscript.__version__,
+        "onnx_ir": ir.__version__,
+    }
+
+
+def export_gpt2(
+    out: str | Path,
+    model: str = "gpt2",
+    *,
+    random_init: bool = False,
+    seed: int = 0,
+    target: Target = "portable",
+    attention: Attention | None = None,
+    dtype: Dtype = "fp32",
+    opset: int = DEFAULT_OPSET,
+    all_logits: bool = False,
+    force: bool = False,
+    allow_pickle: bool = False,
+    strategies: Sequence[str] = DEFAULT_STRATEGY_ORDER,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Export a GPT-2 model to ``out/`` (prefill.onnx, decode.onnx, weights, manifest, tokenizer).
+
+    Args:
+        out: output directory; written atomically, refused if non-empty unless ``force``.
+        model: a preset or config path with ``random_init``, else a model directory or hub id.
+        random_init: build the architecture with seeded random weights (offline default).
+        seed: torch seed for ``random_init``.
+        target: where the graphs will run; only ``portable`` is implemented so far.
+        attention: attention implementation; only ``unfused`` is implemented so far.
+        dtype: ``fp32`` or ``fp16`` weights and activations.
+        opset: ONNX opset of the graphs.
+        all_logits: prefill returns logits for every position, not only the last.
+        force: replace a non-empty ``out``.
+        allow_pickle: allow loading a pickle (.bin) checkpoint from a trusted directory.
+        strategies: export strategies to try, in order (see :data:`STRATEGIES`).
+        progress: called with a short message at each phase (the CLI prints them).
+
+    Returns:
+        An :class:`ExportResult`; the manifest is also written to ``out/kvexport.json``.
+
+    """
+    report = progress or (lambda message: None)
+    out_path = Path(out)
+    attention = attention or "unfused"
+    if target != "portable" or attention != "unfused":
+        raise KvexportError(
+            f"--target {target} --attention {attention}: only the portable target with unfused attention "
+            "is available in this version; drop these options"
+        )
+    if dtype not in ("fp32", "fp16"):
+        raise KvexportError(f"--dtype {dtype}: choose fp32 or fp16")
+    unknown = [s for s in strategies if s not in STRATEGIES]
+    if unknown or not strategies:
+        raise KvexportError(
+            f"unknown export strategy {unknown}; choose from {', '.join(STRATEGIES)}"
+        )
+    check_output_dir(out_path.absolute(), force)
+    started = time.perf_counter()
+    source = resolve_source(model, random_init=random_init, seed=seed)
+    report(f"loading {source.describe()}")
+    torch_model = load_gpt2(source, dtype, allow_pickle=allow_pickle)
+    dims = ModelDims.from_config(torch_model.config)
+    fingerprint = weights_fingerprint(torch_model)
+    requests = _graph_requests(torch_model, dims, all_logits, opset)
+
+    with (
+        atomic_output_dir(out_path, force) as tmp,
+        tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
+    ):
+        strategy, graphs, attempts = _export_graphs(requests, strategies, Path(work), report)
+        pass_reports = []
+        for name, graph in graphs.items():
+            report(f"running passes on {name}")
+            cleanup = CleanupPass()
+            before = len(graph.graph)
+            cleanup(graph)
+            pass_reports.append(
+                {
+                    "pass": "cleanup",
+                    "graph": name,
+                    "nodes_before": before,
+                    "nodes_after": len(graph.graph),
+                    "counts": cleanup.counts,
+                }
+            )
+        report("writing graphs and shared weights")
+        weights = save_with_shared_weights(graphs, tmp)
+        del graphs
+        choice = choose_tokenizer(
+            Path(source.name) if source.kind == "local" else None, dims.vocab_size
+        )
+        tokenizer_info: dict[str, Any] = {
+            "file": None,
+            "source": choice.source,
+            "eos_token_id": choice.eos_token_id,
+        }
+        if choice.tokenizer is not None:
+            choice.tokenizer.save(str(tmp / "tokenizer.json"))
+            tokenizer_info["file"] = "tokenizer.json"
+        else:
+            report(f"no tokenizer exported ({choice.source})")
+        specs = {
+            name: GraphSpec.from_proto(f"{name}.onnx", load_graph_structure(tmp / f"{name}.onnx"))
+            for name in ("prefill", "decode")
+        }
+        manifest = Manifest(
+            source=source,
+            dims=dims,
+            dtype=dtype,
+            opset=opset,
+            target=target,
+            attention=attention,
+            all_logits=all_logits,
+            graphs=specs,
+            weights={"file": weights.file, "bytes": weights.bytes, "tensors": weights.tensors},
+            export={
+                "strategy": strategy,
+                "attempts": [a.__dict__ for a in attempts],
+                "seconds": round(time.perf_counter() - started, 2),
+            },
+            weights_sha256=fingerprint,
+            tokenizer=tokenizer_info,
+            passes=pass_reports,
+            versions=_versions(),
+        )
+        manifest.write(tmp)
+    report(f"wrote {out_path}")
+    return ExportResult(out_path, manifest, strategy, attempts, time.perf_counter() - started)

@@ -1,0 +1,303 @@
+"""GPT-2 loading and the two exportable wrappers (prefill and decode).
+
+Transformers 5 passes the KV cache as a ``DynamicCache`` object, which neither torch
+exporter can take as a graph input or output. The wrappers here take and return the
+cache as flat tensors (``past.<l>.key``, ``past.<l>.value``, ...), build the cache object
+inside ``forward`` and flatten it again on the way out, so the exported graphs have
+plain tensor IO.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
+
+from kvexport.errors import KvexportError
+
+SourceKind = Literal["random-init", "local", "hub"]
+Dtype = Literal["fp32", "fp16"]
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
+
+# The GPT-2 family's architectures (the published checkpoints' config numbers).
+PRESETS: dict[str, dict[str, int]] = {
+    "gpt2": {"n_layer": 12, "n_head": 12, "n_embd": 768},
+    "distilgpt2": {"n_layer": 6, "n_head": 12, "n_embd": 768},
+    "gpt2-medium": {"n_layer": 24, "n_head": 16, "n_embd": 1024},
+    "gpt2-large": {"n_layer": 36, "n_head": 20, "n_embd": 1280},
+    "gpt2-xl": {"n_layer": 48, "n_head": 25, "n_embd": 1600},
+}
+_PRESET_COMMON = {"vocab_size": 50257, "n_positions": 1024}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The numbers of a GPT-2 architecture that the graphs and the runner depend on."""
+
+    n_layer: int
+    n_head: int
+    head_dim: int
+    n_embd: int
+    vocab_size: int
+    n_positions: int
+
+    @classmethod
+    def from_config(cls, config: GPT2Config) -> ModelDims:
+        """Read the dims from a Hugging Face ``GPT2Config``."""
+        return cls(
+            n_layer=config.n_layer,
+            n_head=config.n_head,
+            head_dim=config.n_embd // config.n_head,
+            n_embd=config.n_embd,
+            vocab_size=config.vocab_size,
+            n_positions=config.n_positions,
+        )
+
+    def to_dict(self) -> dict[str, int]:
+        """Plain-dict form for the manifest."""
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where the weights come from; recorded in the manifest so verify can rebuild them.
+
+    ``kind`` is ``random-init`` (``name`` is a preset or a config path, weights are
+    seeded random), ``local`` (``name`` is a Hugging Face model directory) or ``hub``
+    (``name`` is a hub id). For random init, ``config`` holds the full config so the
+    reference can be rebuilt without the original file.
+    """
+
+    kind: SourceKind
+    name: str
+    seed: int | None = None
+    config: dict[str, Any] | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-dict form for the manifest."""
+        return {"kind": self.kind, "name": self.name, "seed": self.seed, "config": self.config}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelSource:
+        """Inverse of :meth:`to_dict`."""
+        kind = data.get("kind")
+        if kind not in ("random-init", "local", "hub"):
+            raise KvexportError(f"manifest model source has unknown kind {kind!r}")
+        return cls(
+            kind=kind, name=str(data["name"]), seed=data.get("seed"), config=data.get("config")
+        )
+
+    def describe(self) -> str:
+        """One-line human description."""
+        if self.kind == "random-init":
+            return f"{self.name} (random init, seed {self.seed})"
+        return f"{self.name} ({self.kind})"
+
+
+def resolve_source(model: str, *, random_init: bool, seed: int = 0) -> ModelSource:
+    """Turn the CLI's ``--model`` / ``--random-init`` / ``--seed`` into a :class:`ModelSource`."""
+    if random_init:
+        config = _random_init_config(model)
+        return ModelSource(kind="random-init", name=model, seed=seed, config=config)
+    path = Path(model)
+    if path.exists():
+        if not path.is_dir():
+            raise KvexportError(
+                f"--model {model}: is a file; pass a Hugging Face model directory "
+                "(config.json + model.safetensors), or a config with --random-init"
+            )
+        return ModelSource(kind="local", name=str(path.resolve()))
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise KvexportError(
+            f"--model {model}: no such directory; pass an existing model directory, a hub id, "
+            "or --random-init"
+        )
+    return ModelSource(kind="hub", name=model)
+
+
+def _random_init_config(model: str) -> dict[str, Any]:
+    if model in PRESETS:
+        numbers: dict[str, Any] = {**PRESETS[model], **_PRESET_COMMON}
+        return GPT2Config(**numbers).to_dict()
+    path = Path(model)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise KvexportError(
+            f"--random-init --model {model}: not a preset ({', '.join(PRESETS)}) "
+            "and no config.json there; name a preset or a GPT-2 config file"
+        )
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise KvexportError(
+            f"{path}: not a readable JSON config ({exc}); fix or replace it"
+        ) from exc
+    _check_gpt2(data.get("model_type"), str(path))
+    vocab_size = int(data.get("vocab_size", _PRESET_COMMON["vocab_size"]))
+    for special in ("bos_token_id", "eos_token_id"):
+        # GPT2Config defaults these to GPT-2's 50256, which a smaller vocabulary lacks.
+        data.setdefault(special, None if vocab_size <= 50256 else 50256)
+    return GPT2Config(**{k: v for k, v in data.items() if k != "model_type"}).to_dict()
+
+
+def _check_gpt2(model_type: object, where: str) -> None:
+    if model_type != "gpt2":
+        raise KvexportError(
+            f"{where}: model_type is {model_type!r}; kvexport exports GPT-2 models (model_type 'gpt2')"
+        )
+
+
+def load_gpt2(
+    source: ModelSource, dtype: Dtype = "fp32", allow_pickle: bool = False
+) -> GPT2LMHeadModel:
+    """Build or load the GPT-2 model a source names, in eval mode and the given dtype."""
+    if source.kind == "random-init":
+        assert source.config is not None, "random-init source carries its config"
+        config = GPT2Config(**{k: v for k, v in source.config.items() if k != "model_type"})
+        torch.manual_seed(source.seed or 0)
+        model = GPT2LMHeadModel(config)
+    elif source.kind == "local":
+        model = _load_local(Path(source.name), allow_pickle)
+    else:
+        model = _load_hub(source.name)
+    model.eval()
+    converted: GPT2LMHeadModel = model.to(dtype=TORCH_DTYPES[dtype])  # type: ignore[call-arg]
+    return converted
+
+
+def _load_local(path: Path, allow_pickle: bool) -> GPT2LMHeadModel:
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise KvexportError(f"{path}: no config.json; pass a Hugging Face model directory")
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except json.JSONDecodeError as exc:
+        raise KvexportError(f"{config_path}: not valid JSON ({exc}); fix or replace it") from exc
+    _check_gpt2(model_type, str(config_path))
+    has_safetensors = any(path.glob("*.safetensors"))
+    if not has_safetensors and not allow_pickle:
+        if any(path.glob("*.bin")) or any(path.glob("*.pt")):
+            raise KvexportError(
+                f"{path}: weights are only in a pickle checkpoint (.bin), which can run code "
+                "when loaded; convert to safetensors, or pass --allow-pickle if you trust it"
+            )
+        raise KvexportError(
+            f"{path}: no model.safetensors found; add the weights or use --random-init"
+        )
+    try:
+        model = GPT2LMHeadModel.from_pretrained(path, use_safetensors=has_safetensors)
+    except (OSError, ValueError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise KvexportError(f"{path}: could not load the model ({first})") from exc
+    return model
+
+
+def _load_hub(model_id: str) -> GPT2LMHeadModel:
+    try:
+        config = GPT2Config.from_pretrained(model_id)
+        _check_gpt2(config.model_type, model_id)
+        return GPT2LMHeadModel.from_pretrained(model_id, use_safetensors=True)
+    except OSError as exc:
+        raise KvexportError(
+            f"--model {model_id}: not a local directory and the hub could not serve it "
+            "(offline?); pass a local model directory, or --random-init for seeded random weights"
+        ) from exc
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter (name, dtype, shape, bytes), in name order.
+
+    Verify compares this with the manifest so that a reference rebuilt from a different
+    checkpoint (or a different torch RNG) is reported as such, not as a numeric mismatch.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        array = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}:{array.dtype}:{tuple(array.shape)};".encode())
+        digest.update(array.view(torch.uint8).numpy().data if array.numel() else b"")
+    return digest.hexdigest()
+
+
+def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(key, value) per layer of a filled cache, each ``[batch, H, total_sequence, D]``."""
+    pairs = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor), (
+            "cache layer is filled"
+        )
+        pairs.append((keys, values))
+    return pairs
+
+
+def _flatten_cache(cache: DynamicCache) -> list[torch.Tensor]:
+    return [tensor for pair in cache_layers(cache) for tensor in pair]
+
+
+class PrefillModule(torch.nn.Module):
+    """Prompt graph: ``(input_ids, attention_mask, position_ids) -> (logits, *present)``.
+
+    With ``all_logits=False`` the LM head runs on the last position only (left padding
+    puts every row's last real token there), giving logits ``[batch, 1, V]``.
+    """
+
+    def __init__(self, model: GPT2LMHeadModel, all_logits: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.all_logits = all_logits
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the prompt; return last-position (or all) logits and the presents."""
+        cache = DynamicCache(config=self.model.config)
+        hidden = self.model.transformer(
+            input_ids,
+            cache,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+        ).last_hidden_state  # [batch, sequence, n_embd]
+        if not self.all_logits:
+            hidden = hidden[:, -1:, :]  # [batch, 1, n_embd]
+        logits = self.model.lm_head(hidden)  # [batch, 1 | sequence, V]
+        return (logits, *_flatten_cache(cache))
+
+
+class DecodeModule(torch.nn.Module):
+    """One-step graph: ``(input_ids, attention_mask, position_ids, *past) -> (logits, *present)``.
+
+    ``past`` is flat: ``past.0.key, past.0.value, past.1.key, ...``, each
+    ``[batch, H, past_sequence, D]``; presents come back ``[batch, H, past_sequence + 1, D]``.
+    """
+
+    def __init__(self, model: GPT2LMHeadModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run one token against the past; return its logits and the grown presents."""
+        pairs = [(past[2 * layer], past[2 * layer + 1]) for layer in range(len(past) // 2)]
+        cache = DynamicCache(pairs, config=self.model.config)
+        hidden = self.model.transformer(
+            input_ids,
+            cache,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+        ).last_hidden_state  # [batch, 1, n_embd]
+        logits = self.model.lm_head(hidden)  # [batch, 1, V]
+        return (logits, *_flatten_cache(cache))

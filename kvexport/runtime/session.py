@@ -1,0 +1,77 @@
+"""Opening ONNX Runtime sessions on an explicitly chosen provider.
+
+ONNX Runtime silently falls back to CPU when the CUDA provider cannot load. kvexport
+never does: asking for ``cuda`` on a machine without it is an error, and ``auto``
+picks CUDA only when a session really runs on it.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Literal
+
+import onnx
+import onnxruntime as ort
+
+from kvexport.errors import ManifestError, ProviderError
+from kvexport.storage import check_external_data
+
+Provider = Literal["cpu", "cuda", "auto"]
+_ORT_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+
+
+@functools.cache
+def cuda_available() -> bool:
+    """Whether a session on ``CUDAExecutionProvider`` really runs on CUDA here."""
+    if _ORT_NAMES["cuda"] not in ort.get_available_providers():
+        return False
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])],
+        "probe",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    probe = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
+    options = ort.SessionOptions()
+    options.log_severity_level = 4  # the failed CUDA load is expected here; keep stderr clean
+    try:
+        session = ort.InferenceSession(
+            probe.SerializeToString(), options, providers=[_ORT_NAMES["cuda"], _ORT_NAMES["cpu"]]
+        )
+    except Exception:
+        return False
+    return session.get_providers()[0] == _ORT_NAMES["cuda"]
+
+
+def resolve_provider(provider: str) -> Literal["cpu", "cuda"]:
+    """Turn ``cpu`` / ``cuda`` / ``auto`` into the provider to use, or say why not."""
+    if provider == "cpu":
+        return "cpu"
+    if provider in ("cuda", "auto"):
+        if cuda_available():
+            return "cuda"
+        if provider == "auto":
+            return "cpu"
+        raise ProviderError(
+            "--provider cuda: ONNX Runtime's CUDA provider is not usable on this machine "
+            "(no GPU or CUDA libraries); use --provider cpu, or auto to pick what is available"
+        )
+    raise ProviderError(f"--provider {provider}: choose cpu, cuda or auto")
+
+
+def open_session(graph_path: Path, provider: str = "cpu") -> ort.InferenceSession:
+    """Open one graph on the resolved provider, after checking its external data is safe."""
+    check_external_data(graph_path)
+    resolved = resolve_provider(provider)
+    providers = [_ORT_NAMES[resolved]] + ([_ORT_NAMES["cpu"]] if resolved == "cuda" else [])
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    try:
+        return ort.InferenceSession(str(graph_path), options, providers=providers)
+    except Exception as exc:  # ORT raises its own Fail / InvalidGraph / RuntimeException types
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ManifestError(
+            f"{graph_path}: ONNX Runtime cannot load this graph ({first[:300]})"
+        ) from exc

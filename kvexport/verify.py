@@ -1,0 +1,330 @@
+"""Numeric parity of an export directory against PyTorch, step by step.
+
+The reference model is rebuilt from the manifest's source alone. Two cases run: batch 1
+and a left-padded batch 2. Each case runs prefill and then ``steps`` greedy decode steps;
+ONNX Runtime feeds its own presents back as the next past, exactly as a deployment
+would, while PyTorch keeps its own cache. At every step the logits and every present
+tensor are compared (cache entries at padded positions are excluded: they are masked
+out and never read), and the greedy tokens must agree.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import DynamicCache, GPT2LMHeadModel
+
+from kvexport.errors import KvexportError
+from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
+from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
+from kvexport.runtime.session import open_session, resolve_provider
+from kvexport.storage import check_external_data
+
+# (atol, rtol) per dtype: a check holds when |onnx - torch| <= atol + rtol * |torch|.
+TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-4, 1e-3), "fp16": (2e-2, 2e-2)}
+DEFAULT_STEPS = 8
+_PROMPT_LENGTHS = (11, 6)  # batch 2 left-pads the second prompt by 5
+
+
+@dataclass(frozen=True)
+class TensorCheck:
+    """One compared tensor at one step of one case."""
+
+    case: str
+    step: int
+    name: str
+    shape: list[int]
+    dtype: str
+    max_abs_diff: float
+    max_rel_diff: float
+    atol: float
+    rtol: float
+    ok: bool
+
+
+@dataclass(frozen=True)
+class TokenCheck:
+    """Greedy next tokens of ONNX and PyTorch at one step of one case."""
+
+    case: str
+    step: int
+    onnx_tokens: list[int]
+    torch_tokens: list[int]
+    ok: bool
+
+
+@dataclass
+class VerifyReport:
+    """Everything :func:`verify` found; ``ok`` only when every check holds."""
+
+    directory: str
+    provider: str
+    steps: int
+    dtype: str
+    io_problems: list[str] = field(default_factory=list)
+    weights_match: bool = True
+    tensors: list[TensorCheck] = field(default_factory=list)
+    tokens: list[TokenCheck] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        """True when the IO, the weights, every tensor and every token check hold."""
+        return (
+            not self.io_problems
+            and self.weights_match
+            and bool(self.tensors)
+            and all(c.ok for c in self.tensors)
+            and all(c.ok for c in self.tokens)
+        )
+
+    def worst(self) -> dict[str, TensorCheck]:
+        """The check with the largest abs diff, for logits and for the cache."""
+        result: dict[str, TensorCheck] = {}
+        for kind in ("logits", "cache"):
+            checks = [c for c in self.tensors if (c.name == "logits") == (kind == "logits")]
+            if checks:
+                result[kind] = max(checks, key=lambda c: c.max_abs_diff)
+        return result
+
+    def failures(self) -> list[str]:
+        """One line per failed check."""
+        lines = list(self.io_problems)
+        if not self.weights_match:
+            lines.append(
+                "reference weights rebuilt from the manifest's source differ from the exported ones"
+            )
+        lines += [
+            f"{c.case} step {c.step} {c.name}: max abs diff {c.max_abs_diff:.3g} over tolerance"
+            for c in self.tensors
+            if not c.ok
+        ]
+        lines += [
+            f"{c.case} step {c.step}: greedy tokens differ (onnx {c.onnx_tokens}, torch {c.torch_tokens})"
+            for c in self.tokens
+            if not c.ok
+        ]
+        return lines
+
+    def summary(self) -> dict[str, Any]:
+        """Compact form recorded in the manifest."""
+        worst = self.worst()
+        return {
+            "ok": self.ok,
+            "provider": self.provider,
+            "steps": self.steps,
+            "checks": len(self.tensors) + len(self.tokens),
+            "failed": len(self.failures()),
+            "max_abs_diff_logits": worst["logits"].max_abs_diff if "logits" in worst else None,
+            "max_abs_diff_cache": worst["cache"].max_abs_diff if "cache" in worst else None,
+            "seconds": round(self.seconds, 2),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Full JSON-able form (``kvexport verify --json``)."""
+        data = asdict(self)
+        data["ok"] = self.ok
+        data["failures"] = self.failures()
+        data["summary"] = self.summary()
+        return data
+
+
+def _compare(
+    case: str, step: int, name: str, got: np.ndarray, want: np.ndarray, dtype: str
+) -> TensorCheck:
+    atol, rtol = TOLERANCES[dtype]
+    got64, want64 = got.astype(np.float64), want.astype(np.float64)
+    if got64.shape != want64.shape:
+        return TensorCheck(
+            case,
+            step,
+            name,
+            list(got.shape),
+            str(got.dtype),
+            float("inf"),
+            float("inf"),
+            atol,
+            rtol,
+            False,
+        )
+    diff = np.abs(got64 - want64)
+    finite = bool(np.isfinite(got64).all() and np.isfinite(want64).all())
+    max_abs = float(diff.max()) if diff.size else 0.0
+    max_rel = float((diff / (np.abs(want64) + atol)).max()) if diff.size else 0.0
+    ok = finite and bool((diff <= atol + rtol * np.abs(want64)).all())
+    return TensorCheck(
+        case, step, name, list(got.shape), str(got.dtype), max_abs, max_rel, atol, rtol, ok
+    )
+
+
+def _valid_positions(cache: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Cache entries at unpadded positions only: [batch, H, T, D] -> [H, valid, D] rows stacked."""
+    rows = [cache[b][:, mask[b].astype(bool), :] for b in range(cache.shape[0])]
+    return np.concatenate([r.reshape(-1) for r in rows])
+
+
+def _cases(
+    vocab_size: int, n_positions: int, steps: int
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    longest = min(_PROMPT_LENGTHS[0], n_positions - steps)
+    if longest < 2:
+        raise KvexportError(
+            f"--steps {steps}: too many for this model's {n_positions} positions; use at most {n_positions - 2}"
+        )
+    shorter = max(1, min(_PROMPT_LENGTHS[1], longest - 1))
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, vocab_size, size=(2, longest), dtype=np.int64)
+    padded_mask = np.ones((2, longest), dtype=np.int64)
+    padded_mask[1, : longest - shorter] = 0
+    padded_ids = np.where(padded_mask == 1, ids, 0)
+    return {
+        "batch1": (ids[:1], np.ones((1, longest), dtype=np.int64)),
+        "batch2-left-padded": (padded_ids, padded_mask),
+    }
+
+
+def _positions(mask: np.ndarray) -> np.ndarray:
+    return np.clip(np.cumsum(mask, axis=-1) - 1, 0, None).astype(np.int64)
+
+
+def _run_case(
+    case: str,
+    ids: np.ndarray,
+    mask: np.ndarray,
+    manifest: Manifest,
+    sessions: dict[str, Any],
+    model: GPT2LMHeadModel,
+    steps: int,
+    report: VerifyReport,
+) -> None:
+    dtype = manifest.dtype
+    n_layer = manifest.dims.n_layer
+    present_names = cache_names("present", n_layer)
+    past_names = cache_names("past", n_layer)
+    positions = _positions(mask)
+    feeds: dict[str, np.ndarray] = {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "position_ids": positions,
+    }
+    cache = DynamicCache(config=model.config)
+    torch_inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+    for step in range(steps + 1):
+        graph = "prefill" if step == 0 else "decode"
+        outputs = sessions[graph].run(None, feeds)
+        got = dict(zip(["logits", *present_names], outputs, strict=True))
+        with torch.no_grad():
+            reference = model(
+                torch.from_numpy(torch_inputs["input_ids"]),
+                cache,  # positional: the keyword is past_key_values or cache, by version
+                attention_mask=torch.from_numpy(torch_inputs["attention_mask"]),
+                position_ids=torch.from_numpy(torch_inputs["position_ids"]),
+                use_cache=True,
+            )
+        want_logits = reference.logits.float().numpy()
+        if not (step == 0 and manifest.all_logits):
+            want_logits = want_logits[:, -1:, :]
+        report.tensors.append(_compare(case, step, "logits", got["logits"], want_logits, dtype))
+        for layer_index, (keys, values) in enumerate(cache_layers(cache)):
+            for which, tensor in (("key", keys), ("value", values)):
+                name = f"present.{layer_index}.{which}"
+                want = tensor.float().numpy()
+                if got[name].shape != want.shape:
+                    report.tensors.append(_compare(case, step, name, got[name], want, dtype))
+                    continue
+                check = _compare(
+                    case,
+                    step,
+                    name,
+                    _valid_positions(got[name], mask),
+                    _valid_positions(want, mask),
+                    dtype,
+                )
+                report.tensors.append(
+                    TensorCheck(**{**asdict(check), "shape": list(got[name].shape)})
+                )
+        onnx_tokens = got["logits"][:, -1, :].argmax(-1)
+        torch_tokens = want_logits[:, -1, :].argmax(-1)
+        report.tokens.append(
+            TokenCheck(
+                case,
+                step,
+                onnx_tokens.tolist(),
+                torch_tokens.tolist(),
+                bool((onnx_tokens == torch_tokens).all()),
+            )
+        )
+        if step == steps:
+            break
+        next_ids = torch_tokens.reshape(-1, 1).astype(
+            np.int64
+        )  # both sides continue on PyTorch's choice
+        next_positions = mask.sum(-1, keepdims=True).astype(np.int64)
+        mask = np.concatenate([mask, np.ones_like(next_ids)], axis=1)
+        feeds = {"input_ids": next_ids, "attention_mask": mask, "position_ids": next_positions}
+        feeds.update(
+            {past: got[present] for past, present in zip(past_names, present_names, strict=True)}
+        )
+        torch_inputs = {
+            "input_ids": next_ids,
+            "attention_mask": mask,
+            "position_ids": next_positions,
+        }
+
+
+def verify(
+    directory: str | Path,
+    *,
+    steps: int = DEFAULT_STEPS,
+    provider: str = "cpu",
+    record: bool = True,
+) -> VerifyReport:
+    """Check an export directory against PyTorch; see the module docstring for what runs.
+
+    Args:
+        directory: a directory written by :func:`kvexport.export_gpt2`.
+        steps: decode steps after prefill, per case.
+        provider: ``cpu``, ``cuda`` or ``auto`` (CUDA asked for and missing is an error).
+        record: write the summary into the manifest's ``verify`` entry.
+
+    Returns:
+        A :class:`VerifyReport`; ``report.ok`` is the verdict. Raises a
+        :class:`~kvexport.KvexportError` for a directory that cannot be verified at all.
+
+    """
+    if steps < 1:
+        raise KvexportError(f"--steps {steps}: must be at least 1")
+    started = time.perf_counter()
+    path = Path(directory)
+    manifest = read_manifest(path)
+    resolved = resolve_provider(provider)
+    report = VerifyReport(directory=str(path), provider=resolved, steps=steps, dtype=manifest.dtype)
+    if manifest.dtype not in TOLERANCES:
+        raise KvexportError(
+            f"manifest dtype {manifest.dtype!r} is not one verify knows (fp32, fp16)"
+        )
+    for graph in GRAPH_NAMES:
+        proto = check_external_data(path / manifest.graphs[graph].file)
+        report.io_problems += check_graph_io(manifest, graph, proto)
+    if report.io_problems:
+        report.seconds = time.perf_counter() - started
+        return report
+    sessions = {
+        graph: open_session(path / manifest.graphs[graph].file, resolved) for graph in GRAPH_NAMES
+    }
+    model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
+    report.weights_match = weights_fingerprint(model) == manifest.weights_sha256
+    for case, (ids, mask) in _cases(
+        manifest.dims.vocab_size, manifest.dims.n_positions, steps
+    ).items():
+        _run_case(case, ids, mask, manifest, sessions, model, steps, report)
+    report.seconds = time.perf_counter() - started
+    if record:
+        manifest.verify = report.summary()
+        manifest.write(path)
+    return report

@@ -1,0 +1,51 @@
+"""cleanup: remove dead nodes, deduplicate constants, sort, drop exporter metadata.
+
+Runs last in the export pipeline (and in ``kvexport rewrite``), after the passes that
+leave dead subgraphs behind them.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassManager, PassResult
+from onnx_ir.passes.common import (
+    ClearMetadataAndDocStringPass,
+    DeduplicateInitializersPass,
+    RemoveUnusedNodesPass,
+    RemoveUnusedOpsetsPass,
+    TopologicalSortPass,
+)
+
+
+class CleanupPass(InPlacePass):
+    """Dead-node removal, initializer dedup, a topological sort and metadata stripping.
+
+    The exporters attach a Python stack trace to every node; a deployment artifact has
+    no use for them, and they are most of a small graph's bytes.
+
+    ``counts`` holds nodes and initializers removed by the last call.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Run the cleanup pipeline on ``model`` in place."""
+        nodes_before = len(model.graph)
+        initializers_before = len(model.graph.initializers)
+        manager = PassManager(
+            [
+                RemoveUnusedNodesPass(),
+                DeduplicateInitializersPass(),
+                RemoveUnusedOpsetsPass(),
+                TopologicalSortPass(),
+                ClearMetadataAndDocStringPass(),
+            ]
+        )
+        result = manager(model)
+        self.counts = {
+            "nodes_removed": nodes_before - len(model.graph),
+            "initializers_removed": initializers_before - len(model.graph.initializers),
+        }
+        return PassResult(result.model, modified=result.modified)
