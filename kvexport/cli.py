@@ -201,8 +201,7 @@ def verify_command(directory: Path, steps: int, provider: str, as_json: bool) ->
 
     if steps < 1:
         raise UserError(f"--steps {steps}: must be at least 1")
-    _progress(f"verifying {directory} ({steps} decode steps, provider {provider})")
-    report = _run(lambda: verify(directory, steps=steps, provider=provider))
+    report = _run(lambda: verify(directory, steps=steps, provider=provider, progress=_progress))
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:

@@ -73,6 +73,8 @@ class GraphRequest:
     # input name -> {axis: dim name}; a dim named "total_sequence" is past_sequence + 1
     dynamic_axes: dict[str, dict[int, str]]
     opset: int
+    # logits axis 1: 1 (last position only) or "sequence" (prefill --all-logits)
+    logits_length: int | str = 1
 
 
 class ExportStrategy(Protocol):
@@ -138,7 +140,7 @@ class TorchScriptStrategy:
         dynamic_axes: dict[str, dict[int, str]] = dict(request.dynamic_axes)
         for name in request.output_names:
             if name == "logits":
-                dynamic_axes[name] = {0: "batch"}
+                dynamic_axes[name] = {0: "batch", 1: "logits_length"}
             else:
                 length = "total_sequence" if request.name == "decode" else "sequence"
                 dynamic_axes[name] = {0: "batch", 2: length}
@@ -153,7 +155,12 @@ class TorchScriptStrategy:
             opset_version=request.opset,
             do_constant_folding=True,
         )
-        return ir.load(path)
+        model = ir.load(path)
+        # The tracer leaves the logits length unnamed; state what the contract says.
+        logits = next(v for v in model.graph.outputs if v.name == "logits")
+        if logits.shape is not None:
+            logits.shape = ir.Shape([logits.shape[0], request.logits_length, logits.shape[2]])
+        return model
 
 
 STRATEGIES: dict[str, ExportStrategy] = {
@@ -224,6 +231,7 @@ def _graph_requests(
         output_names=["logits", *present],
         dynamic_axes={n: {0: "batch", 1: "sequence"} for n in IO_INPUTS},
         opset=opset,
+        logits_length="sequence" if all_logits else 1,
     )
     cache_shape = (batch, dims.n_head, past, dims.head_dim)
     past_tensors = tuple(

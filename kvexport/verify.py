@@ -11,6 +11,7 @@ out and never read), and the greedy tokens must agree.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -283,6 +284,7 @@ def verify(
     steps: int = DEFAULT_STEPS,
     provider: str = "cpu",
     record: bool = True,
+    progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
     """Check an export directory against PyTorch; see the module docstring for what runs.
 
@@ -291,6 +293,7 @@ def verify(
         steps: decode steps after prefill, per case.
         provider: ``cpu``, ``cuda`` or ``auto`` (CUDA asked for and missing is an error).
         record: write the summary into the manifest's ``verify`` entry.
+        progress: called with a short message at each phase (the CLI prints them).
 
     Returns:
         A :class:`VerifyReport`; ``report.ok`` is the verdict. Raises a
@@ -303,6 +306,8 @@ def verify(
     path = Path(directory)
     manifest = read_manifest(path)
     resolved = resolve_provider(provider)
+    say = progress or (lambda message: None)
+    say(f"verifying {path}: {manifest.source.describe()}, {steps} decode steps on {resolved}")
     report = VerifyReport(directory=str(path), provider=resolved, steps=steps, dtype=manifest.dtype)
     if manifest.dtype not in TOLERANCES:
         raise KvexportError(
@@ -317,11 +322,13 @@ def verify(
     sessions = {
         graph: open_session(path / manifest.graphs[graph].file, resolved) for graph in GRAPH_NAMES
     }
+    say("rebuilding the PyTorch reference from the manifest's source")
     model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
     report.weights_match = weights_fingerprint(model) == manifest.weights_sha256
     for case, (ids, mask) in _cases(
         manifest.dims.vocab_size, manifest.dims.n_positions, steps
     ).items():
+        say(f"running {case}")
         _run_case(case, ids, mask, manifest, sessions, model, steps, report)
     report.seconds = time.perf_counter() - started
     if record:

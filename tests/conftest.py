@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny GPT-2s built in code (seeded random weights), exported once per session."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+# 3 heads of dim 16, vocab 50257 (GPT-2's: odd, not a multiple of 8; gets the bundled tokenizer).
+TINY = {
+    "model_type": "gpt2",
+    "n_layer": 2,
+    "n_head": 3,
+    "n_embd": 48,
+    "vocab_size": 50257,
+    "n_positions": 64,
+}
+# A second shape: 3 layers, 1 head of dim 32, a small odd vocab (no tokenizer).
+TINY_ODD = {
+    "model_type": "gpt2",
+    "n_layer": 3,
+    "n_head": 1,
+    "n_embd": 32,
+    "vocab_size": 1001,
+    "n_positions": 48,
+}
+
+
+def write_config(directory: Path, config: dict[str, object]) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("tiny-config"), TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_odd_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_config(tmp_path_factory.mktemp("tiny-odd-config"), TINY_ODD)
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> Path:
+    """The tiny model exported with the default (dynamo) strategy; treat as read-only."""
+    from kvexport import export_gpt2
+
+    out = tmp_path_factory.mktemp("exports") / "tiny"
+    export_gpt2(out, str(tiny_config), random_init=True, seed=1)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_odd_torchscript_export(
+    tmp_path_factory: pytest.TempPathFactory, tiny_odd_config: Path
+) -> Path:
+    """The odd-shaped model through the TorchScript strategy; treat as read-only."""
+    from kvexport import export_gpt2
+
+    out = tmp_path_factory.mktemp("exports") / "tiny-odd-ts"
+    export_gpt2(out, str(tiny_odd_config), random_init=True, seed=2, strategies=["torchscript"])
+    return out

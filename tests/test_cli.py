@@ -1,0 +1,122 @@
+"""The CLI through CliRunner: help everywhere, export + verify + inspect, exact errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from kvexport.cli import main
+from kvexport.runtime.session import cuda_available
+
+
+def test_every_command_has_help() -> None:
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for name, command in main.commands.items():
+        assert command.help, name
+        sub = CliRunner().invoke(main, [name, "--help"])
+        assert sub.exit_code == 0 and "Usage:" in sub.output, name
+
+
+def test_export_verify_inspect_round_trip(tmp_path: Path, tiny_odd_config: Path) -> None:
+    out = tmp_path / "model"
+    runner = CliRunner()
+    exported = runner.invoke(
+        main, ["gpt2", "--out", str(out), "--random-init", "--model", str(tiny_odd_config)]
+    )
+    assert exported.exit_code == 0, exported.output
+    assert f"to {out}" in exported.stdout
+    assert "kvexport: exporting decode graph (dynamo)" in exported.stderr  # progress goes to stderr
+    verified = runner.invoke(main, ["verify", str(out), "--steps", "3"])
+    assert verified.exit_code == 0, verified.output
+    assert verified.stdout.strip().splitlines()[-1].startswith("PASS: cpu, fp32, 3 steps")
+    as_json = runner.invoke(main, ["verify", str(out), "--steps", "2", "--json"])
+    report = json.loads(as_json.stdout)
+    assert as_json.exit_code == 0 and report["ok"] is True and report["failures"] == []
+    inspected = runner.invoke(main, ["inspect", str(out)])
+    assert inspected.exit_code == 0
+    assert "in  past.2.value" in inspected.stdout and "ops: " in inspected.stdout
+    assert "last verify: PASS" in inspected.stdout
+    single = runner.invoke(main, ["inspect", str(out / "decode.onnx"), "--json"])
+    graph = json.loads(single.stdout)["graphs"]["decode"]
+    assert graph["nodes"] == sum(graph["ops"].values())
+
+
+def test_verify_exit_code_is_1_when_a_check_fails(tmp_path: Path, tiny_export: Path) -> None:
+    out = tmp_path / "broken"
+    shutil.copytree(tiny_export, out)
+    data = json.loads((out / "kvexport.json").read_text())
+    data["graphs"]["prefill"]["file"], data["graphs"]["decode"]["file"] = (
+        "decode.onnx",
+        "prefill.onnx",
+    )
+    (out / "kvexport.json").write_text(json.dumps(data))
+    result = CliRunner().invoke(main, ["verify", str(out)])
+    assert result.exit_code == 1
+    assert (
+        "FAIL prefill: takes past inputs; prefill and decode graphs may be swapped" in result.stdout
+    )
+    assert result.stdout.strip().splitlines()[-1].startswith("FAIL")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["verify", "{tmp}/nope"],
+            "Error: {tmp}/nope: no such directory; pass a directory made by `kvexport gpt2`",
+        ),
+        (["inspect", "{tmp}/nope.onnx"], "Error: {tmp}/nope.onnx: no such file or directory"),
+        (
+            ["gpt2", "--out", "{tmp}/o", "--model", "./missing-model"],
+            "Error: --model ./missing-model: no such directory; pass an existing model directory, a hub id, or --random-init",
+        ),
+        (
+            ["gpt2", "--out", "{tmp}/o", "--random-init", "--model", "gpt5"],
+            "Error: --random-init --model gpt5: not a preset (gpt2, distilgpt2, gpt2-medium, gpt2-large, gpt2-xl) "
+            "and no config.json there; name a preset or a GPT-2 config file",
+        ),
+        (
+            ["gpt2", "--out", "{tmp}/o", "--random-init", "--target", "ort-cpu"],
+            "Error: --target ort-cpu --attention unfused: only the portable target with unfused attention is "
+            "available in this version; drop these options",
+        ),
+        (
+            ["gpt2", "--out", "{tmp}/missing-parent/o", "--random-init"],
+            "Error: --out {tmp}/missing-parent/o: parent directory {tmp}/missing-parent does not exist; create it first",
+        ),
+    ],
+)
+def test_bad_input_gets_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == message.format(tmp=tmp_path)
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_non_empty_out_is_refused_and_untouched(tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("precious")
+    result = CliRunner().invoke(main, ["gpt2", "--out", str(out), "--random-init"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        f"Error: --out {out.absolute()}: directory exists and is not empty; pass --force to replace it, "
+        "or choose another path"
+    )
+    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+
+
+@pytest.mark.skipif(cuda_available(), reason="this machine has CUDA")
+def test_cuda_provider_missing_is_an_error_not_a_fallback(tiny_export: Path) -> None:
+    result = CliRunner().invoke(main, ["verify", str(tiny_export), "--provider", "cuda"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        "Error: --provider cuda: ONNX Runtime's CUDA provider is not usable on this machine "
+        "(no GPU or CUDA libraries); use --provider cpu, or auto to pick what is available"
+    )

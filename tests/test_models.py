@@ -1,0 +1,83 @@
+"""Model sources: local directories, presets, configs, and the refusals."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvexport import KvexportError, export_gpt2, verify
+from kvexport.models.gpt2 import PRESETS, load_gpt2, resolve_source, weights_fingerprint
+
+from .conftest import TINY_ODD, write_config
+
+
+@pytest.fixture(scope="module")
+def local_model_dir(tmp_path_factory: pytest.TempPathFactory, tiny_odd_config: Path) -> Path:
+    model = load_gpt2(resolve_source(str(tiny_odd_config), random_init=True, seed=11))
+    directory = tmp_path_factory.mktemp("hf") / "local-gpt2"
+    model.save_pretrained(directory, safe_serialization=True)
+    return directory
+
+
+def test_local_directory_exports_and_verifies(local_model_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = export_gpt2(out, str(local_model_dir))
+    assert result.manifest.source.kind == "local"
+    assert result.manifest.source.name == str(local_model_dir.resolve())
+    expected = weights_fingerprint(
+        load_gpt2(resolve_source(str(local_model_dir), random_init=False))
+    )
+    assert result.manifest.weights_sha256 == expected
+    report = verify(out, steps=3)
+    assert report.ok, report.failures()
+
+
+def test_pickle_only_directory_needs_opt_in(local_model_dir: Path, tmp_path: Path) -> None:
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    (pickled / "config.json").write_text((local_model_dir / "config.json").read_text())
+    model = load_gpt2(resolve_source(str(local_model_dir), random_init=False))
+    torch.save(model.state_dict(), pickled / "pytorch_model.bin")
+    with pytest.raises(KvexportError, match="pickle checkpoint .* --allow-pickle"):
+        export_gpt2(tmp_path / "out", str(pickled))
+    assert not (tmp_path / "out").exists()
+
+
+def test_refusals_are_one_clear_line(tmp_path: Path) -> None:
+    with pytest.raises(KvexportError, match="no such directory"):
+        resolve_source("./does/not/exist", random_init=False)
+    not_gpt2 = write_config(tmp_path / "llama", {**TINY_ODD, "model_type": "llama"})
+    with pytest.raises(KvexportError, match="model_type is 'llama'; kvexport exports GPT-2"):
+        resolve_source(str(not_gpt2), random_init=True)
+    with pytest.raises(KvexportError, match="not a preset"):
+        resolve_source("gpt5", random_init=True)
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(KvexportError, match="not a readable JSON config"):
+        resolve_source(str(tmp_path / "bad.json"), random_init=True)
+
+
+def test_hub_id_without_a_hub_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    source = resolve_source("openai-community/gpt2-not-cached", random_init=False)
+    assert source.kind == "hub"
+    with pytest.raises(KvexportError, match="--random-init"):
+        load_gpt2(source)
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_presets_have_the_published_architecture(preset: str) -> None:
+    config = resolve_source(preset, random_init=True).config
+    assert config is not None
+    assert (config["n_layer"], config["n_head"], config["n_embd"]) == tuple(
+        PRESETS[preset].values()
+    )
+    assert config["vocab_size"] == 50257 and config["n_positions"] == 1024
+
+
+def test_small_vocab_config_does_not_keep_gpt2_special_ids(tmp_path: Path) -> None:
+    config = resolve_source(str(write_config(tmp_path, TINY_ODD)), random_init=True).config
+    assert config is not None and config["eos_token_id"] is None
+    assert json.loads(json.dumps(config))["vocab_size"] == 1001

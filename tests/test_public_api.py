@@ -1,0 +1,28 @@
+"""Guard the public names that deployment pipelines import."""
+
+from __future__ import annotations
+
+import kvexport
+import passes
+
+
+def test_kvexport_public_names() -> None:
+    assert set(kvexport.__all__) == {
+        "ExportError",
+        "ExportResult",
+        "KvexportError",
+        "Manifest",
+        "ManifestError",
+        "ProviderError",
+        "VerifyReport",
+        "__version__",
+        "export_gpt2",
+        "read_manifest",
+        "verify",
+    }
+    for name in kvexport.__all__:
+        assert getattr(kvexport, name) is not None
+
+
+def test_passes_public_names() -> None:
+    assert set(passes.__all__) == {"CleanupPass"}

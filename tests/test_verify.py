@@ -1,0 +1,106 @@
+"""verify: passes on good exports, and fails (as data, not exceptions) on broken ones."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvexport import KvexportError, ManifestError, verify
+from kvexport.storage import WEIGHTS_FILE
+
+
+@pytest.mark.parametrize("fixture", ["tiny_export", "tiny_odd_torchscript_export"])
+def test_verify_passes_every_step_for_both_cases(
+    fixture: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    out = tmp_path / "copy"
+    shutil.copytree(request.getfixturevalue(fixture), out)
+    report = verify(out, steps=5)
+    assert report.ok, report.failures()
+    assert report.weights_match and not report.io_problems
+    cases = {c.case for c in report.tensors}
+    assert cases == {"batch1", "batch2-left-padded"}
+    # prefill (step 0) plus 5 decode steps, for logits and every present tensor
+    n_layer = json.loads((out / "kvexport.json").read_text())["model"]["config"]["n_layer"]
+    for case in cases:
+        assert sorted({c.step for c in report.tensors if c.case == case}) == list(range(6))
+        assert len([c for c in report.tensors if c.case == case]) == 6 * (1 + 2 * n_layer)
+        assert len([t for t in report.tokens if t.case == case and t.ok]) == 6
+    worst = report.worst()
+    assert worst["logits"].max_abs_diff < 1e-4 and worst["cache"].max_abs_diff < 1e-4
+    # the summary is recorded in the manifest
+    recorded = json.loads((out / "kvexport.json").read_text())["verify"]
+    assert recorded["ok"] is True and recorded["checks"] == len(report.tensors) + len(report.tokens)
+
+
+def test_verify_catches_corrupted_weights(tiny_export: Path, tmp_path: Path) -> None:
+    out = tmp_path / "corrupt"
+    shutil.copytree(tiny_export, out)
+    with open(out / WEIGHTS_FILE, "r+b") as handle:
+        handle.seek(4096 * 3)
+        chunk = bytearray(handle.read(4096))
+        for i in range(0, len(chunk), 4):
+            chunk[i + 3] ^= 0x40  # flip an exponent bit of every float in this page
+        handle.seek(4096 * 3)
+        handle.write(chunk)
+    report = verify(out, steps=2, record=False)
+    assert not report.ok
+    assert any(not c.ok for c in report.tensors)
+    assert report.failures()
+
+
+def test_verify_reports_graphs_swapped_in_the_manifest(tiny_export: Path, tmp_path: Path) -> None:
+    out = tmp_path / "swapped"
+    shutil.copytree(tiny_export, out)
+    data = json.loads((out / "kvexport.json").read_text())
+    data["graphs"]["prefill"]["file"], data["graphs"]["decode"]["file"] = (
+        "decode.onnx",
+        "prefill.onnx",
+    )
+    (out / "kvexport.json").write_text(json.dumps(data))
+    report = verify(out, steps=1, record=False)
+    assert not report.ok
+    assert any("may be swapped" in p for p in report.io_problems)
+
+
+def test_verify_reports_a_layer_count_that_does_not_match(
+    tiny_export: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "layers"
+    shutil.copytree(tiny_export, out)
+    data = json.loads((out / "kvexport.json").read_text())
+    data["model"]["config"]["n_layer"] = 3
+    (out / "kvexport.json").write_text(json.dumps(data))
+    report = verify(out, steps=1, record=False)
+    assert not report.ok
+    assert "prefill: present outputs do not match the manifest's 3 layers" in report.io_problems
+
+
+def test_verify_rejects_what_it_cannot_check(tiny_export: Path, tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="no such directory"):
+        verify(tmp_path / "missing")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ManifestError, match="no kvexport.json"):
+        verify(empty)
+    truncated = tmp_path / "truncated"
+    shutil.copytree(tiny_export, truncated)
+    text = (truncated / "kvexport.json").read_text()
+    (truncated / "kvexport.json").write_text(text[: len(text) // 2])
+    with pytest.raises(ManifestError, match="not valid JSON"):
+        verify(truncated)
+    missing_graph = tmp_path / "missing-graph"
+    shutil.copytree(tiny_export, missing_graph)
+    (missing_graph / "decode.onnx").unlink()
+    with pytest.raises(ManifestError, match="decode.onnx: graph file is missing"):
+        verify(missing_graph)
+    corrupt_graph = tmp_path / "corrupt-graph"
+    shutil.copytree(tiny_export, corrupt_graph)
+    (corrupt_graph / "prefill.onnx").write_bytes(b"\x08\xff\xff garbage")
+    with pytest.raises(ManifestError, match="prefill.onnx: not a readable ONNX graph"):
+        verify(corrupt_graph)
+    with pytest.raises(KvexportError, match="--steps 0: must be at least 1"):
+        verify(tiny_export, steps=0)
