@@ -240,6 +240,154 @@ def _render_verify(report: Any) -> None:
     )
 
 
+def sampling_options(function: F) -> F:
+    """Hugging Face style sampling options shared by generate and bench."""
+    for option in reversed(
+        [
+            click.option("--do-sample", is_flag=True, help="Sample instead of greedy decoding."),
+            click.option("--temperature", default=1.0, show_default=True, type=float),
+            click.option("--top-k", default=0, show_default=True, type=int, help="0 disables it."),
+            click.option(
+                "--top-p", default=1.0, show_default=True, type=float, help="1.0 disables it."
+            ),
+            click.option("--seed", default=None, type=int, help="Seed for sampling."),
+        ]
+    ):
+        function = option(function)
+    return function
+
+
+@main.command("generate")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option(
+    "--prompt", required=True, help="Prompt text (tokenized with the exported tokenizer)."
+)
+@click.option("--max-new-tokens", default=50, show_default=True, type=int)
+@sampling_options
+@provider_option
+def generate_command(
+    directory: Path,
+    prompt: str,
+    max_new_tokens: int,
+    do_sample: bool,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int | None,
+    provider: str,
+) -> None:
+    """Stream generated text for PROMPT to stdout; TTFT and tokens/s go to stderr."""
+    from kvexport.runtime import Generator
+
+    if not prompt:
+        raise UserError("--prompt is empty; pass some text")
+    generator = _run(lambda: Generator(directory, provider=provider))
+    pieces = generator.stream_text(
+        prompt,
+        max_new_tokens,
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+    )
+    click.echo(prompt, nl=False)
+
+    def stream() -> None:
+        for piece in pieces:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+
+    _run(stream)
+    click.echo()
+    stats = generator.last_stats
+    click.echo(
+        f"kvexport: {stats.new_tokens} tokens, prompt {stats.prompt_tokens}; TTFT {stats.ttft_s * 1000:.1f} ms, "
+        f"decode {stats.decode_ms_per_token:.1f} ms/token, {stats.tokens_per_s:.1f} tokens/s ({generator.provider})",
+        err=True,
+    )
+
+
+def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[int]:
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r}: pass comma-separated integers, e.g. 128,512,1000"
+        ) from None
+
+
+@main.command("bench")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option(
+    "--contexts",
+    default="128,512,1000",
+    show_default=True,
+    callback=_int_list,
+    help="Prompt lengths.",
+)
+@click.option(
+    "--batches", default="1,4", show_default=True, callback=_int_list, help="Batch sizes."
+)
+@click.option(
+    "--new-tokens", default=16, show_default=True, type=int, help="Decode steps per measurement."
+)
+@click.option("--repeats", default=2, show_default=True, type=int)
+@click.option("--no-baselines", is_flag=True, help="Skip the PyTorch and no-cache baselines.")
+@click.option(
+    "--results",
+    default=Path("bench-results"),
+    show_default=True,
+    type=click.Path(path_type=Path),
+    help="Directory for bench.json and bench.png.",
+)
+@provider_option
+@json_option
+def bench_command(
+    directory: Path,
+    contexts: list[int],
+    batches: list[int],
+    new_tokens: int,
+    repeats: int,
+    no_baselines: bool,
+    results: Path,
+    provider: str,
+    as_json: bool,
+) -> None:
+    """Time TTFT and decode ms/token against PyTorch, no-cache and the bandwidth floor, in one run."""
+    from kvexport.bench import run_bench, write_json, write_plot
+
+    report = _run(
+        lambda: run_bench(
+            directory,
+            provider=provider,
+            contexts=contexts,
+            batches=batches,
+            new_tokens=new_tokens,
+            repeats=repeats,
+            baselines=not no_baselines,
+            progress=_progress,
+        )
+    )
+    results.mkdir(parents=True, exist_ok=True)
+    write_json(report, results / "bench.json")
+    write_plot(report, results / "bench.png")
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+        return
+    click.echo(f"{'system':<10} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'decode ms/token':>16}")
+    for m in sorted(report.measurements, key=lambda m: (m.batch, m.context, m.system)):
+        ttft = f"{m.ttft_ms:.1f}" if m.ttft_ms is not None else "-"
+        decode = f"{m.decode_ms_per_token:.2f}" if m.decode_ms_per_token is not None else "-"
+        click.echo(f"{m.system:<10} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
+    click.echo(
+        f"bandwidth {report.bandwidth_gb_s} GB/s; weights {report.weight_bytes / 1e6:.1f} MB; "
+        f"generator RSS {report.generator_rss_mb:.0f} MiB (process {report.rss_after_load_mb:.0f} MiB)"
+    )
+    click.echo("ratios: " + ", ".join(f"{k} {v}" for k, v in report.ratios().items()))
+    click.echo(f"wrote {results / 'bench.json'} and {results / 'bench.png'}")
+
+
 @main.command("inspect")
 @click.argument("path", type=click.Path(path_type=Path))
 @json_option

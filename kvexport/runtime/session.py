@@ -18,13 +18,13 @@ from kvexport.errors import ManifestError, ProviderError
 from kvexport.storage import check_external_data
 
 Provider = Literal["cpu", "cuda", "auto"]
-_ORT_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
+ORT_PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
 @functools.cache
 def cuda_available() -> bool:
     """Whether a session on ``CUDAExecutionProvider`` really runs on CUDA here."""
-    if _ORT_NAMES["cuda"] not in ort.get_available_providers():
+    if ORT_PROVIDER_NAMES["cuda"] not in ort.get_available_providers():
         return False
     graph = onnx.helper.make_graph(
         [onnx.helper.make_node("Identity", ["x"], ["y"])],
@@ -37,11 +37,13 @@ def cuda_available() -> bool:
     options.log_severity_level = 4  # the failed CUDA load is expected here; keep stderr clean
     try:
         session = ort.InferenceSession(
-            probe.SerializeToString(), options, providers=[_ORT_NAMES["cuda"], _ORT_NAMES["cpu"]]
+            probe.SerializeToString(),
+            options,
+            providers=[ORT_PROVIDER_NAMES["cuda"], ORT_PROVIDER_NAMES["cpu"]],
         )
     except Exception:
         return False
-    return session.get_providers()[0] == _ORT_NAMES["cuda"]
+    return session.get_providers()[0] == ORT_PROVIDER_NAMES["cuda"]
 
 
 def resolve_provider(provider: str) -> Literal["cpu", "cuda"]:
@@ -64,7 +66,9 @@ def open_session(graph_path: Path, provider: str = "cpu") -> ort.InferenceSessio
     """Open one graph on the resolved provider, after checking its external data is safe."""
     check_external_data(graph_path)
     resolved = resolve_provider(provider)
-    providers = [_ORT_NAMES[resolved]] + ([_ORT_NAMES["cpu"]] if resolved == "cuda" else [])
+    providers = [ORT_PROVIDER_NAMES[resolved]] + (
+        [ORT_PROVIDER_NAMES["cpu"]] if resolved == "cuda" else []
+    )
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3

@@ -1,0 +1,330 @@
+"""``kvexport bench``: prefill and decode timings, side by side with the baselines, in one run.
+
+Systems measured in the same process, on the same weights:
+
+- ``kvexport``: the :class:`~kvexport.runtime.Generator` over the export directory;
+- ``pytorch``: Hugging Face ``generate`` in eager PyTorch with its KV cache;
+- ``no-cache``: PyTorch recomputing the whole sequence for every token;
+- ``floor``: the memory-bandwidth floor of one decode step: the bytes a step must read
+  (every weight once, plus the cache at that context) over this machine's measured
+  read bandwidth.
+
+For each batch and context it reports TTFT (prefill of ``context`` tokens and the first
+token) and decode ms per step (median over the steps). ONNX is measured first, before
+PyTorch allocates anything, so its resident memory is its own.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import platform
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvexport.errors import KvexportError
+from kvexport.manifest import read_manifest
+from kvexport.models.gpt2 import load_gpt2
+from kvexport.runtime.generator import Generator
+
+DEFAULT_CONTEXTS = (128, 512, 1000)
+DEFAULT_BATCHES = (1, 4)
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One system at one batch and context."""
+
+    system: str
+    batch: int
+    context: int
+    ttft_ms: float | None
+    decode_ms_per_token: float | None
+
+
+@dataclass
+class BenchReport:
+    """All measurements of one run, plus the machine and memory figures."""
+
+    directory: str
+    provider: str
+    new_tokens: int
+    bandwidth_gb_s: float
+    weight_bytes: int
+    rss_before_load_mb: float
+    rss_after_load_mb: float
+    rss_peak_onnx_mb: float
+    measurements: list[Measurement] = field(default_factory=list)
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def generator_rss_mb(self) -> float:
+        """Resident memory the Generator added (both sessions and the shared weights)."""
+        return self.rss_after_load_mb - self.rss_before_load_mb
+
+    def get(self, system: str, batch: int, context: int) -> Measurement | None:
+        """The measurement of one system at one point, if it was taken."""
+        return next(
+            (
+                m
+                for m in self.measurements
+                if (m.system, m.batch, m.context) == (system, batch, context)
+            ),
+            None,
+        )
+
+    def ratios(self) -> dict[str, float]:
+        """The headline ratios the targets are stated in (batch 1)."""
+        result: dict[str, float] = {}
+        contexts = sorted({m.context for m in self.measurements})
+        onnx_first = self.get("kvexport", 1, contexts[0]) if contexts else None
+        floor_first = self.get("floor", 1, contexts[0]) if contexts else None
+        torch_first = self.get("pytorch", 1, contexts[0]) if contexts else None
+        if (
+            onnx_first
+            and floor_first
+            and onnx_first.decode_ms_per_token
+            and floor_first.decode_ms_per_token
+        ):
+            result[f"decode_vs_floor_ctx{contexts[0]}"] = (
+                onnx_first.decode_ms_per_token / floor_first.decode_ms_per_token
+            )
+        if onnx_first and torch_first and onnx_first.ttft_ms and torch_first.ttft_ms:
+            result[f"ttft_vs_pytorch_ctx{contexts[0]}"] = onnx_first.ttft_ms / torch_first.ttft_ms
+        if (
+            onnx_first
+            and torch_first
+            and onnx_first.decode_ms_per_token
+            and torch_first.decode_ms_per_token
+        ):
+            result[f"decode_vs_pytorch_ctx{contexts[0]}"] = (
+                onnx_first.decode_ms_per_token / torch_first.decode_ms_per_token
+            )
+        onnx_last = self.get("kvexport", 1, contexts[-1]) if contexts else None
+        if (
+            onnx_first
+            and onnx_last
+            and onnx_first.decode_ms_per_token
+            and onnx_last.decode_ms_per_token
+        ):
+            result[f"decode_ctx{contexts[-1]}_vs_ctx{contexts[0]}"] = (
+                onnx_last.decode_ms_per_token / onnx_first.decode_ms_per_token
+            )
+        result["generator_rss_vs_weights"] = (
+            self.generator_rss_mb * 2**20 / max(1, self.weight_bytes)
+        )
+        return {k: round(v, 3) for k, v in result.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        data = asdict(self)
+        data["ratios"] = self.ratios()
+        data["generator_rss_mb"] = round(self.generator_rss_mb, 1)
+        return data
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0  # pragma: no cover - non-Linux
+
+
+def _peak_rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    return 0.0  # pragma: no cover
+
+
+def measure_read_bandwidth(
+    megabytes: int = 1024, threads: int | None = None, repeats: int = 5
+) -> float:
+    """Sustained read bandwidth of this machine in GB/s (numpy sums over a large array)."""
+    threads = threads or os.cpu_count() or 1
+    data = np.ones(megabytes * 2**20 // 4, dtype=np.float32)
+    parts = np.array_split(data, threads)
+    best = 0.0
+    for _ in range(repeats):
+        workers = [threading.Thread(target=np.sum, args=(part,)) for part in parts]
+        started = time.perf_counter()
+        for worker in workers:
+            worker.start()
+        for worker in workers:
+            worker.join()
+        best = max(best, data.nbytes / (time.perf_counter() - started) / 1e9)
+    return best
+
+
+def _prompt(vocab: int, batch: int, context: int) -> np.ndarray:
+    return np.random.default_rng(context * 10 + batch).integers(
+        0, vocab, (batch, context), dtype=np.int64
+    )
+
+
+def _bench_onnx(
+    generator: Generator, batch: int, context: int, new_tokens: int, repeats: int
+) -> Measurement:
+    ids = _prompt(generator.vocab_size, batch, context)
+    ttfts, steps = [], []
+    for _ in range(repeats):
+        for _ in generator.stream(ids, new_tokens, eos_token_id=-1):
+            pass
+        ttfts.append(generator.last_stats.ttft_s)
+        steps.extend(generator.last_stats.step_s)
+    return Measurement(
+        "kvexport", batch, context, 1000 * min(ttfts), 1000 * float(np.median(steps))
+    )
+
+
+def _time(call: Callable[[], object], repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        call()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _bench_torch(
+    model: Any, batch: int, context: int, new_tokens: int, repeats: int
+) -> list[Measurement]:
+    ids = torch.from_numpy(_prompt(model.config.vocab_size, batch, context))
+    mask = torch.ones_like(ids)
+
+    def run(tokens: int) -> None:
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+
+    with torch.inference_mode():
+        ttft = _time(lambda: run(1), repeats)
+        whole = _time(lambda: run(new_tokens), repeats)
+        decode = (whole - ttft) / (new_tokens - 1)
+        no_cache_ttft = _time(lambda: model(ids, attention_mask=mask, use_cache=False), repeats)
+        longer = torch.cat([ids, ids[:, :1]], 1)
+        no_cache_step = _time(
+            lambda: model(longer, attention_mask=torch.ones_like(longer), use_cache=False), 1
+        )
+    return [
+        Measurement("pytorch", batch, context, 1000 * ttft, 1000 * decode),
+        Measurement("no-cache", batch, context, 1000 * no_cache_ttft, 1000 * no_cache_step),
+    ]
+
+
+def run_bench(
+    directory: str | Path,
+    *,
+    provider: str = "cpu",
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    new_tokens: int = 16,
+    repeats: int = 2,
+    baselines: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Measure kvexport and the baselines; see the module docstring."""
+    say = progress or (lambda message: None)
+    if new_tokens < 2:
+        raise KvexportError(f"--new-tokens {new_tokens}: must be at least 2")
+    manifest = read_manifest(Path(directory))
+    too_long = [c for c in contexts if c < 1 or c + new_tokens > manifest.dims.n_positions]
+    if too_long:
+        raise KvexportError(
+            f"--contexts {too_long}: each context + {new_tokens} new tokens must fit the model's "
+            f"{manifest.dims.n_positions} positions"
+        )
+    say("measuring memory read bandwidth")
+    bandwidth = measure_read_bandwidth()
+    gc.collect()
+    say("loading the kvexport Generator")
+    rss_before = _rss_mb()
+    generator = Generator(directory, provider=provider)
+    rss_loaded = _rss_mb()
+    dims = manifest.dims
+    element = 2 if manifest.dtype == "fp16" else 4
+    report = BenchReport(
+        directory=str(directory),
+        provider=generator.provider,
+        new_tokens=new_tokens,
+        bandwidth_gb_s=round(bandwidth, 2),
+        weight_bytes=int(manifest.weights["bytes"]),
+        rss_before_load_mb=round(rss_before, 1),
+        rss_after_load_mb=round(rss_loaded, 1),
+        rss_peak_onnx_mb=0.0,
+        machine={
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+        },
+    )
+    for batch in batches:
+        for context in contexts:
+            say(f"kvexport: batch {batch}, context {context}")
+            report.measurements.append(_bench_onnx(generator, batch, context, new_tokens, repeats))
+            cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * element
+            floor_ms = 1000 * (report.weight_bytes + cache_bytes) / (bandwidth * 1e9)
+            report.measurements.append(Measurement("floor", batch, context, None, floor_ms))
+    report.rss_peak_onnx_mb = round(_peak_rss_mb(), 1)
+    del generator
+    gc.collect()
+    if baselines:
+        say("loading the PyTorch reference")
+        model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
+        for batch in batches:
+            for context in contexts:
+                say(f"pytorch and no-cache: batch {batch}, context {context}")
+                report.measurements.extend(_bench_torch(model, batch, context, new_tokens, repeats))
+    return report
+
+
+def write_plot(report: BenchReport, path: Path) -> None:
+    """Decode ms/token against context, one line per system (and batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    series: dict[tuple[str, int], list[Measurement]] = {}
+    for m in report.measurements:
+        if m.decode_ms_per_token is not None:
+            series.setdefault((m.system, m.batch), []).append(m)
+    for (system, batch), points in sorted(series.items()):
+        points.sort(key=lambda m: m.context)
+        axes.plot(
+            [m.context for m in points],
+            [m.decode_ms_per_token or 0.0 for m in points],
+            marker="o",
+            linestyle="--" if system == "floor" else "-",
+            label=f"{system} (batch {batch})",
+        )
+    axes.set_xlabel("context (tokens)")
+    axes.set_ylabel("decode ms / token step")
+    axes.set_yscale("log")
+    axes.set_title(f"{Path(report.directory).name}: decode cost vs context ({report.provider})")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_json(report: BenchReport, path: Path) -> None:
+    """Write the report as JSON."""
+    path.write_text(json.dumps(report.to_dict(), indent=2) + "\n")

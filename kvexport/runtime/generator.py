@@ -1,0 +1,415 @@
+"""``Generator``: text generation over an export directory with ONNX Runtime IO binding.
+
+Design:
+
+- The weights file is memory-mapped once and handed to both sessions as shared
+  initializers, so prefill and decode hold one copy of the weights between them.
+- Each generation preallocates two cache banks (one flat buffer per ``past``/``present``
+  tensor, sized for prompt + max_new_tokens) on the session's device. Every step binds
+  the ``past`` inputs to a prefix of one bank and the ``present`` outputs to a prefix of
+  the other, then swaps. No cache tensor is allocated per step and the cache never
+  leaves the device; only the logits row that sampling needs comes back to the host.
+- The sessions are shared and read-only after construction; all per-generation state
+  lives in the call. A ``Generator`` is therefore safe to use from several threads.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from tokenizers import Tokenizer
+
+from kvexport.errors import KvexportError, ManifestError
+from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
+from kvexport.runtime.sampling import SamplingConfig, choose_tokens
+from kvexport.runtime.session import ORT_PROVIDER_NAMES, resolve_provider
+from kvexport.storage import check_external_data
+
+_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+
+TokenIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
+
+
+@dataclass
+class GenerationStats:
+    """Timings of the last generation: time to first token and decode time per token."""
+
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    batch: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    step_s: list[float] = field(default_factory=list)
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        """Mean decode step time (each step makes one token per row)."""
+        return 1000 * self.decode_s / max(1, len(self.step_s))
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second over the whole generation, all rows counted."""
+        total = self.ttft_s + self.decode_s
+        return self.new_tokens * self.batch / total if total else 0.0
+
+
+class _SharedWeights:
+    """The weights file mapped once; OrtValues over it, keyed by (offset, length, dtype, shape)."""
+
+    def __init__(self, directory: Path, file: str) -> None:
+        self.data = np.memmap(directory / file, dtype=np.uint8, mode="r")
+        self.file = file
+        self.values: dict[tuple[int, int, int, tuple[int, ...]], ort.OrtValue] = {}
+
+    def add_to(self, options: ort.SessionOptions, proto: onnx.ModelProto) -> None:
+        for tensor in proto.graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            entries = {e.key: e.value for e in tensor.external_data}
+            if entries.get("location") != self.file:
+                continue
+            offset, length = int(entries.get("offset", 0)), int(entries["length"])
+            key = (offset, length, tensor.data_type, tuple(tensor.dims))
+            if key not in self.values:
+                dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+                array = self.data[offset : offset + length].view(dtype).reshape(tuple(tensor.dims))
+                self.values[key] = ort.OrtValue.ortvalue_from_numpy(array)
+            options.add_initializer(tensor.name, self.values[key])
+
+
+class _CacheBanks:
+    """Two banks of flat cache buffers on the device; views of any length are bound by pointer."""
+
+    def __init__(self, tensors: int, capacity: int, dtype: type, device: str) -> None:
+        self.device = device
+        self.dtype = dtype
+        self._owners: list[Any] = []  # keeps the buffers alive
+        self.pointers: list[list[int]] = []  # [bank][tensor index in cache_names order]
+        for _ in range(2):
+            bank: list[int] = []
+            for _ in range(tensors):
+                if device == "cpu":
+                    array: np.ndarray = np.empty(capacity, dtype=dtype)
+                    bank.append(array.ctypes.data)
+                    self._owners.append(array)
+                else:
+                    value = ort.OrtValue.ortvalue_from_shape_and_type([capacity], dtype, device, 0)
+                    bank.append(value.data_ptr())
+                    self._owners.append(value)
+            self.pointers.append(bank)
+
+
+class Generator:
+    """Generate from a kvexport directory on ONNX Runtime (CPU or CUDA) with IO binding.
+
+    Args:
+        directory: a directory written by ``kvexport gpt2``.
+        provider: ``cpu``, ``cuda`` (an error where CUDA is unusable) or ``auto``.
+        intra_op_threads: ONNX Runtime threads per session (default: ORT's choice).
+        share_weights: give both sessions one memory-mapped copy of the weights.
+
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        provider: str = "cpu",
+        *,
+        intra_op_threads: int | None = None,
+        share_weights: bool = True,
+    ) -> None:
+        self.directory = Path(directory)
+        self.manifest: Manifest = read_manifest(self.directory)
+        self.provider = resolve_provider(provider)
+        if self.manifest.dtype not in _NP_DTYPES:
+            raise ManifestError(
+                f"manifest dtype {self.manifest.dtype!r} is not one the runner knows (fp32, fp16)"
+            )
+        self.dtype = _NP_DTYPES[self.manifest.dtype]
+        dims = self.manifest.dims
+        self.n_layer, self.n_head, self.head_dim = dims.n_layer, dims.n_head, dims.head_dim
+        self.vocab_size, self.n_positions = dims.vocab_size, dims.n_positions
+        self._past_names = cache_names("past", self.n_layer)
+        self._present_names = cache_names("present", self.n_layer)
+        protos = {}
+        for graph in GRAPH_NAMES:
+            protos[graph] = check_external_data(self.directory / self.manifest.graphs[graph].file)
+            problems = check_graph_io(self.manifest, graph, protos[graph])
+            if problems:
+                raise ManifestError(f"{self.directory}: {problems[0]}; re-export the model")
+        self._weights = (
+            _SharedWeights(self.directory, self.manifest.weights["file"]) if share_weights else None
+        )
+        self.sessions: dict[str, ort.InferenceSession] = {}
+        for graph in GRAPH_NAMES:
+            options = ort.SessionOptions()
+            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+            options.log_severity_level = 3
+            if intra_op_threads:
+                options.intra_op_num_threads = intra_op_threads
+            if self._weights is not None:
+                self._weights.add_to(options, protos[graph])
+                # pre-packing would give each session a private re-laid copy of every weight
+                options.add_session_config_entry("session.disable_prepacking", "1")
+            providers = [ORT_PROVIDER_NAMES[self.provider]]
+            try:
+                self.sessions[graph] = ort.InferenceSession(
+                    str(self.directory / self.manifest.graphs[graph].file),
+                    options,
+                    providers=providers,
+                )
+            except Exception as exc:  # ORT's own exception types
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                raise ManifestError(
+                    f"{self.directory / graph}.onnx: ONNX Runtime cannot load it ({first[:300]})"
+                ) from exc
+        self.tokenizer: Tokenizer | None = None
+        tokenizer_file = self.manifest.tokenizer.get("file")
+        if tokenizer_file:
+            self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file))
+        self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
+        self.last_stats = GenerationStats()
+        self.last_cache_pointers: list[dict[str, int]] = []
+
+    # ---------------------------------------------------------------- inputs
+
+    def _prepare(
+        self, input_ids: TokenIds, attention_mask: np.ndarray | None, max_new_tokens: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, (int, np.integer))
+            or max_new_tokens < 1
+        ):
+            raise KvexportError(f"max_new_tokens {max_new_tokens!r}: must be a positive integer")
+        pad = self.eos_token_id if self.eos_token_id is not None else 0
+        if isinstance(input_ids, np.ndarray):
+            ids = input_ids.reshape(1, -1) if input_ids.ndim == 1 else input_ids
+            if ids.ndim != 2:
+                raise KvexportError(
+                    f"input_ids has shape {input_ids.shape}; pass [batch, sequence] or a list of lists"
+                )
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise KvexportError(f"input_ids has dtype {ids.dtype}; pass integer token ids")
+            ids = ids.astype(np.int64)
+            mask = (
+                np.ones_like(ids)
+                if attention_mask is None
+                else np.asarray(attention_mask, dtype=np.int64)
+            )
+        else:
+            rows: list[list[int]] = (
+                [[int(t) for t in input_ids]]  # type: ignore[arg-type]
+                if not input_ids or not isinstance(input_ids[0], (Sequence, np.ndarray))
+                else [[int(t) for t in r] for r in input_ids]  # type: ignore[union-attr]
+            )
+            if not rows or any(len(r) == 0 for r in rows):
+                raise KvexportError("the prompt is empty; pass at least one token")
+            width = max(len(r) for r in rows)
+            ids = np.full((len(rows), width), pad, dtype=np.int64)
+            mask = np.zeros((len(rows), width), dtype=np.int64)
+            for i, row in enumerate(rows):  # left padding
+                ids[i, width - len(row) :] = row
+                mask[i, width - len(row) :] = 1
+            if attention_mask is not None:
+                mask = np.asarray(attention_mask, dtype=np.int64)
+        if ids.shape[1] == 0 or ids.shape[0] == 0:
+            raise KvexportError("the prompt is empty; pass at least one token")
+        if mask.shape != ids.shape:
+            raise KvexportError(
+                f"attention_mask shape {mask.shape} does not match input_ids {ids.shape}"
+            )
+        if (mask[:, -1] != 1).any() or (mask.sum(-1) == 0).any():
+            raise KvexportError(
+                "attention_mask must be left-padded: every row's last position must be a real token"
+            )
+        real = ids[mask == 1]
+        if real.size and (real.min() < 0 or real.max() >= self.vocab_size):
+            bad = int(real[(real < 0) | (real >= self.vocab_size)][0])
+            raise KvexportError(
+                f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
+            )
+        ids = np.where(mask == 1, ids, pad).astype(np.int64)
+        total = ids.shape[1] + max_new_tokens
+        if total > self.n_positions:
+            raise KvexportError(
+                f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"{self.n_positions} positions; shorten the prompt or ask for fewer tokens"
+            )
+        return ids, mask
+
+    # ---------------------------------------------------------------- loop
+
+    def stream(
+        self,
+        input_ids: TokenIds,
+        max_new_tokens: int = 20,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+        attention_mask: np.ndarray | None = None,
+    ) -> Iterator[np.ndarray]:
+        """Yield the next token of every row ([batch] int64) as each step finishes.
+
+        Rows that have produced ``eos_token_id`` (default: the tokenizer's) get it again
+        as padding; the stream ends when every row has finished or after ``max_new_tokens``.
+        """
+        sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
+        sampling.validate()
+        ids, mask = self._prepare(input_ids, attention_mask, max_new_tokens)
+        eos = self.eos_token_id if eos_token_id is None else eos_token_id
+        rng = np.random.default_rng(seed)
+        batch, prompt = ids.shape
+        capacity = batch * self.n_head * (prompt + max_new_tokens) * self.head_dim
+        device = "cuda" if self.provider == "cuda" else "cpu"
+        banks = _CacheBanks(len(self._past_names), capacity, self.dtype, device)
+        self.last_cache_pointers = []
+        stats = GenerationStats(prompt_tokens=prompt, batch=batch)
+        self.last_stats = stats
+        logits_length = prompt if self.manifest.all_logits else 1
+        logits = np.empty((batch, logits_length, self.vocab_size), dtype=self.dtype)
+        finished = np.zeros(batch, dtype=bool)
+        started = time.perf_counter()
+
+        binding = self.sessions["prefill"].io_binding()
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_cpu_input("position_ids", np.clip(np.cumsum(mask, -1) - 1, 0, None))
+        self._bind_logits(binding, logits)
+        self._bind_cache(
+            binding,
+            self._present_names,
+            banks,
+            0,
+            (batch, self.n_head, prompt, self.head_dim),
+            output=True,
+        )
+        self.sessions["prefill"].run_with_iobinding(binding)
+        current = 0  # bank holding the latest presents
+        length = prompt
+
+        decode = self.sessions["decode"]
+        step_logits = (
+            logits
+            if logits_length == 1
+            else np.empty((batch, 1, self.vocab_size), dtype=self.dtype)
+        )
+        last = logits[:, -1, :]
+        for step in range(max_new_tokens):
+            tokens = choose_tokens(last.astype(np.float32), sampling, rng)
+            if eos is not None:
+                tokens = np.where(finished, eos, tokens)
+                finished |= tokens == eos
+            now = time.perf_counter()
+            if step == 0:
+                stats.ttft_s = now - started
+            else:
+                stats.step_s.append(now - started)
+                stats.decode_s += now - started
+            stats.new_tokens = step + 1
+            yield tokens
+            if step == max_new_tokens - 1 or finished.all():
+                return
+            started = time.perf_counter()
+            positions = mask.sum(-1, keepdims=True).astype(np.int64)
+            mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
+            binding = decode.io_binding()
+            binding.bind_cpu_input("input_ids", tokens.reshape(batch, 1))
+            binding.bind_cpu_input("attention_mask", mask)
+            binding.bind_cpu_input("position_ids", positions)
+            shape = (batch, self.n_head, length, self.head_dim)
+            self._bind_cache(binding, self._past_names, banks, current, shape, output=False)
+            grown = (batch, self.n_head, length + 1, self.head_dim)
+            self._bind_cache(binding, self._present_names, banks, 1 - current, grown, output=True)
+            self._bind_logits(binding, step_logits)
+            decode.run_with_iobinding(binding)
+            current, length = 1 - current, length + 1
+            last = step_logits[:, -1, :]
+
+    def _bind_logits(self, binding: ort.IOBinding, logits: np.ndarray) -> None:
+        # logits always land in host memory: they are what sampling needs
+        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
+
+    def _bind_cache(
+        self,
+        binding: ort.IOBinding,
+        names: list[str],
+        banks: _CacheBanks,
+        bank: int,
+        shape: tuple[int, int, int, int],
+        *,
+        output: bool,
+    ) -> None:
+        """Bind cache tensor i (``past.*`` or ``present.*``, same order) to the front of buffer i of ``bank``."""
+        pointers = {}
+        for index, name in enumerate(names):
+            pointer = banks.pointers[bank][index]
+            pointers[name] = pointer
+            if output:
+                binding.bind_output(name, banks.device, 0, banks.dtype, list(shape), pointer)
+            else:
+                binding.bind_input(name, banks.device, 0, banks.dtype, list(shape), pointer)
+        self.last_cache_pointers.append(pointers)
+
+    def generate(
+        self,
+        input_ids: TokenIds,
+        max_new_tokens: int = 20,
+        **options: Any,
+    ) -> np.ndarray:
+        """Full sequences [batch, prompt + new] like Hugging Face ``generate`` (left-padded).
+
+        Takes the same options as :meth:`stream`. Generation stops early when every row
+        has produced EOS; finished rows are padded with EOS.
+        """
+        ids, mask = self._prepare(input_ids, options.get("attention_mask"), max_new_tokens)
+        options["attention_mask"] = mask
+        steps = list(self.stream(ids, max_new_tokens, **options))
+        return np.concatenate([ids, np.stack(steps, axis=1)], axis=1)
+
+    # ---------------------------------------------------------------- text
+
+    def _require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise KvexportError(
+                f"{self.directory} has no tokenizer ({self.manifest.tokenizer.get('source')}); pass token ids instead"
+            )
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the exported tokenizer."""
+        return list(self._require_tokenizer().encode(text).ids)
+
+    def stream_text(self, prompt: str, max_new_tokens: int = 20, **options: Any) -> Iterator[str]:
+        """Yield decoded text pieces as tokens arrive (batch 1); stops at EOS."""
+        tokenizer = self._require_tokenizer()
+        if not prompt:
+            raise KvexportError("the prompt is empty; pass some text")
+        eos = options.get("eos_token_id", self.eos_token_id)
+        generated: list[int] = []
+        emitted = ""
+        for tokens in self.stream(self.encode(prompt), max_new_tokens, **options):
+            token = int(tokens[0])
+            if eos is not None and token == eos:
+                break
+            generated.append(token)
+            text = tokenizer.decode(generated)
+            if text.endswith("\ufffd"):
+                continue  # a multi-byte character is not complete yet
+            yield text[len(emitted) :]
+            emitted = text
+
+    def generate_text(self, prompt: str, max_new_tokens: int = 20, **options: Any) -> str:
+        """The prompt followed by the generated text (batch 1)."""
+        return prompt + "".join(self.stream_text(prompt, max_new_tokens, **options))

@@ -1,0 +1,196 @@
+"""The Generator: parity with transformers' generate, IO-bound cache buffers, sampling, EOS, errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from kvexport import KvexportError
+from kvexport.cli import main
+from kvexport.models.gpt2 import load_gpt2
+from kvexport.runtime import Generator, SamplingConfig, choose_tokens
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_export: Path) -> Generator:
+    return Generator(tiny_export)
+
+
+def _hf_generate(generator: Generator, rows: list[list[int]], new_tokens: int) -> np.ndarray:
+    model = load_gpt2(generator.manifest.source)
+    width = max(map(len, rows))
+    ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
+    with torch.no_grad():
+        out = model.generate(
+            ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )
+    return out[:, width:].numpy()
+
+
+def test_greedy_matches_transformers_for_a_ragged_left_padded_batch(generator: Generator) -> None:
+    rows = [[464, 6766, 318, 4171, 290], [40, 1101], [1, 2, 3]]
+    out = generator.generate(rows, 12, eos_token_id=-1)
+    assert out.shape == (3, 5 + 12)
+    np.testing.assert_array_equal(out[:, 5:], _hf_generate(generator, rows, 12))
+    # the prompt part is left-padded with the pad (EOS) id
+    assert out[1, :3].tolist() == [50256] * 3 and out[1, 3:5].tolist() == [40, 1101]
+
+
+def test_cache_stays_in_two_preallocated_banks_and_is_handed_over_by_pointer(
+    generator: Generator,
+) -> None:
+    steps = 6
+    list(generator.stream([[5, 6, 7]], steps, eos_token_id=-1))
+    trace = (
+        generator.last_cache_pointers
+    )  # prefill outputs, then (past inputs, present outputs) per decode step
+    assert len(trace) == 1 + 2 * (steps - 1)
+    banks = {frozenset(t.values()) for t in trace}
+    assert len(banks) == 2  # exactly two sets of buffers for the whole generation
+    for previous, following in zip(trace[0::2], trace[1::2], strict=False):
+        # each step reads its past from the very buffers the previous step wrote its present to
+        assert [previous[n.replace("past", "present")] for n in following] == list(
+            following.values()
+        )
+
+
+def test_sampling_is_deterministic_with_a_seed(generator: Generator) -> None:
+    options = {"do_sample": True, "temperature": 5.0, "top_k": 0, "top_p": 1.0, "eos_token_id": -1}
+    first = generator.generate([[1, 2, 3]], 10, seed=123, **options)
+    again = generator.generate([[1, 2, 3]], 10, seed=123, **options)
+    other = generator.generate([[1, 2, 3]], 10, seed=124, **options)
+    np.testing.assert_array_equal(first, again)
+    assert not np.array_equal(first, other)
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy() -> None:
+    logits = np.random.default_rng(0).normal(size=(4, 97)).astype(np.float32)
+    greedy = logits.argmax(-1)
+    rng = np.random.default_rng(1)
+    np.testing.assert_array_equal(
+        choose_tokens(logits, SamplingConfig(do_sample=True, top_k=1), rng), greedy
+    )
+    np.testing.assert_array_equal(
+        choose_tokens(logits, SamplingConfig(do_sample=True, top_p=1e-6), rng), greedy
+    )
+    # top_k=5 only ever picks among the five best
+    top5 = np.argsort(-logits, -1)[:, :5]
+    for _ in range(50):
+        picked = choose_tokens(
+            logits, SamplingConfig(do_sample=True, top_k=5, temperature=3.0), rng
+        )
+        assert all(p in row for p, row in zip(picked, top5, strict=True))
+
+
+def test_each_row_stops_at_its_eos(generator: Generator) -> None:
+    rows = [[464, 6766, 318], [40, 1101, 11]]
+    free = generator.generate(rows, 8, eos_token_id=-1)[:, 3:]
+    # call EOS the first token of row 0 that neither appeared earlier in row 0 nor anywhere in row 1
+    k = next(
+        i
+        for i in range(8)
+        if free[0, i] not in free[0, :i].tolist() and free[0, i] not in free[1].tolist()
+    )
+    eos = int(free[0, k])
+    out = generator.generate(rows, 8, eos_token_id=eos)[:, 3:]
+    assert out[0, :k].tolist() == free[0, :k].tolist()
+    assert (out[0, k:] == eos).all()  # the finished row is padded with EOS
+    np.testing.assert_array_equal(out[1], free[1])  # the other row is unaffected
+    # when every row has finished, the stream ends early
+    steps = list(generator.stream([rows[0]], 8, eos_token_id=eos))
+    assert len(steps) == k + 1 and int(steps[-1][0]) == eos
+
+
+def test_text_streaming_matches_generate_text(generator: Generator) -> None:
+    pieces = list(generator.stream_text("The sky is", 6, eos_token_id=-1))
+    assert len(pieces) >= 1
+    assert generator.generate_text("The sky is", 6, eos_token_id=-1) == "The sky is" + "".join(
+        pieces
+    )
+    assert generator.last_stats.new_tokens == 6 and generator.last_stats.ttft_s > 0
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda g: g.generate([], 4), "the prompt is empty; pass at least one token"),
+        (lambda g: g.generate([[1, 2], []], 4), "the prompt is empty; pass at least one token"),
+        (
+            lambda g: g.generate([1, 50257], 4),
+            r"token id 50257 is outside the vocabulary \(0..50256\)",
+        ),
+        (lambda g: g.generate([-3, 1], 4), r"token id -3 is outside the vocabulary"),
+        (
+            lambda g: g.generate([1] * 60, 5),
+            "prompt of 60 tokens \\+ 5 new tokens exceeds the model's 64 positions",
+        ),
+        (lambda g: g.generate([1, 2], 0), "max_new_tokens 0: must be a positive integer"),
+        (lambda g: g.generate([1, 2], -2), "max_new_tokens -2: must be a positive integer"),
+        (
+            lambda g: g.generate([1, 2], 3, do_sample=True, top_p=0.0),
+            r"top_p 0.0: must be in \(0, 1\]",
+        ),
+        (
+            lambda g: g.generate([1, 2], 3, do_sample=True, temperature=0),
+            "temperature 0: must be > 0",
+        ),
+        (lambda g: g.generate_text("", 3), "the prompt is empty; pass some text"),
+    ],
+)
+def test_bad_generation_input_is_one_clear_error(
+    generator: Generator, call: object, message: str
+) -> None:
+    with pytest.raises(KvexportError, match=message):
+        call(generator)  # type: ignore[operator]
+
+
+def test_generate_command_streams_text_and_reports_speed(tiny_export: Path) -> None:
+    result = CliRunner().invoke(
+        main, ["generate", str(tiny_export), "--prompt", "The sky is", "--max-new-tokens", "5"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith("The sky is")
+    assert "tokens/s" in result.stderr and "TTFT" in result.stderr
+    empty = CliRunner().invoke(main, ["generate", str(tiny_export), "--prompt", ""])
+    assert (
+        empty.exit_code == 2 and empty.stderr.strip() == "Error: --prompt is empty; pass some text"
+    )
+    too_long = CliRunner().invoke(main, ["generate", str(tiny_export), "--prompt", "word " * 70])
+    assert too_long.exit_code == 2
+    assert "exceeds the model's 64 positions; shorten the prompt" in too_long.stderr
+
+
+def test_bench_writes_json_and_plot_with_every_system(tiny_export: Path, tmp_path: Path) -> None:
+    results = tmp_path / "bench"
+    result = CliRunner().invoke(
+        main,
+        [
+            "bench",
+            str(tiny_export),
+            "--contexts",
+            "8,24",
+            "--batches",
+            "1,2",
+            "--new-tokens",
+            "3",
+            "--repeats",
+            "1",
+            "--results",
+            str(results),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    data = json.loads((results / "bench.json").read_text())
+    systems = {(m["system"], m["batch"], m["context"]) for m in data["measurements"]}
+    for system in ("kvexport", "pytorch", "no-cache", "floor"):
+        for batch in (1, 2):
+            for context in (8, 24):
+                assert (system, batch, context) in systems
+    assert data["bandwidth_gb_s"] > 0 and data["ratios"]["decode_vs_floor_ctx8"] > 0
+    assert (results / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
