@@ -60,8 +60,9 @@ class BenchReport:
     bandwidth_gb_s: float
     weight_bytes: int
     rss_before_load_mb: float
-    rss_after_load_mb: float
+    rss_after_load_mb: float  # after loading and one short warm-up generation
     rss_peak_onnx_mb: float
+    shared_rss_mb: float = 0.0
     measurements: list[Measurement] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
 
@@ -173,7 +174,12 @@ def _prompt(vocab: int, batch: int, context: int) -> np.ndarray:
 
 
 def _bench_onnx(
-    generator: Generator, batch: int, context: int, new_tokens: int, repeats: int
+    generator: Generator,
+    batch: int,
+    context: int,
+    new_tokens: int,
+    repeats: int,
+    system: str = "kvexport",
 ) -> Measurement:
     ids = _prompt(generator.vocab_size, batch, context)
     ttfts, steps = [], []
@@ -182,9 +188,13 @@ def _bench_onnx(
             pass
         ttfts.append(generator.last_stats.ttft_s)
         steps.extend(generator.last_stats.step_s)
-    return Measurement(
-        "kvexport", batch, context, 1000 * min(ttfts), 1000 * float(np.median(steps))
-    )
+    return Measurement(system, batch, context, 1000 * min(ttfts), 1000 * float(np.median(steps)))
+
+
+def _warm_up(generator: Generator) -> None:
+    """One short generation, so every weight has been read and every arena sized."""
+    for _ in generator.stream(_prompt(generator.vocab_size, 1, 8), 2, eos_token_id=-1):
+        pass
 
 
 def _time(call: Callable[[], object], repeats: int) -> float:
@@ -236,6 +246,7 @@ def run_bench(
     new_tokens: int = 16,
     repeats: int = 2,
     baselines: bool = True,
+    shared: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Measure kvexport and the baselines; see the module docstring."""
@@ -252,9 +263,29 @@ def run_bench(
     say("measuring memory read bandwidth")
     bandwidth = measure_read_bandwidth()
     gc.collect()
+    shared_rss = 0.0
+    shared_measurements: list[Measurement] = []
+    if shared:
+        # measured first: its memory is the smaller, and freed memory may stay in the process
+        say("loading the kvexport Generator with shared weights")
+        before = _rss_mb()
+        shared_generator = Generator(directory, provider=provider, share_weights=True)
+        _warm_up(shared_generator)  # mapped weights count once they are read
+        shared_rss = _rss_mb() - before
+        for batch in batches:
+            for context in contexts:
+                say(f"kvexport (shared weights): batch {batch}, context {context}")
+                shared_measurements.append(
+                    _bench_onnx(
+                        shared_generator, batch, context, new_tokens, repeats, "kvexport-shared"
+                    )
+                )
+        del shared_generator
+        gc.collect()
     say("loading the kvexport Generator")
     rss_before = _rss_mb()
     generator = Generator(directory, provider=provider)
+    _warm_up(generator)
     rss_loaded = _rss_mb()
     dims = manifest.dims
     element = 2 if manifest.dtype == "fp16" else 4
@@ -267,6 +298,8 @@ def run_bench(
         rss_before_load_mb=round(rss_before, 1),
         rss_after_load_mb=round(rss_loaded, 1),
         rss_peak_onnx_mb=0.0,
+        shared_rss_mb=round(shared_rss, 1),
+        measurements=shared_measurements,
         machine={
             "cpus": os.cpu_count(),
             "platform": platform.platform(),

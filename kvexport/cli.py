@@ -263,12 +263,18 @@ def sampling_options(function: F) -> F:
     "--prompt", required=True, help="Prompt text (tokenized with the exported tokenizer)."
 )
 @click.option("--max-new-tokens", default=50, show_default=True, type=int)
+@click.option(
+    "--share-weights",
+    is_flag=True,
+    help="One mapped copy of the weights (less memory, slower on CPU).",
+)
 @sampling_options
 @provider_option
 def generate_command(
     directory: Path,
     prompt: str,
     max_new_tokens: int,
+    share_weights: bool,
     do_sample: bool,
     temperature: float,
     top_k: int,
@@ -281,7 +287,7 @@ def generate_command(
 
     if not prompt:
         raise UserError("--prompt is empty; pass some text")
-    generator = _run(lambda: Generator(directory, provider=provider))
+    generator = _run(lambda: Generator(directory, provider=provider, share_weights=share_weights))
     pieces = generator.stream_text(
         prompt,
         max_new_tokens,
@@ -334,6 +340,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 )
 @click.option("--repeats", default=2, show_default=True, type=int)
 @click.option("--no-baselines", is_flag=True, help="Skip the PyTorch and no-cache baselines.")
+@click.option("--no-shared", is_flag=True, help="Skip the shared-weights Generator variant.")
 @click.option(
     "--results",
     default=Path("bench-results"),
@@ -350,6 +357,7 @@ def bench_command(
     new_tokens: int,
     repeats: int,
     no_baselines: bool,
+    no_shared: bool,
     results: Path,
     provider: str,
     as_json: bool,
@@ -366,6 +374,7 @@ def bench_command(
             new_tokens=new_tokens,
             repeats=repeats,
             baselines=not no_baselines,
+            shared=not no_shared,
             progress=_progress,
         )
     )
@@ -382,7 +391,8 @@ def bench_command(
         click.echo(f"{m.system:<10} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
     click.echo(
         f"bandwidth {report.bandwidth_gb_s} GB/s; weights {report.weight_bytes / 1e6:.1f} MB; "
-        f"generator RSS {report.generator_rss_mb:.0f} MiB (process {report.rss_after_load_mb:.0f} MiB)"
+        f"generator RSS {report.generator_rss_mb:.0f} MiB, shared-weights generator {report.shared_rss_mb:.0f} MiB "
+        f"(process {report.rss_after_load_mb:.0f} MiB)"
     )
     click.echo("ratios: " + ", ".join(f"{k} {v}" for k, v in report.ratios().items()))
     click.echo(f"wrote {results / 'bench.json'} and {results / 'bench.png'}")

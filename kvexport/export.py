@@ -45,7 +45,7 @@ from kvexport.storage import (
     save_with_shared_weights,
 )
 from kvexport.tokenizer import choose_tokenizer
-from passes import CleanupPass
+from passes import CleanupPass, TransposedWeightGemmPass
 
 Target = Literal["portable", "ort-cpu", "ort-cuda"]
 Attention = Literal["unfused", "onnx", "ort"]
@@ -401,18 +401,21 @@ def export_gpt2(
         pass_reports = []
         for name, graph in graphs.items():
             report(f"running passes on {name}")
-            cleanup = CleanupPass()
-            before = len(graph.graph)
-            cleanup(graph)
-            pass_reports.append(
-                {
-                    "pass": "cleanup",
-                    "graph": name,
-                    "nodes_before": before,
-                    "nodes_after": len(graph.graph),
-                    "counts": cleanup.counts,
-                }
-            )
+            for pass_name, graph_pass in (
+                ("transposed_weight_gemm", TransposedWeightGemmPass()),
+                ("cleanup", CleanupPass()),
+            ):
+                before = len(graph.graph)
+                graph_pass(graph)
+                pass_reports.append(
+                    {
+                        "pass": pass_name,
+                        "graph": name,
+                        "nodes_before": before,
+                        "nodes_after": len(graph.graph),
+                        "counts": graph_pass.counts,
+                    }
+                )
         report("writing graphs and shared weights")
         weights = save_with_shared_weights(graphs, tmp)
         del graphs

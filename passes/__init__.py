@@ -5,5 +5,6 @@ Each pass is an ``onnx_ir.passes`` pass: call it on an ``ir.Model`` and it retur
 """
 
 from passes.cleanup import CleanupPass
+from passes.transposed_weight_gemm import TransposedWeightGemmPass
 
-__all__ = ["CleanupPass"]
+__all__ = ["CleanupPass", "TransposedWeightGemmPass"]

@@ -25,4 +25,4 @@ def test_kvexport_public_names() -> None:
 
 
 def test_passes_public_names() -> None:
-    assert set(passes.__all__) == {"CleanupPass"}
+    assert set(passes.__all__) == {"CleanupPass", "TransposedWeightGemmPass"}

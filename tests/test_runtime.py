@@ -194,3 +194,33 @@ def test_bench_writes_json_and_plot_with_every_system(tiny_export: Path, tmp_pat
                 assert (system, batch, context) in systems
     assert data["bandwidth_gb_s"] > 0 and data["ratios"]["decode_vs_floor_ctx8"] > 0
     assert (results / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shared_weights_generator_gives_the_same_tokens(
+    tiny_export: Path, generator: Generator
+) -> None:
+    shared = Generator(tiny_export, share_weights=True)
+    rows = [[464, 6766, 318], [40]]
+    np.testing.assert_array_equal(
+        shared.generate(rows, 8, eos_token_id=-1), generator.generate(rows, 8, eos_token_id=-1)
+    )
+
+
+def test_one_generator_used_from_two_threads_matches_serial_use(generator: Generator) -> None:
+    import threading
+
+    prompts = [[[464, 6766, 318]], [[40, 1101, 11, 2]]]
+    serial = [generator.generate(p, 10, eos_token_id=-1) for p in prompts]
+    results: dict[int, np.ndarray] = {}
+
+    def work(index: int) -> None:
+        for _ in range(5):
+            results[index] = generator.generate(prompts[index], 10, eos_token_id=-1)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for index, expected in enumerate(serial):
+        np.testing.assert_array_equal(results[index], expected)

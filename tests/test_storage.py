@@ -85,7 +85,7 @@ def _graph_with_external(location: str) -> onnx.ModelProto:
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [4])],
         [weight],
     )
-    return onnx.helper.make_model(graph)
+    return onnx.helper.make_model(graph, ir_version=10)
 
 
 @pytest.mark.parametrize(

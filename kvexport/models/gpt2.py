@@ -241,6 +241,17 @@ def _flatten_cache(cache: DynamicCache) -> list[torch.Tensor]:
     return [tensor for pair in cache_layers(cache) for tensor in pair]
 
 
+def _lm_head(model: GPT2LMHeadModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits from [batch, rows, n_embd] hidden states, through a 2-D product.
+
+    The 2-D form exports as ``MatMul(X2d, Transpose(W))``, which the export pipeline folds
+    into ``Gemm(transB=1)`` so runtimes read the tied weight in place.
+    """
+    batch, rows, n_embd = hidden.shape
+    logits = model.lm_head(hidden.reshape(batch * rows, n_embd))  # [batch * rows, V]
+    return logits.reshape(batch, rows, model.config.vocab_size)  # [batch, rows, V]
+
+
 class PrefillModule(torch.nn.Module):
     """Prompt graph: ``(input_ids, attention_mask, position_ids) -> (logits, *present)``.
 
@@ -267,8 +278,7 @@ class PrefillModule(torch.nn.Module):
         ).last_hidden_state  # [batch, sequence, n_embd]
         if not self.all_logits:
             hidden = hidden[:, -1:, :]  # [batch, 1, n_embd]
-        logits = self.model.lm_head(hidden)  # [batch, 1 | sequence, V]
-        return (logits, *_flatten_cache(cache))
+        return (_lm_head(self.model, hidden), *_flatten_cache(cache))
 
 
 class DecodeModule(torch.nn.Module):
@@ -299,5 +309,4 @@ class DecodeModule(torch.nn.Module):
             position_ids=position_ids,
             use_cache=True,
         ).last_hidden_state  # [batch, 1, n_embd]
-        logits = self.model.lm_head(hidden)  # [batch, 1, V]
-        return (logits, *_flatten_cache(cache))
+        return (_lm_head(self.model, hidden), *_flatten_cache(cache))

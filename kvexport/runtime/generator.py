@@ -2,8 +2,10 @@
 
 Design:
 
-- The weights file is memory-mapped once and handed to both sessions as shared
-  initializers, so prefill and decode hold one copy of the weights between them.
+- With ``share_weights=True`` the weights file is memory-mapped once and handed to both
+  sessions as shared initializers, so prefill and decode hold one copy of the weights
+  between them. By default each session loads its own and ONNX Runtime pre-packs the
+  GEMM weights, which is faster on CPU but holds about 2.6x the weight bytes.
 - Each generation preallocates two cache banks (one flat buffer per ``past``/``present``
   tensor, sized for prompt + max_new_tokens) on the session's device. Every step binds
   the ``past`` inputs to a prefix of one bank and the ``present`` outputs to a prefix of
@@ -123,7 +125,7 @@ class Generator:
         provider: str = "cpu",
         *,
         intra_op_threads: int | None = None,
-        share_weights: bool = True,
+        share_weights: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.manifest: Manifest = read_manifest(self.directory)
