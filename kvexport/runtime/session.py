@@ -32,7 +32,9 @@ def cuda_available() -> bool:
         [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
         [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
     )
-    probe = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=8)
+    probe = onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 13)], ir_version=8
+    )
     options = ort.SessionOptions()
     options.log_severity_level = 4  # the failed CUDA load is expected here; keep stderr clean
     try:

@@ -26,7 +26,9 @@ def test_cleanup_removes_dead_nodes_and_duplicate_weights() -> None:
             onnx.numpy_helper.from_array(weight.copy(), "B"),
         ],
     )
-    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    proto = onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10
+    )
     x = np.linspace(-1, 1, 8, dtype=np.float32)
     expected = ort.InferenceSession(
         proto.SerializeToString(), providers=["CPUExecutionProvider"]

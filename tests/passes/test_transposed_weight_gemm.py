@@ -24,7 +24,9 @@ def _model(x_shape: list[int]) -> onnx.ModelProto:
         [onnx.helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, None)],
         [weight],
     )
-    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    return onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10
+    )
 
 
 def _run(proto: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
