@@ -44,8 +44,13 @@ def _quiet_libraries() -> None:
         pass
 
 
+class Terminated(BaseException):
+    """Raised in the main thread on SIGTERM, so cleanup runs as it does for Ctrl-C."""
+
+
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one cleanup, however many signals follow
+    raise Terminated
 
 
 class UserError(click.ClickException):
@@ -60,9 +65,9 @@ def _run(call: Callable[[], Any]) -> Any:
         return call()
     except KvexportError as exc:
         raise UserError(str(exc)) from None
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as stop:
         click.echo("kvexport: interrupted; nothing was written", err=True)
-        sys.exit(130)
+        sys.exit(143 if isinstance(stop, Terminated) else 130)
 
 
 def json_option(function: F) -> F:

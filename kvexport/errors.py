@@ -22,3 +22,13 @@ class ManifestError(KvexportError):
 
 class ProviderError(KvexportError):
     """The requested ONNX Runtime execution provider is not available."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty).
+
+    Third-party errors (ONNX Runtime, transformers, the exporters) carry pages of detail;
+    kvexport's one-line messages quote only their first line.
+    """
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

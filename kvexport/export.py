@@ -27,7 +27,7 @@ import onnx_ir as ir
 import torch
 
 from kvexport import __version__
-from kvexport.errors import ExportError, KvexportError
+from kvexport.errors import ExportError, KvexportError, first_line
 from kvexport.manifest import GraphSpec, Manifest, cache_names
 from kvexport.models.gpt2 import (
     DecodeModule,
@@ -294,9 +294,7 @@ def _export_graphs(
                 with _quiet_exporters(), torch.no_grad():
                     graphs[request.name] = strategy.export(request, workdir)
             except Exception as exc:  # any exporter failure means: try the next road
-                message = (
-                    str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-                )
+                message = first_line(exc)
                 attempts.append(
                     StrategyAttempt(
                         request.name, strategy_name, False, time.perf_counter() - started, message

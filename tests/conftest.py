@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,4 +68,16 @@ def tiny_odd_torchscript_export(
 
     out = tmp_path_factory.mktemp("exports") / "tiny-odd-ts"
     export_gpt2(out, str(tiny_odd_config), random_init=True, seed=2, strategies=["torchscript"])
+    return out
+
+
+def copy_with_swapped_graphs(export: Path, out: Path) -> Path:
+    """A copy of an export whose manifest names prefill.onnx as decode and the reverse."""
+    shutil.copytree(export, out)
+    data = json.loads((out / "kvexport.json").read_text())
+    data["graphs"]["prefill"]["file"], data["graphs"]["decode"]["file"] = (
+        "decode.onnx",
+        "prefill.onnx",
+    )
+    (out / "kvexport.json").write_text(json.dumps(data))
     return out

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +10,8 @@ from click.testing import CliRunner
 
 from kvexport.cli import main
 from kvexport.runtime.session import cuda_available
+
+from .conftest import copy_with_swapped_graphs
 
 
 def test_every_command_has_help() -> None:
@@ -47,14 +48,7 @@ def test_export_verify_inspect_round_trip(tmp_path: Path, tiny_odd_config: Path)
 
 
 def test_verify_exit_code_is_1_when_a_check_fails(tmp_path: Path, tiny_export: Path) -> None:
-    out = tmp_path / "broken"
-    shutil.copytree(tiny_export, out)
-    data = json.loads((out / "kvexport.json").read_text())
-    data["graphs"]["prefill"]["file"], data["graphs"]["decode"]["file"] = (
-        "decode.onnx",
-        "prefill.onnx",
-    )
-    (out / "kvexport.json").write_text(json.dumps(data))
+    out = copy_with_swapped_graphs(tiny_export, tmp_path / "broken")
     result = CliRunner().invoke(main, ["verify", str(out)])
     assert result.exit_code == 1
     assert (

@@ -11,6 +11,8 @@ import pytest
 from kvexport import KvexportError, ManifestError, verify
 from kvexport.storage import WEIGHTS_FILE
 
+from .conftest import copy_with_swapped_graphs
+
 
 @pytest.mark.parametrize("fixture", ["tiny_export", "tiny_odd_torchscript_export"])
 def test_verify_passes_every_step_for_both_cases(
@@ -53,14 +55,7 @@ def test_verify_catches_corrupted_weights(tiny_export: Path, tmp_path: Path) -> 
 
 
 def test_verify_reports_graphs_swapped_in_the_manifest(tiny_export: Path, tmp_path: Path) -> None:
-    out = tmp_path / "swapped"
-    shutil.copytree(tiny_export, out)
-    data = json.loads((out / "kvexport.json").read_text())
-    data["graphs"]["prefill"]["file"], data["graphs"]["decode"]["file"] = (
-        "decode.onnx",
-        "prefill.onnx",
-    )
-    (out / "kvexport.json").write_text(json.dumps(data))
+    out = copy_with_swapped_graphs(tiny_export, tmp_path / "swapped")
     report = verify(out, steps=1, record=False)
     assert not report.ok
     assert any("may be swapped" in p for p in report.io_problems)

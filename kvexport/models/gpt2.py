@@ -18,7 +18,7 @@ from typing import Any, Literal
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
-from kvexport.errors import KvexportError
+from kvexport.errors import KvexportError, first_line
 
 SourceKind = Literal["random-init", "local", "hub"]
 Dtype = Literal["fp32", "fp16"]
@@ -194,7 +194,7 @@ def _load_local(path: Path, allow_pickle: bool) -> GPT2LMHeadModel:
     try:
         model = GPT2LMHeadModel.from_pretrained(path, use_safetensors=has_safetensors)
     except (OSError, ValueError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise KvexportError(f"{path}: could not load the model ({first})") from exc
     return model
 
@@ -241,6 +241,21 @@ def _flatten_cache(cache: DynamicCache) -> list[torch.Tensor]:
     return [tensor for pair in cache_layers(cache) for tensor in pair]
 
 
+def _transformer(
+    model: GPT2LMHeadModel,
+    input_ids: torch.Tensor,
+    cache: DynamicCache,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Final hidden states; ``cache`` is extended in place with this call's keys and values."""
+    output = model.transformer(  # the cache goes positionally: its keyword was renamed in 5.x
+        input_ids, cache, attention_mask=attention_mask, position_ids=position_ids, use_cache=True
+    )
+    hidden: torch.Tensor = output.last_hidden_state
+    return hidden
+
+
 def _lm_head(model: GPT2LMHeadModel, hidden: torch.Tensor) -> torch.Tensor:
     """Logits from [batch, rows, n_embd] hidden states, through a 2-D product.
 
@@ -269,13 +284,9 @@ class PrefillModule(torch.nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """Run the prompt; return last-position (or all) logits and the presents."""
         cache = DynamicCache(config=self.model.config)
-        hidden = self.model.transformer(
-            input_ids,
-            cache,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-        ).last_hidden_state  # [batch, sequence, n_embd]
+        hidden = _transformer(
+            self.model, input_ids, cache, attention_mask, position_ids
+        )  # [batch, sequence, n_embd]
         if not self.all_logits:
             hidden = hidden[:, -1:, :]  # [batch, 1, n_embd]
         return (_lm_head(self.model, hidden), *_flatten_cache(cache))
@@ -302,11 +313,7 @@ class DecodeModule(torch.nn.Module):
         """Run one token against the past; return its logits and the grown presents."""
         pairs = [(past[2 * layer], past[2 * layer + 1]) for layer in range(len(past) // 2)]
         cache = DynamicCache(pairs, config=self.model.config)
-        hidden = self.model.transformer(
-            input_ids,
-            cache,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-        ).last_hidden_state  # [batch, 1, n_embd]
+        hidden = _transformer(
+            self.model, input_ids, cache, attention_mask, position_ids
+        )  # [batch, 1, n_embd]
         return (_lm_head(self.model, hidden), *_flatten_cache(cache))

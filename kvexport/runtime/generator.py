@@ -28,7 +28,7 @@ import onnx
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from kvexport.errors import KvexportError, ManifestError
+from kvexport.errors import KvexportError, ManifestError, first_line
 from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import ORT_PROVIDER_NAMES, resolve_provider
@@ -168,7 +168,7 @@ class Generator:
                     providers=providers,
                 )
             except Exception as exc:  # ORT's own exception types
-                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                first = first_line(exc)
                 raise ManifestError(
                     f"{self.directory / graph}.onnx: ONNX Runtime cannot load it ({first[:300]})"
                 ) from exc

@@ -14,7 +14,7 @@ from typing import Literal
 import onnx
 import onnxruntime as ort
 
-from kvexport.errors import ManifestError, ProviderError
+from kvexport.errors import ManifestError, ProviderError, first_line
 from kvexport.storage import check_external_data
 
 Provider = Literal["cpu", "cuda", "auto"]
@@ -77,7 +77,7 @@ def open_session(graph_path: Path, provider: str = "cpu") -> ort.InferenceSessio
     try:
         return ort.InferenceSession(str(graph_path), options, providers=providers)
     except Exception as exc:  # ORT raises its own Fail / InvalidGraph / RuntimeException types
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = first_line(exc)
         raise ManifestError(
             f"{graph_path}: ONNX Runtime cannot load this graph ({first[:300]})"
         ) from exc
