@@ -11,12 +11,8 @@ import argparse
 
 import numpy as np
 
+from kvexport.bench import rss_mb
 from kvexport.runtime import Generator
-
-
-def rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
 
 
 def main() -> None:

@@ -132,20 +132,14 @@ class BenchReport:
         return data
 
 
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return 0.0  # pragma: no cover - non-Linux
-
-
-def _peak_rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0  # pragma: no cover
+def rss_mb(peak: bool = False) -> float:
+    """Resident memory of this process in MiB, now or at its peak (0.0 where /proc is absent)."""
+    key = "VmHWM:" if peak else "VmRSS:"
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) / 1024 for line in status if line.startswith(key))
+    except (OSError, StopIteration):  # pragma: no cover - non-Linux
+        return 0.0
 
 
 def measure_read_bandwidth(
@@ -268,10 +262,10 @@ def run_bench(
     if shared:
         # measured first: its memory is the smaller, and freed memory may stay in the process
         say("loading the kvexport Generator with shared weights")
-        before = _rss_mb()
+        before = rss_mb()
         shared_generator = Generator(directory, provider=provider, share_weights=True)
         _warm_up(shared_generator)  # mapped weights count once they are read
-        shared_rss = _rss_mb() - before
+        shared_rss = rss_mb() - before
         for batch in batches:
             for context in contexts:
                 say(f"kvexport (shared weights): batch {batch}, context {context}")
@@ -283,10 +277,10 @@ def run_bench(
         del shared_generator
         gc.collect()
     say("loading the kvexport Generator")
-    rss_before = _rss_mb()
+    rss_before = rss_mb()
     generator = Generator(directory, provider=provider)
     _warm_up(generator)
-    rss_loaded = _rss_mb()
+    rss_loaded = rss_mb()
     dims = manifest.dims
     element = 2 if manifest.dtype == "fp16" else 4
     report = BenchReport(
@@ -313,7 +307,7 @@ def run_bench(
             cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * element
             floor_ms = 1000 * (report.weight_bytes + cache_bytes) / (bandwidth * 1e9)
             report.measurements.append(Measurement("floor", batch, context, None, floor_ms))
-    report.rss_peak_onnx_mb = round(_peak_rss_mb(), 1)
+    report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
     del generator
     gc.collect()
     if baselines:

@@ -389,11 +389,11 @@ def bench_command(
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    click.echo(f"{'system':<10} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'decode ms/token':>16}")
+    click.echo(f"{'system':<15} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'decode ms/token':>16}")
     for m in sorted(report.measurements, key=lambda m: (m.batch, m.context, m.system)):
         ttft = f"{m.ttft_ms:.1f}" if m.ttft_ms is not None else "-"
         decode = f"{m.decode_ms_per_token:.2f}" if m.decode_ms_per_token is not None else "-"
-        click.echo(f"{m.system:<10} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
+        click.echo(f"{m.system:<15} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
     click.echo(
         f"bandwidth {report.bandwidth_gb_s} GB/s; weights {report.weight_bytes / 1e6:.1f} MB; "
         f"generator RSS {report.generator_rss_mb:.0f} MiB, shared-weights generator {report.shared_rss_mb:.0f} MiB "

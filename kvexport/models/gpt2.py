@@ -259,8 +259,10 @@ def _transformer(
 def _lm_head(model: GPT2LMHeadModel, hidden: torch.Tensor) -> torch.Tensor:
     """Logits from [batch, rows, n_embd] hidden states, through a 2-D product.
 
-    The 2-D form exports as ``MatMul(X2d, Transpose(W))``, which the export pipeline folds
-    into ``Gemm(transB=1)`` so runtimes read the tied weight in place.
+    The dynamo exporter turns the 2-D form into ``Gemm(W, transB=1)``, which reads the tied
+    weight where it is stored; a 3-D product exports as ``MatMul(X, Transpose(W))``, which
+    ONNX Runtime folds into a private transposed copy per session. (Where an exporter
+    emits ``MatMul(X2d, Transpose(W))``, the ``transposed_weight_gemm`` pass rewrites it.)
     """
     batch, rows, n_embd = hidden.shape
     logits = model.lm_head(hidden.reshape(batch * rows, n_embd))  # [batch * rows, V]

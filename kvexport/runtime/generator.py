@@ -28,10 +28,10 @@ import onnx
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from kvexport.errors import KvexportError, ManifestError, first_line
+from kvexport.errors import KvexportError, ManifestError
 from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
-from kvexport.runtime.session import ORT_PROVIDER_NAMES, resolve_provider
+from kvexport.runtime.session import open_session, resolve_provider, session_options
 from kvexport.storage import check_external_data
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
@@ -154,27 +154,13 @@ class Generator:
         )
         self.sessions: dict[str, ort.InferenceSession] = {}
         for graph in GRAPH_NAMES:
-            options = ort.SessionOptions()
-            options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-            options.log_severity_level = 3
-            if intra_op_threads:
-                options.intra_op_num_threads = intra_op_threads
+            options = session_options(intra_op_threads)
             if self._weights is not None:
                 self._weights.add_to(options, protos[graph])
                 # pre-packing would give each session a private re-laid copy of every weight
                 options.add_session_config_entry("session.disable_prepacking", "1")
-            providers = [ORT_PROVIDER_NAMES[self.provider]]
-            try:
-                self.sessions[graph] = ort.InferenceSession(
-                    str(self.directory / self.manifest.graphs[graph].file),
-                    options,
-                    providers=providers,
-                )
-            except Exception as exc:  # ORT's own exception types
-                first = first_line(exc)
-                raise ManifestError(
-                    f"{self.directory / graph}.onnx: ONNX Runtime cannot load it ({first[:300]})"
-                ) from exc
+            path = self.directory / self.manifest.graphs[graph].file
+            self.sessions[graph] = open_session(path, self.provider, options)
         self.tokenizer: Tokenizer | None = None
         tokenizer_file = self.manifest.tokenizer.get("file")
         if tokenizer_file:

@@ -64,16 +64,29 @@ def resolve_provider(provider: str) -> Literal["cpu", "cuda"]:
     raise ProviderError(f"--provider {provider}: choose cpu, cuda or auto")
 
 
-def open_session(graph_path: Path, provider: str = "cpu") -> ort.InferenceSession:
-    """Open one graph on the resolved provider, after checking its external data is safe."""
+def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
+    """Kvexport's session settings: all graph optimisations, warnings and worse only."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    if intra_op_threads:
+        options.intra_op_num_threads = intra_op_threads
+    return options
+
+
+def open_session(
+    graph_path: Path, provider: str = "cpu", options: ort.SessionOptions | None = None
+) -> ort.InferenceSession:
+    """Open one graph on the resolved provider, after checking its external data is safe.
+
+    ``options`` defaults to :func:`session_options`; CPU backs CUDA for the ops it lacks.
+    """
     check_external_data(graph_path)
     resolved = resolve_provider(provider)
     providers = [ORT_PROVIDER_NAMES[resolved]] + (
         [ORT_PROVIDER_NAMES["cpu"]] if resolved == "cuda" else []
     )
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
+    options = options or session_options()
     try:
         return ort.InferenceSession(str(graph_path), options, providers=providers)
     except Exception as exc:  # ORT raises its own Fail / InvalidGraph / RuntimeException types
