@@ -116,15 +116,20 @@ def main() -> None:
     type=click.Choice(["portable", "ort-cpu", "ort-cuda"]),
     default="portable",
     show_default=True,
-    help="Where the graphs will run (only portable so far).",
+    help="Where the graphs will run: portable (standard ops), ort-cpu / ort-cuda (ONNX Runtime fused ops; ort-cuda defaults to fp16).",
 )
 @click.option(
     "--attention",
     type=click.Choice(["unfused", "onnx", "ort"]),
     default=None,
-    help="Attention implementation (default per target; only unfused so far).",
+    help="Attention: unfused, onnx (opset-23 Attention op) or ort (com.microsoft ops); default per target.",
 )
-@click.option("--dtype", type=click.Choice(["fp32", "fp16"]), default="fp32", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["fp32", "fp16"]),
+    default=None,
+    help="Weights and activations [default: fp16 for ort-cuda, else fp32].",
+)
 @click.option(
     "--opset", default=18, show_default=True, type=click.IntRange(14, 24), help="ONNX opset."
 )
@@ -146,7 +151,7 @@ def gpt2_command(
     seed: int,
     target: str,
     attention: str | None,
-    dtype: str,
+    dtype: str | None,
     opset: int,
     all_logits: bool,
     force: bool,
@@ -433,10 +438,80 @@ def inspect_command(path: Path, as_json: bool) -> None:
                     f"  {direction} {t.name:<28} {t.dtype:<8} [{', '.join(map(str, t.shape))}]"
                 )
         click.echo("  ops: " + ", ".join(f"{op} {count}" for op, count in graph.ops.items()))
-    for entry in report.passes:
+    if report.passes:
+        click.echo("")
+        _echo_pass_table(report.passes)
+
+
+def _echo_pass_table(entries: list[dict[str, Any]]) -> None:
+    """One line per pass: nodes, Shape nodes, fused attention and Softmax after, rule counts."""
+    click.echo(f"{'graph':<8} {'pass':<23} {'nodes':>11} {'Shape':>9} {'fused':>5} {'Softmax':>7}  counts")
+    for e in entries:
+        nodes = f"{e['nodes_before']}->{e['nodes_after']}"
+        shapes = f"{e.get('shape_nodes_before', '?')}->{e.get('shape_nodes_after', '?')}"
+        counts = ", ".join(f"{k} {v}" for k, v in e.get("counts", {}).items() if v)
         click.echo(
-            f"pass {entry['pass']} on {entry['graph']}: nodes {entry['nodes_before']} -> {entry['nodes_after']} {entry.get('counts', {})}"
+            f"{e.get('graph', ''):<8} {e['name']:<23} {nodes:>11} {shapes:>9} "
+            f"{e.get('fused_attention_after', '?'):>5} {e.get('softmax_after', '?'):>7}  {counts}"
         )
+
+
+@main.command("rewrite")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.argument("output", type=click.Path(path_type=Path))
+@click.option(
+    "--passes",
+    "pass_list",
+    default=None,
+    help="Comma-separated passes [default: rename_cache,fold_shapes,cleanup]; "
+    "choose from rename_cache, transposed_weight_gemm, fold_shapes, fuse_attention, fuse_ort_block, cleanup.",
+)
+@click.option(
+    "--attention",
+    type=click.Choice(["unfused", "onnx", "ort"]),
+    default="unfused",
+    show_default=True,
+    help="Fuse attention for this target (onnx: opset-23 Attention; ort: com.microsoft ops).",
+)
+@click.option(
+    "--names",
+    type=click.Choice(["canonical", "optimum"]),
+    default="canonical",
+    show_default=True,
+    help="Cache names to write: past.<l>.key or Optimum's past_key_values.<l>.key.",
+)
+@click.option("--force", is_flag=True, help="Replace an existing OUTPUT.")
+@json_option
+def rewrite_command(
+    source: Path,
+    output: Path,
+    pass_list: str | None,
+    attention: str,
+    names: str,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """Run the rewrite passes on any decoder graph SOURCE.onnx and write OUTPUT.onnx."""
+    from kvexport.rewrite import rewrite_graph
+
+    chosen = [p.strip() for p in pass_list.split(",") if p.strip()] if pass_list else None
+    result = _run(
+        lambda: rewrite_graph(
+            source,
+            output,
+            passes=chosen,
+            attention=attention,  # type: ignore[arg-type]
+            names=names,  # type: ignore[arg-type]
+            force=force,
+        )
+    )
+    entries = [r.to_json() for r in result.reports]
+    if as_json:
+        click.echo(json.dumps({"output": str(result.output), "passes": entries}, indent=2))
+        return
+    _echo_pass_table(entries)
+    data = f" (weights in {result.data_file.name})" if result.data_file else ""
+    click.echo(f"wrote {result.output}{data}")
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -45,13 +45,19 @@ from kvexport.storage import (
     save_with_shared_weights,
 )
 from kvexport.tokenizer import choose_tokenizer
-from passes import CleanupPass, TransposedWeightGemmPass
+from passes import build_pipeline, run_pipeline
 
 Target = Literal["portable", "ort-cpu", "ort-cuda"]
 Attention = Literal["unfused", "onnx", "ort"]
 Progress = Callable[[str], None]
 
 DEFAULT_OPSET = 18
+# target -> (default attention, default dtype)
+TARGET_DEFAULTS: dict[str, tuple[Attention, Dtype]] = {
+    "portable": ("unfused", "fp32"),
+    "ort-cpu": ("ort", "fp32"),
+    "ort-cuda": ("ort", "fp16"),
+}
 IO_INPUTS = ["input_ids", "attention_mask", "position_ids"]
 
 # Sample sizes for tracing. Every dynamic dim gets a distinct value >= 2, or the
@@ -338,7 +344,7 @@ def export_gpt2(
     seed: int = 0,
     target: Target = "portable",
     attention: Attention | None = None,
-    dtype: Dtype = "fp32",
+    dtype: Dtype | None = None,
     opset: int = DEFAULT_OPSET,
     all_logits: bool = False,
     force: bool = False,
@@ -353,9 +359,12 @@ def export_gpt2(
         model: a preset or config path with ``random_init``, else a model directory or hub id.
         random_init: build the architecture with seeded random weights (offline default).
         seed: torch seed for ``random_init``.
-        target: where the graphs will run; only ``portable`` is implemented so far.
-        attention: attention implementation; only ``unfused`` is implemented so far.
-        dtype: ``fp32`` or ``fp16`` weights and activations.
+        target: where the graphs will run: ``portable`` (standard ONNX ops, unfused
+            attention), ``ort-cpu`` / ``ort-cuda`` (ONNX Runtime's fused ops).
+        attention: override the target's attention: ``unfused``, ``onnx`` (opset-23
+            ``Attention``) or ``ort`` (``com.microsoft`` fused ops).
+        dtype: ``fp32`` or ``fp16`` weights and activations (None: fp16 for ``ort-cuda``,
+            else fp32).
         opset: ONNX opset of the graphs.
         all_logits: prefill returns logits for every position, not only the last.
         force: replace a non-empty ``out``.
@@ -369,11 +378,16 @@ def export_gpt2(
     """
     report = progress or (lambda message: None)
     out_path = Path(out)
-    attention = attention or "unfused"
-    if target != "portable" or attention != "unfused":
+    if target not in TARGET_DEFAULTS:
+        raise KvexportError(f"--target {target}: choose from {', '.join(TARGET_DEFAULTS)}")
+    attention = attention or TARGET_DEFAULTS[target][0]
+    dtype = dtype or TARGET_DEFAULTS[target][1]
+    if attention not in ("unfused", "onnx", "ort"):
+        raise KvexportError(f"--attention {attention}: choose unfused, onnx or ort")
+    if target == "portable" and attention == "ort":
         raise KvexportError(
-            f"--target {target} --attention {attention}: only the portable target with unfused attention "
-            "is available in this version; drop these options"
+            "--target portable --attention ort: ONNX Runtime's fused ops are not portable; "
+            "use --target ort-cpu or ort-cuda"
         )
     if dtype not in ("fp32", "fp16"):
         raise KvexportError(f"--dtype {dtype}: choose fp32 or fp16")
@@ -399,21 +413,9 @@ def export_gpt2(
         pass_reports = []
         for name, graph in graphs.items():
             report(f"running passes on {name}")
-            for pass_name, graph_pass in (
-                ("transposed_weight_gemm", TransposedWeightGemmPass()),
-                ("cleanup", CleanupPass()),
-            ):
-                before = len(graph.graph)
-                graph_pass(graph)
-                pass_reports.append(
-                    {
-                        "pass": pass_name,
-                        "graph": name,
-                        "nodes_before": before,
-                        "nodes_after": len(graph.graph),
-                        "counts": graph_pass.counts,
-                    }
-                )
+            for pass_report in run_pipeline(graph, build_pipeline(attention)):
+                pass_reports.append({"graph": name, **pass_report.to_json()})
+        opset = graphs["decode"].opset_imports.get("", opset)
         report("writing graphs and shared weights")
         weights = save_with_shared_weights(graphs, tmp)
         del graphs

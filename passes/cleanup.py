@@ -1,4 +1,4 @@
-"""cleanup: remove dead nodes, deduplicate constants, sort, drop exporter metadata.
+"""cleanup: fold constants, lift them to initializers, CSE, dead nodes, dedup, sort, strip metadata.
 
 Runs last in the export pipeline (and in ``kvexport rewrite``), after the passes that
 leave dead subgraphs behind them.
@@ -10,11 +10,14 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassManager, PassResult
 from onnx_ir.passes.common import (
     ClearMetadataAndDocStringPass,
+    CommonSubexpressionEliminationPass,
     DeduplicateInitializersPass,
+    LiftConstantsToInitializersPass,
     RemoveUnusedNodesPass,
     RemoveUnusedOpsetsPass,
     TopologicalSortPass,
 )
+from onnxscript import optimizer
 
 
 class CleanupPass(InPlacePass):
@@ -34,8 +37,11 @@ class CleanupPass(InPlacePass):
         """Run the cleanup pipeline on ``model`` in place."""
         nodes_before = len(model.graph)
         initializers_before = len(model.graph.initializers)
+        optimizer.fold_constants(model)
         manager = PassManager(
             [
+                LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+                CommonSubexpressionEliminationPass(),
                 RemoveUnusedNodesPass(),
                 DeduplicateInitializersPass(),
                 RemoveUnusedOpsetsPass(),

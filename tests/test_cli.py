@@ -75,9 +75,18 @@ def test_verify_exit_code_is_1_when_a_check_fails(tmp_path: Path, tiny_export: P
             "and no config.json there; name a preset or a GPT-2 config file",
         ),
         (
-            ["gpt2", "--out", "{tmp}/o", "--random-init", "--target", "ort-cpu"],
-            "Error: --target ort-cpu --attention unfused: only the portable target with unfused attention is "
-            "available in this version; drop these options",
+            ["gpt2", "--out", "{tmp}/o", "--random-init", "--attention", "ort"],
+            "Error: --target portable --attention ort: ONNX Runtime's fused ops are not portable; "
+            "use --target ort-cpu or ort-cuda",
+        ),
+        (
+            ["rewrite", "{tmp}/nope.onnx", "{tmp}/out.onnx"],
+            "Error: {tmp}/nope.onnx: no such file; pass an .onnx graph",
+        ),
+        (
+            ["rewrite", "{tmp}/nope.onnx", "{tmp}/out.onnx", "--passes", "rename_cache,squash"],
+            "Error: --passes: unknown pass ['squash']; choose from rename_cache, transposed_weight_gemm, "
+            "fold_shapes, fuse_attention, fuse_ort_block, cleanup",
         ),
         (
             ["gpt2", "--out", "{tmp}/missing-parent/o", "--random-init"],

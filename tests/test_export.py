@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from kvexport import export_gpt2, read_manifest
+from kvexport import export_gpt2, read_manifest, verify
 from kvexport.manifest import cache_names
 from kvexport.models.gpt2 import ModelSource, load_gpt2
 from kvexport.storage import EXTERNAL_THRESHOLD_BYTES, WEIGHTS_FILE
@@ -132,6 +132,15 @@ def test_manifest_records_source_strategy_passes_and_versions(
     assert [a["graph"] for a in data["export"]["attempts"]] == ["prefill", "decode"]
     assert {p["graph"] for p in data["passes"]} == {"prefill", "decode"}
     assert all(p["nodes_after"] <= p["nodes_before"] for p in data["passes"])
+    decode_passes = [p for p in data["passes"] if p["graph"] == "decode"]
+    assert [p["name"] for p in decode_passes] == [
+        "rename_cache",
+        "transposed_weight_gemm",
+        "fold_shapes",
+        "cleanup",
+    ]
+    fold = decode_passes[2]
+    assert fold["shape_nodes_after"] <= 4 and fold["counts"]["GemmSandwichToMatMul"] == 3 * 2
     assert set(data["versions"]) >= {"kvexport", "torch", "transformers", "onnx", "onnxruntime"}
     for graph in ("prefill", "decode"):
         spec = data["graphs"][graph]
@@ -225,3 +234,36 @@ def test_same_seed_gives_same_weights_and_other_seed_differs(tiny_odd_config: Pa
         load_gpt2(resolve_source(str(tiny_odd_config), random_init=True, seed=4))
     )
     assert first == again != other
+
+
+@pytest.mark.parametrize(
+    ("target", "attention", "fused_op"),
+    [("ort-cpu", None, "com.microsoft.MultiHeadAttention"), ("portable", "onnx", "Attention")],
+)
+def test_fused_targets_export_verify_and_are_small(
+    target: str, attention: str | None, fused_op: str, tiny_config: Path, tmp_path: Path
+) -> None:
+    from kvexport.inspection import inspect_path
+
+    result = export_gpt2(
+        tmp_path / "out", str(tiny_config), random_init=True, seed=1, target=target, attention=attention  # type: ignore[arg-type]
+    )
+    manifest = result.manifest
+    assert manifest.attention == (attention or "ort")
+    if attention == "onnx":
+        assert manifest.opset == 23
+    graphs = inspect_path(tmp_path / "out").graphs
+    layers = TINY["n_layer"]
+    for name in ("prefill", "decode"):
+        ops = graphs[name].ops
+        assert ops.get(fused_op) == layers
+        assert "Softmax" not in ops
+    if target == "ort-cpu":
+        # decode: what is per layer must fit 12 nodes; the rest is embedding, mask, head
+        per_layer = sum(graphs["decode"].ops.get(op, 0) for op in (
+            "com.microsoft.SkipLayerNormalization", "MatMul", "Add", "Split",
+            "com.microsoft.MultiHeadAttention", "com.microsoft.FastGelu",
+        ))
+        assert per_layer <= 12 * layers + 1
+    report = verify(tmp_path / "out", steps=4)
+    assert report.ok, report.failures()

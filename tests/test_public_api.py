@@ -25,4 +25,20 @@ def test_kvexport_public_names() -> None:
 
 
 def test_passes_public_names() -> None:
-    assert set(passes.__all__) == {"CleanupPass", "TransposedWeightGemmPass"}
+    assert set(passes.__all__) == {
+        "DEFAULT_REWRITE_PASSES",
+        "PASS_NAMES",
+        "CacheNamingError",
+        "CleanupPass",
+        "FoldShapesPass",
+        "FuseAttentionPass",
+        "FuseOrtBlockPass",
+        "NoCacheError",
+        "PassReport",
+        "RenameCachePass",
+        "TransposedWeightGemmPass",
+        "build_pipeline",
+        "run_pipeline",
+    }
+    for name in passes.__all__:
+        assert getattr(passes, name) is not None

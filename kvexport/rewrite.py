@@ -1,0 +1,112 @@
+"""``kvexport rewrite``: run the passes on any decoder graph file.
+
+The input may come from any exporter (Optimum, TorchScript, ``torch.export``); its
+external data is checked to stay inside its directory before anything is read. The
+output is written atomically: graph and weights go to a temporary sibling and are
+renamed into place only when both are complete. Weights go to ``OUT.data`` beside the
+graph (or inside the graph when they are small).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+
+from kvexport.errors import KvexportError, first_line
+from kvexport.storage import EXTERNAL_THRESHOLD_BYTES, check_external_data
+from passes import (
+    DEFAULT_REWRITE_PASSES,
+    CacheNamingError,
+    PassReport,
+    RenameCachePass,
+    build_pipeline,
+    run_pipeline,
+)
+from passes.pipeline import AttentionChoice
+from passes.rename_cache import Style
+
+
+@dataclass
+class RewriteResult:
+    """What :func:`rewrite_graph` wrote and what each pass changed."""
+
+    source: Path
+    output: Path
+    data_file: Path | None
+    reports: list[PassReport] = field(default_factory=list)
+
+
+def _load(source: Path) -> ir.Model:
+    if not source.exists():
+        raise KvexportError(f"{source}: no such file; pass an .onnx graph")
+    if source.is_dir():
+        raise KvexportError(f"{source}: is a directory; pass an .onnx graph file")
+    check_external_data(source)
+    try:
+        return ir.load(source)
+    except Exception as exc:  # onnx / protobuf raise many kinds
+        raise KvexportError(f"{source}: not a readable ONNX graph ({first_line(exc)})") from exc
+
+
+def rewrite_graph(
+    source: str | Path,
+    output: str | Path,
+    *,
+    passes: Sequence[str] | None = None,
+    attention: AttentionChoice = "unfused",
+    names: Style = "canonical",
+    force: bool = False,
+) -> RewriteResult:
+    """Run the passes on the graph at ``source`` and write the result to ``output``.
+
+    Args:
+        source: an ``.onnx`` decoder graph (prefill or decode) with a KV cache.
+        output: where to write the rewritten graph; its weights go to ``<output>.data``.
+        passes: passes to run (default: rename_cache, fold_shapes, cleanup; see
+            :data:`passes.PASS_NAMES`).
+        attention: ``onnx`` / ``ort`` adds attention fusion for that target.
+        names: ``canonical`` (``past.<l>.key``) or ``optimum`` (``past_key_values.<l>.key``).
+        force: replace an existing ``output``.
+
+    Raises:
+        KvexportError: bad paths, an unreadable graph, a graph with no KV cache, or
+            cache names that can't be mapped without guessing.
+
+    """
+    source, output = Path(source), Path(output)
+    if output.exists() and not force:
+        raise KvexportError(f"{output}: exists; pass --force to replace it, or choose another path")
+    if output.is_dir():
+        raise KvexportError(f"{output}: is a directory; give a file name such as decode.onnx")
+    if not output.parent.is_dir():
+        raise KvexportError(f"{output}: parent directory {output.parent} does not exist; create it first")
+    try:
+        pipeline = build_pipeline(attention, DEFAULT_REWRITE_PASSES if passes is None else passes)
+    except ValueError as exc:
+        raise KvexportError(f"--passes: {exc}") from exc
+    model = _load(source)
+    try:
+        reports = run_pipeline(model, pipeline)
+        if names != "canonical":
+            RenameCachePass(style=names)(model)
+    except CacheNamingError as exc:
+        raise KvexportError(f"{source}: {exc}") from exc
+    data_name = f"{output.name}.data"
+    work = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+    try:
+        ir.save(model, work / output.name, external_data=data_name, size_threshold_bytes=EXTERNAL_THRESHOLD_BYTES)
+        data_file: Path | None = output.parent / data_name
+        if (work / data_name).exists():
+            os.replace(work / data_name, output.parent / data_name)
+        else:
+            data_file = None
+        os.replace(work / output.name, output)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return RewriteResult(source, output, data_file, reports)

@@ -1,0 +1,138 @@
+"""Helpers shared by the passes: rule-set passes with per-rule counts, shape annotation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+from onnxscript.rewriter import RewriteRule, RewriteRuleSet
+
+
+class RulePass(InPlacePass):
+    """Apply onnxscript rewrite rules one after another; ``counts`` says how often each fired.
+
+    Subclasses set ``rules``. Each rule runs to a fixed point over the whole model before
+    the next one starts, so the counts are per rule, not per rule set.
+    """
+
+    rules: Sequence[RewriteRule] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Apply every rule in ``rules`` to ``model`` in place."""
+        self.counts = apply_rules(model, self.rules)
+        return PassResult(model, modified=any(self.counts.values()))
+
+
+def apply_rules(model: ir.Model, rules: Sequence[RewriteRule]) -> dict[str, int]:
+    """Apply each rule in turn; return how often each one fired (summed over same names)."""
+    counts: dict[str, int] = {}
+    for rule in rules:
+        name = rule.name or type(rule).__name__
+        fired = RewriteRuleSet([rule]).apply_to_model(model)
+        counts[name] = counts.get(name, 0) + fired
+    return counts
+
+
+def const_ints(value: ir.Value | None) -> list[int] | None:
+    """The value as a list of Python ints when it is a constant integer tensor, else None."""
+    if value is None or value.const_value is None:
+        return None
+    array = value.const_value.numpy()
+    if array.dtype.kind not in "iu":
+        return None
+    return [int(v) for v in array.reshape(-1)]
+
+
+def const_float(value: ir.Value | None) -> float | None:
+    """The value as one Python float when it is a constant with a single element, else None."""
+    if value is None or value.const_value is None:
+        return None
+    array = value.const_value.numpy()
+    if array.size != 1:
+        return None
+    return float(np.asarray(array).reshape(-1)[0])
+
+
+def dims_of(value: ir.Value | None) -> list[int | str] | None:
+    """The value's shape as ints (static dims) and strings (symbolic dims), or None if unknown.
+
+    An unnamed symbolic dim makes the whole shape unknown: two unnamed dims can't be
+    proven equal.
+    """
+    if value is None or value.shape is None:
+        return None
+    dims: list[int | str] = []
+    for dim in value.shape:
+        if isinstance(dim, int):
+            dims.append(dim)
+        elif dim.value is None:
+            return None
+        else:
+            dims.append(dim.value)
+    return dims
+
+
+def annotate_symbolic_shapes(model: ir.Model) -> int:
+    """Infer symbolic shapes for every value and write them onto the IR; return how many changed.
+
+    Uses ONNX Runtime's symbolic shape inference (it propagates shape *data* through
+    Shape/Gather/Concat chains, which ONNX's own inference does not), on a copy of the
+    graph without tensor data. Values whose shape the inference can't name are left as
+    they were, and so are graph outputs that declare a shape (their dim names are the IO contract, e.g.
+    ``total_sequence`` where the inference would write ``past_sequence + 1``). Failing
+    inference changes nothing.
+    """
+    from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+    proto = ir.serde.serialize_model(model)
+    for initializer in proto.graph.initializer:
+        # Large weights are never needed to infer shapes; drop their bytes from the copy.
+        if initializer.data_location == 1 or len(initializer.raw_data) > 4096:
+            if int(np.prod(list(initializer.dims))) > 64:
+                initializer.ClearField("raw_data")
+                initializer.ClearField("external_data")
+                initializer.data_location = 0
+                del initializer.float_data[:]
+                # keep dims and dtype: the inference reads only those for big tensors
+                initializer.raw_data = b""
+    try:
+        inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
+    except Exception:  # the inference is best effort; the rules then simply don't fire
+        return 0
+    if inferred is None:
+        return 0
+    found: dict[str, list[int | str]] = {}
+    types: dict[str, int] = {}
+    for info in list(inferred.graph.value_info) + list(inferred.graph.output):
+        if not info.type.HasField("tensor_type") or not info.type.tensor_type.HasField("shape"):
+            continue
+        inferred_dims: list[int | str] = []
+        for dim in info.type.tensor_type.shape.dim:
+            if dim.HasField("dim_value"):
+                inferred_dims.append(int(dim.dim_value))
+            elif dim.HasField("dim_param"):
+                inferred_dims.append(dim.dim_param)
+            else:
+                break
+        else:
+            found[info.name] = inferred_dims
+            types[info.name] = info.type.tensor_type.elem_type
+    changed = 0
+    for node in model.graph:
+        for output in node.outputs:
+            new_dims = found.get(output.name or "")
+            if new_dims is None or dims_of(output) == new_dims:
+                continue
+            if output.is_graph_output() and output.shape is not None:
+                continue  # a graph output's declared shape is the graph's contract
+            output.shape = ir.Shape(new_dims)
+            if output.type is None and types.get(output.name or ""):
+                output.type = ir.TensorType(ir.DataType(types[output.name or ""]))
+            changed += 1
+    return changed

@@ -1,0 +1,312 @@
+"""fold_shapes: replace shape arithmetic the model already knows with constants.
+
+Exporters compute the target of nearly every ``Reshape`` at run time::
+
+    Reshape(X, Concat(Unsqueeze(Gather(Shape(X), 0)), Unsqueeze(Gather(Shape(X), 1)), [3], [16]))
+
+although heads (3) and head dim (16) are fixed and batch / sequence can be copied from
+the input by ``Reshape``'s 0. The pass infers symbolic shapes for the graph (ONNX
+Runtime's symbolic inference, which follows shape *data* through those chains), then:
+
+- ``ReshapeToConstantShape``: a Reshape whose output shape is known becomes
+  ``Reshape(X, [0, 0, 3, 16])``: static dims as numbers, a symbolic dim found at the same
+  position of the input as 0, at most one other symbolic dim as -1. Batch and sequence
+  stay dynamic.
+- ``ReshapeTransposeReshapeToTranspose``: ``Reshape(Transpose(Reshape(K[a,b,c,d], [-1,c,d]),
+  [0,2,1]), [a,b,d,c])`` (how ``k.transpose(-2, -1)`` is sometimes lowered) becomes
+  ``Transpose(K, [0,1,3,2])``.
+- ``ReshapeIdentity``: a Reshape to the shape its input already has is removed;
+  ``ReshapeOfReshape``: two Reshapes in a row become one.
+- ``StaticDimFromShape``: ``Gather(Shape(X), i)`` of a static dim becomes a constant.
+- ``GemmSandwichToMatMul``: ``Reshape(Gemm(Reshape(X, [-1, K]), W, B), [a, s, N])`` becomes
+  ``MatMul(X, W) + B``: the Reshapes only exist because Gemm is 2-D.
+
+The chains left without users are then removed, so only what truly depends on run-time
+lengths stays (the causal / padding mask, computed once per graph). Inference, rules and
+dead-node removal repeat until nothing changes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
+from onnxscript import optimizer
+from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+
+from passes._common import annotate_symbolic_shapes, apply_rules, const_ints, dims_of
+
+_MAX_ROUNDS = 6
+
+
+class ReshapeToConstantShape(RewriteRuleClassBase):
+    """``Reshape(X, <computed>)`` -> ``Reshape(X, [0, 0, 3, 16])`` when the output shape is known."""
+
+    def pattern(self, op: Any, data: ir.Value, shape: ir.Value) -> ir.Value:
+        """Any Reshape."""
+        return op.Reshape(data, shape)
+
+    def check(self, context: Any, data: ir.Value, shape: ir.Value, **_: Any) -> MatchResult:
+        """The shape is computed, and the output dims are numbers or copies of input dims."""
+        result = MatchResult()
+        if shape.const_value is not None:
+            return result.fail("the target shape is already a constant", shape)
+        output_dims = dims_of(context.output_values[0])
+        if output_dims is None:
+            return result.fail("the output shape is not known", context.output_values[0])
+        input_dims = dims_of(data) or []
+        new_dims: list[int] = []
+        unknown = 0
+        for position, dim in enumerate(output_dims):
+            if isinstance(dim, int):
+                if dim == 0:
+                    return result.fail("an empty dim can't be written as a Reshape target")
+                new_dims.append(dim)
+            elif position < len(input_dims) and input_dims[position] == dim:
+                new_dims.append(0)
+            else:
+                new_dims.append(-1)
+                unknown += 1
+        if unknown > 1:
+            return result.fail(f"{unknown} output dims are neither static nor copies of input dims")
+        self._new_dims = new_dims
+        return result
+
+    def rewrite(self, op: Any, data: ir.Value, shape: ir.Value, **_: Any) -> ir.Value:
+        """Reshape to the constant."""
+        return op.Reshape(data, op.Constant(value=ir.tensor(self._new_dims, dtype=ir.DataType.INT64)))
+
+
+class ReshapeTransposeReshapeToTranspose(RewriteRuleClassBase):
+    """``Reshape(Transpose(Reshape(K, [-1, c, d]), [0, 2, 1]), [a, b, d, c])`` -> ``Transpose(K, [0, 1, 3, 2])``."""
+
+    def pattern(self, op: Any, data: ir.Value, merged_shape: ir.Value, split_shape: ir.Value) -> ir.Value:
+        """Merge leading dims, swap the last two, split again."""
+        merged = op.Reshape(data, merged_shape, _outputs=["merged"])
+        return op.Reshape(op.Transpose(merged, perm=[0, 2, 1]), split_shape)
+
+    def check(self, context: Any, data: ir.Value, merged: ir.Value, **_: Any) -> MatchResult:
+        """Shapes prove it is a swap of the last two axes of a rank-4 tensor."""
+        result = MatchResult()
+        data_dims = dims_of(data)
+        merged_dims = dims_of(merged)
+        output_dims = dims_of(context.output_values[0])
+        if data_dims is None or merged_dims is None or output_dims is None:
+            return result.fail("shapes are not known")
+        if len(data_dims) != 4 or len(merged_dims) != 3:
+            return result.fail("not a rank-4 tensor merged to rank 3")
+        if merged_dims[1:] != data_dims[2:]:
+            return result.fail("the merge does not keep the last two axes")
+        a, b, c, d = data_dims
+        if output_dims != [a, b, d, c]:
+            return result.fail("the result is not the input with its last two axes swapped")
+        if len(merged.uses()) != 1:
+            return result.fail("the merged tensor has other users")
+        return result
+
+    def rewrite(self, op: Any, data: ir.Value, **_: Any) -> ir.Value:
+        """One Transpose."""
+        return op.Transpose(data, perm=[0, 1, 3, 2])
+
+
+class ReshapeIdentity(RewriteRuleClassBase):
+    """``Reshape(X, s)`` -> ``X`` when ``s`` is X's own (known) shape."""
+
+    def pattern(self, op: Any, data: ir.Value, shape: ir.Value) -> ir.Value:
+        """Any Reshape."""
+        return op.Reshape(data, shape)
+
+    def check(self, context: Any, data: ir.Value, shape: ir.Value, **_: Any) -> MatchResult:
+        """Input and output dims are the same, every one of them known."""
+        result = MatchResult()
+        output = context.output_values[0]
+        input_dims = dims_of(data)
+        if input_dims is None or input_dims != dims_of(output):
+            return result.fail("input and output shapes are not known to be equal")
+        if output.is_graph_output():
+            return result.fail("the output is a graph output")
+        return result
+
+    def rewrite(self, op: Any, data: ir.Value, **_: Any) -> ir.Value:
+        """The input itself."""
+        return op.Identity(data)
+
+
+class StaticDimFromShape(RewriteRuleClassBase):
+    """``Gather(Shape(X), i)`` -> a constant when X's dim ``i`` is static."""
+
+    def pattern(self, op: Any, data: ir.Value, index: ir.Value) -> ir.Value:
+        """One dim read out of a Shape."""
+        return op.Gather(op.Shape(data, _outputs=["shape"]), index, axis=0)
+
+    def check(self, context: Any, data: ir.Value, shape: ir.Value, index: ir.Value, **_: Any) -> MatchResult:
+        """The index is constant and the dim it reads is a number."""
+        result = MatchResult()
+        dims = dims_of(data)
+        positions = const_ints(index)
+        if dims is None or positions is None or index.shape is None:
+            return result.fail("input shape or index not known")
+        node = shape.producer()
+        assert node is not None
+        start = node.attributes.get_int("start", 0) or 0
+        end = node.attributes.get_int("end", len(dims))
+        sliced = dims[start:end] if end is not None else dims[start:]
+        try:
+            values = [sliced[p] for p in positions]
+        except IndexError:
+            return result.fail("index out of range")
+        if not all(isinstance(v, int) for v in values):
+            return result.fail("the dim read is symbolic")
+        index_dims = dims_of(index)
+        if index_dims is None or not all(isinstance(d, int) for d in index_dims):
+            return result.fail("the index has a symbolic shape")
+        self._value = np.array(values, dtype=np.int64).reshape([int(d) for d in index_dims])
+        return result
+
+    def rewrite(self, op: Any, **_: Any) -> ir.Value:
+        """The dim as a constant."""
+        return op.Constant(value=ir.tensor(self._value))
+
+
+class GemmSandwichToMatMul(RewriteRuleClassBase):
+    """``Reshape(Gemm(Reshape(X[a,s,K], [-1,K]), W, B), [a,s,N])`` -> ``Add(MatMul(X, W), B)``.
+
+    The two Reshapes exist only because Gemm is 2-D; MatMul takes the 3-D activation as
+    it is, so batch and sequence need no shape arithmetic at all. Only ``transB=0`` with
+    a constant weight and a 1-D (or absent) bias, alpha = beta = 1.
+    """
+
+    def pattern(self, op: Any, data: ir.Value, flat_shape: ir.Value, weight: ir.Value, out_shape: ir.Value) -> ir.Value:
+        """Flatten, Gemm, unflatten."""
+        flat = op.Reshape(data, flat_shape, _outputs=["flat"])
+        product = op.Gemm(flat, weight, _allow_other_inputs=True, _allow_other_attributes=True, _outputs=["product"])
+        return op.Reshape(product, out_shape)
+
+    def check(self, context: Any, data: ir.Value, flat: ir.Value, weight: ir.Value, product: ir.Value, **_: Any) -> MatchResult:
+        """Shapes and attributes make the MatMul form exact."""
+        result = MatchResult()
+        gemm = product.producer()
+        assert gemm is not None
+        attrs = gemm.attributes
+        if attrs.get_int("transA", 0) or attrs.get_int("transB", 0):
+            return result.fail("transposed Gemm operands")
+        if attrs.get_float("alpha", 1.0) != 1.0 or attrs.get_float("beta", 1.0) != 1.0:
+            return result.fail("alpha or beta is not 1")
+        if weight.const_value is None:
+            return result.fail("the weight is not a constant", weight)
+        bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+        if bias is not None and (bias.shape is None or len(bias.shape) != 1):
+            return result.fail("the bias is not 1-D")
+        data_dims, output_dims, weight_dims = dims_of(data), dims_of(context.output_values[0]), dims_of(weight)
+        if data_dims is None or output_dims is None or weight_dims is None:
+            return result.fail("shapes not known")
+        if len(data_dims) < 2 or output_dims[:-1] != data_dims[:-1] or output_dims[-1] != weight_dims[1]:
+            return result.fail("the reshapes do not just flatten and restore the leading dims")
+        if len(flat.uses()) != 1 or len(product.uses()) != 1:
+            return result.fail("intermediate values have other users")
+        self._bias = bias
+        return result
+
+    def rewrite(self, op: Any, data: ir.Value, weight: ir.Value, **_: Any) -> ir.Value:
+        """MatMul, then the bias if there is one."""
+        product = op.MatMul(data, weight)
+        return product if self._bias is None else op.Add(product, self._bias)
+
+
+class ReshapeOfReshape(RewriteRuleClassBase):
+    """``Reshape(Reshape(X, s1), s2)`` -> ``Reshape(X, s2)`` when ``s2`` is constant and its 0s copy the same dims."""
+
+    def pattern(self, op: Any, data: ir.Value, first_shape: ir.Value, second_shape: ir.Value) -> ir.Value:
+        """Two Reshapes in a row."""
+        return op.Reshape(op.Reshape(data, first_shape, _outputs=["middle"]), second_shape)
+
+    def check(self, context: Any, data: ir.Value, middle: ir.Value, second_shape: ir.Value, **_: Any) -> MatchResult:
+        """Every 0 in the second target copies a dim that the input has at the same place."""
+        result = MatchResult()
+        dims = const_ints(second_shape)
+        if dims is None:
+            return result.fail("the second target is not a constant", second_shape)
+        data_dims, middle_dims = dims_of(data), dims_of(middle)
+        for position, dim in enumerate(dims):
+            if dim != 0:
+                continue
+            if data_dims is None or middle_dims is None or position >= min(len(data_dims), len(middle_dims)):
+                return result.fail("a 0 in the second target copies a dim of unknown origin")
+            if data_dims[position] != middle_dims[position]:
+                return result.fail("a 0 in the second target copies a dim the input does not have there")
+        if len(middle.uses()) != 1 or middle.is_graph_output():
+            return result.fail("the middle tensor has other users")
+        return result
+
+    def rewrite(self, op: Any, data: ir.Value, second_shape: ir.Value, **_: Any) -> ir.Value:
+        """One Reshape."""
+        return op.Reshape(data, second_shape)
+
+
+RULES = [
+    ReshapeOfReshape.rule(),
+    StaticDimFromShape.rule(),
+    GemmSandwichToMatMul.rule(),
+    ReshapeIdentity.rule(),
+    ReshapeTransposeReshapeToTranspose.rule(),
+    ReshapeToConstantShape.rule(),
+]
+
+
+def count_ops(model: ir.Model, op_type: str) -> int:
+    """How many nodes of ``op_type`` the main graph has."""
+    return sum(1 for node in model.graph if node.op_type == op_type)
+
+
+class FoldShapesPass(InPlacePass):
+    """Fold shape computations into constant Reshape targets; ``counts`` per rule, plus Shape nodes removed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Fold to a fixed point."""
+        shapes_before = count_ops(model, "Shape")
+        nodes_before = len(model.graph)
+        counts = fold_to_fixed_point(model)
+        counts["shape_nodes_removed"] = shapes_before - count_ops(model, "Shape")
+        self.counts = counts
+        return PassResult(model, modified=len(model.graph) != nodes_before or any(counts.values()))
+
+
+def fold_to_fixed_point(model: ir.Model) -> dict[str, int]:
+    """Constant folding, shape inference and :data:`RULES`, repeated until nothing fires."""
+    counts: dict[str, int] = {}
+    for _ in range(_MAX_ROUNDS):
+        optimizer.fold_constants(model)
+        # Constant nodes become initializers: one form of constant for the rules and
+        # for the shape inference (which reads only ``value`` attributes).
+        LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
+        annotate_symbolic_shapes(model)
+        fired = apply_rules(model, RULES)
+        for name, n in fired.items():
+            counts[name] = counts.get(name, 0) + n
+        RemoveUnusedNodesPass()(model)
+        _drop_identities(model)
+        if not any(fired.values()):
+            break
+    return counts
+
+
+def _drop_identities(model: ir.Model) -> None:
+    """Bypass Identity nodes whose output is not a graph output (left by ReshapeIdentity)."""
+    for node in list(model.graph):
+        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
+            continue
+        source, target = node.inputs[0], node.outputs[0]
+        if source is None or target.is_graph_output():
+            continue
+        ir.convenience.replace_all_uses_with(target, source)
+        model.graph.remove(node, safe=True)
+
+
+__all__ = ["FoldShapesPass", "count_ops"]

@@ -1,0 +1,92 @@
+"""fuse_ort_block: tanh gelu -> FastGelu, LayerNorm(Add) -> SkipLayerNormalization, outputs unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+
+from passes import FuseOrtBlockPass
+
+E = 8
+
+
+def _block_model() -> onnx.ModelProto:
+    """h = LN(x + r); y = gelu_tanh(h @ W + b); outputs y and the residual sum x + r."""
+    h = onnx.helper
+    rng = np.random.default_rng(0)
+    consts = {
+        "gamma": rng.normal(size=E), "beta": rng.normal(size=E), "W": rng.normal(size=(E, 2 * E)),
+        "b": rng.normal(size=2 * E), "half": 0.5, "three": 3.0, "coef": 0.044715,
+        "sqrt2pi": 0.7978845608028654, "one": 1.0,
+    }
+    nodes = [
+        h.make_node("Add", ["x", "r"], ["sum"]),
+        h.make_node("LayerNormalization", ["sum", "gamma", "beta"], ["normed"], axis=-1, epsilon=1e-5),
+        h.make_node("MatMul", ["normed", "W"], ["mm"]),
+        h.make_node("Add", ["mm", "b"], ["pre"]),
+        h.make_node("Mul", ["pre", "half"], ["halfx"]),
+        h.make_node("Pow", ["pre", "three"], ["cube"]),
+        h.make_node("Mul", ["cube", "coef"], ["scaled_cube"]),
+        h.make_node("Add", ["pre", "scaled_cube"], ["inner0"]),
+        h.make_node("Mul", ["inner0", "sqrt2pi"], ["inner"]),
+        h.make_node("Tanh", ["inner"], ["t"]),
+        h.make_node("Add", ["t", "one"], ["t1"]),
+        h.make_node("Mul", ["halfx", "t1"], ["y"]),
+    ]
+    initializers = [onnx.numpy_helper.from_array(np.array(v, np.float32), k) for k, v in consts.items()]
+    shape = ["batch", "sequence", E]
+    graph = h.make_graph(
+        nodes,
+        "block",
+        [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shape) for n in ("x", "r")],
+        [
+            h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None),
+            h.make_tensor_value_info("sum", onnx.TensorProto.FLOAT, shape),
+        ],
+        initializers,
+    )
+    return h.make_model(graph, opset_imports=[h.make_opsetid("", 18)], ir_version=10)
+
+
+def _run(proto: onnx.ModelProto, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def test_gelu_and_layernorm_fuse_with_bias_absorbed_and_outputs_unchanged() -> None:
+    proto = _block_model()
+    model = ir.serde.deserialize_model(proto)
+    # the residual sum is a graph output here; the rule must keep it (SkipLayerNorm's output 3)
+    fuse = FuseOrtBlockPass()
+    assert fuse(model).modified
+    assert fuse.counts == {"FastGeluRule": 1, "SkipLayerNormRule": 1}
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(model)
+    ops = [(n.domain, n.op_type) for n in model.graph]
+    assert ops == [
+        ("com.microsoft", "SkipLayerNormalization"),
+        ("", "MatMul"),
+        ("com.microsoft", "FastGelu"),
+    ]
+    fast_gelu = model.graph[2]
+    assert [v.name for v in fast_gelu.inputs if v is not None][1] == "b"  # the c_fc bias moved in
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.normal(size=(2, 3, E)).astype(np.float32) for n in ("x", "r")}
+    fused = ir.serde.serialize_model(model)
+    for got, want in zip(_run(fused, feeds), _run(proto, feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_other_constants_are_not_mistaken_for_gelu() -> None:
+    proto = _block_model()
+    for initializer in proto.graph.initializer:
+        if initializer.name == "coef":
+            initializer.CopyFrom(onnx.numpy_helper.from_array(np.array(0.05, np.float32), "coef"))
+    model = ir.serde.deserialize_model(proto)
+    fuse = FuseOrtBlockPass()
+    fuse(model)
+    assert fuse.counts["FastGeluRule"] == 0
+    assert sum(n.op_type == "Tanh" for n in model.graph) == 1
