@@ -82,43 +82,32 @@ class BenchReport:
             None,
         )
 
+    def _ratio(self, system: str, baseline: str, context: int, field: str, base_context: int | None = None) -> float | None:
+        """``system``'s ``field`` over ``baseline``'s at batch 1 (None when either is missing)."""
+        top = self.get(system, 1, context)
+        bottom = self.get(baseline, 1, context if base_context is None else base_context)
+        top_value = getattr(top, field) if top else None
+        bottom_value = getattr(bottom, field) if bottom else None
+        return top_value / bottom_value if top_value and bottom_value else None
+
     def ratios(self) -> dict[str, float]:
         """The headline ratios the targets are stated in (batch 1)."""
-        result: dict[str, float] = {}
         contexts = sorted({m.context for m in self.measurements})
-        onnx_first = self.get("kvexport", 1, contexts[0]) if contexts else None
-        floor_first = self.get("floor", 1, contexts[0]) if contexts else None
-        torch_first = self.get("pytorch", 1, contexts[0]) if contexts else None
-        if (
-            onnx_first
-            and floor_first
-            and onnx_first.decode_ms_per_token
-            and floor_first.decode_ms_per_token
-        ):
-            result[f"decode_vs_floor_ctx{contexts[0]}"] = (
-                onnx_first.decode_ms_per_token / floor_first.decode_ms_per_token
-            )
-        if onnx_first and torch_first and onnx_first.ttft_ms and torch_first.ttft_ms:
-            result[f"ttft_vs_pytorch_ctx{contexts[0]}"] = onnx_first.ttft_ms / torch_first.ttft_ms
-        if (
-            onnx_first
-            and torch_first
-            and onnx_first.decode_ms_per_token
-            and torch_first.decode_ms_per_token
-        ):
-            result[f"decode_vs_pytorch_ctx{contexts[0]}"] = (
-                onnx_first.decode_ms_per_token / torch_first.decode_ms_per_token
-            )
-        onnx_last = self.get("kvexport", 1, contexts[-1]) if contexts else None
-        if (
-            onnx_first
-            and onnx_last
-            and onnx_first.decode_ms_per_token
-            and onnx_last.decode_ms_per_token
-        ):
-            result[f"decode_ctx{contexts[-1]}_vs_ctx{contexts[0]}"] = (
-                onnx_last.decode_ms_per_token / onnx_first.decode_ms_per_token
-            )
+        if not contexts:
+            return {}
+        first, last = contexts[0], contexts[-1]
+        decode = "decode_ms_per_token"
+        candidates = {
+            f"decode_vs_floor_ctx{first}": self._ratio("kvexport", "floor", first, decode),
+            f"ttft_vs_pytorch_ctx{first}": self._ratio("kvexport", "pytorch", first, "ttft_ms"),
+            f"decode_vs_pytorch_ctx{first}": self._ratio("kvexport", "pytorch", first, decode),
+            f"decode_ctx{last}_vs_ctx{first}": self._ratio("kvexport", "kvexport", last, decode, first),
+        }
+        for system in sorted({m.system for m in self.measurements if m.system.startswith("kvexport[")}):
+            candidates[f"decode_{system}_vs_kvexport_ctx{first}"] = self._ratio(system, "kvexport", first, decode)
+            candidates[f"ttft_{system}_vs_kvexport_ctx{first}"] = self._ratio(system, "kvexport", first, "ttft_ms")
+            candidates[f"decode_{system}_ctx{last}_vs_ctx{first}"] = self._ratio(system, system, last, decode, first)
+        result = {k: v for k, v in candidates.items() if v is not None}
         result["generator_rss_vs_weights"] = (
             self.generator_rss_mb * 2**20 / max(1, self.weight_bytes)
         )
@@ -241,13 +230,25 @@ def run_bench(
     repeats: int = 2,
     baselines: bool = True,
     shared: bool = True,
+    compare: Sequence[str | Path] = (),
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
-    """Measure kvexport and the baselines; see the module docstring."""
+    """Measure kvexport and the baselines; see the module docstring.
+
+    ``compare`` names other exports of the same weights (e.g. ``--target ort-cpu``);
+    each is timed in the same run as system ``kvexport[<attention>]``.
+    """
     say = progress or (lambda message: None)
     if new_tokens < 2:
         raise KvexportError(f"--new-tokens {new_tokens}: must be at least 2")
     manifest = read_manifest(Path(directory))
+    others = [(Path(d), read_manifest(Path(d))) for d in compare]
+    for other_dir, other in others:
+        if other.weights_sha256 != manifest.weights_sha256:
+            raise KvexportError(
+                f"--compare {other_dir}: holds other weights than {directory}; "
+                "compare exports of the same model"
+            )
     too_long = [c for c in contexts if c < 1 or c + new_tokens > manifest.dims.n_positions]
     if too_long:
         raise KvexportError(
@@ -307,9 +308,22 @@ def run_bench(
             cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * element
             floor_ms = 1000 * (report.weight_bytes + cache_bytes) / (bandwidth * 1e9)
             report.measurements.append(Measurement("floor", batch, context, None, floor_ms))
-    report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
     del generator
     gc.collect()
+    for other_dir, other in others:
+        system = f"kvexport[{other.attention}]"
+        say(f"loading {system} from {other_dir}")
+        other_generator = Generator(other_dir, provider=provider)
+        _warm_up(other_generator)
+        for batch in batches:
+            for context in contexts:
+                say(f"{system}: batch {batch}, context {context}")
+                report.measurements.append(
+                    _bench_onnx(other_generator, batch, context, new_tokens, repeats, system)
+                )
+        del other_generator
+        gc.collect()
+    report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
     if baselines:
         say("loading the PyTorch reference")
         model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]

@@ -77,6 +77,17 @@ def json_option(function: F) -> F:
     )
 
 
+def attention_option(default: str | None, note: str) -> Callable[[F], F]:
+    """``--attention unfused|onnx|ort``, shared by ``gpt2`` and ``rewrite``."""
+    return click.option(
+        "--attention",
+        type=click.Choice(["unfused", "onnx", "ort"]),
+        default=default,
+        show_default=default is not None,
+        help=f"Attention: unfused, onnx (opset-23 Attention op) or ort (com.microsoft fused ops){note}.",
+    )
+
+
 def provider_option(function: F) -> F:
     """``--provider cpu|cuda|auto``."""
     return click.option(
@@ -118,12 +129,7 @@ def main() -> None:
     show_default=True,
     help="Where the graphs will run: portable (standard ops), ort-cpu / ort-cuda (ONNX Runtime fused ops; ort-cuda defaults to fp16).",
 )
-@click.option(
-    "--attention",
-    type=click.Choice(["unfused", "onnx", "ort"]),
-    default=None,
-    help="Attention: unfused, onnx (opset-23 Attention op) or ort (com.microsoft ops); default per target.",
-)
+@attention_option(default=None, note="; default per target")
 @click.option(
     "--dtype",
     type=click.Choice(["fp32", "fp16"]),
@@ -278,6 +284,11 @@ def sampling_options(function: F) -> F:
     is_flag=True,
     help="One mapped copy of the weights (less memory, slower on CPU).",
 )
+@click.option(
+    "--truncate",
+    is_flag=True,
+    help="Keep the prompt's last tokens when it leaves no room for --max-new-tokens (default: error).",
+)
 @sampling_options
 @provider_option
 def generate_command(
@@ -285,6 +296,7 @@ def generate_command(
     prompt: str,
     max_new_tokens: int,
     share_weights: bool,
+    truncate: bool,
     do_sample: bool,
     temperature: float,
     top_k: int,
@@ -306,6 +318,7 @@ def generate_command(
         top_k=top_k,
         top_p=top_p,
         seed=seed,
+        truncate=truncate,
     )
     click.echo(prompt, nl=False)
 
@@ -352,6 +365,13 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @click.option("--no-baselines", is_flag=True, help="Skip the PyTorch and no-cache baselines.")
 @click.option("--no-shared", is_flag=True, help="Skip the shared-weights Generator variant.")
 @click.option(
+    "--compare",
+    "compare",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="Another export of the same weights (e.g. --target ort-cpu) to time in the same run; repeatable.",
+)
+@click.option(
     "--results",
     default=Path("bench-results"),
     show_default=True,
@@ -368,6 +388,7 @@ def bench_command(
     repeats: int,
     no_baselines: bool,
     no_shared: bool,
+    compare: tuple[Path, ...],
     results: Path,
     provider: str,
     as_json: bool,
@@ -385,6 +406,7 @@ def bench_command(
             repeats=repeats,
             baselines=not no_baselines,
             shared=not no_shared,
+            compare=compare,
             progress=_progress,
         )
     )
@@ -394,11 +416,11 @@ def bench_command(
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    click.echo(f"{'system':<15} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'decode ms/token':>16}")
+    click.echo(f"{'system':<18} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'decode ms/token':>16}")
     for m in sorted(report.measurements, key=lambda m: (m.batch, m.context, m.system)):
         ttft = f"{m.ttft_ms:.1f}" if m.ttft_ms is not None else "-"
         decode = f"{m.decode_ms_per_token:.2f}" if m.decode_ms_per_token is not None else "-"
-        click.echo(f"{m.system:<15} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
+        click.echo(f"{m.system:<18} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
     click.echo(
         f"bandwidth {report.bandwidth_gb_s} GB/s; weights {report.weight_bytes / 1e6:.1f} MB; "
         f"generator RSS {report.generator_rss_mb:.0f} MiB, shared-weights generator {report.shared_rss_mb:.0f} MiB "
@@ -466,13 +488,7 @@ def _echo_pass_table(entries: list[dict[str, Any]]) -> None:
     help="Comma-separated passes [default: rename_cache,fold_shapes,cleanup]; "
     "choose from rename_cache, transposed_weight_gemm, fold_shapes, fuse_attention, fuse_ort_block, cleanup.",
 )
-@click.option(
-    "--attention",
-    type=click.Choice(["unfused", "onnx", "ort"]),
-    default="unfused",
-    show_default=True,
-    help="Fuse attention for this target (onnx: opset-23 Attention; ort: com.microsoft ops).",
-)
+@attention_option(default="unfused", note="")
 @click.option(
     "--names",
     type=click.Choice(["canonical", "optimum"]),

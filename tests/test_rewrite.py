@@ -12,9 +12,10 @@ from click.testing import CliRunner
 
 from kvexport import verify
 from kvexport.cli import main
+from kvexport.testing import FOREIGN_STYLES, export_foreign, kvexport_dir_with_graphs
 from passes.fold_shapes import count_ops
 from passes.rename_cache import canonical_cache_names
-from tests.conftest import FOREIGN_STYLES, TINY, export_foreign, kvexport_dir_with_graphs
+from tests.conftest import TINY
 
 PIPELINE_PREFIXES = [
     "rename_cache",

@@ -163,7 +163,28 @@ def test_generate_command_streams_text_and_reports_speed(tiny_export: Path) -> N
     )
     too_long = CliRunner().invoke(main, ["generate", str(tiny_export), "--prompt", "word " * 70])
     assert too_long.exit_code == 2
-    assert "exceeds the model's 64 positions; shorten the prompt" in too_long.stderr
+    assert too_long.stderr.strip() == (
+        "Error: prompt of 71 tokens + 50 new tokens exceeds the model's 64 positions; shorten the "
+        "prompt, ask for fewer tokens, or truncate the prompt (truncate=True, --truncate)"
+    )
+    truncated = CliRunner().invoke(
+        main,
+        ["generate", str(tiny_export), "--prompt", "word " * 70, "--max-new-tokens", "4", "--truncate"],
+    )
+    assert truncated.exit_code == 0, truncated.output
+    assert "prompt 60;" in truncated.stderr  # 64 positions - 4 new tokens
+
+
+def test_truncate_keeps_the_last_tokens_and_matches_the_short_prompt(tiny_export: Path) -> None:
+    generator = Generator(tiny_export)
+    prompt = list(range(100, 170))  # 70 tokens > 64 positions
+    with pytest.raises(KvexportError, match="exceeds the model's 64 positions"):
+        generator.generate(prompt, 4)
+    truncated = generator.generate(prompt, 4, truncate=True)
+    assert truncated.shape == (1, 64)
+    np.testing.assert_array_equal(truncated, generator.generate(prompt[-60:], 4))
+    with pytest.raises(KvexportError, match="exceeds the model's 64 positions; shorten the prompt, ask for fewer tokens$"):
+        generator.generate(prompt, 64, truncate=True)  # nothing of the prompt would fit
 
 
 def test_bench_writes_json_and_plot_with_every_system(tiny_export: Path, tmp_path: Path) -> None:

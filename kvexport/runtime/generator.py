@@ -172,7 +172,11 @@ class Generator:
     # ---------------------------------------------------------------- inputs
 
     def _prepare(
-        self, input_ids: TokenIds, attention_mask: np.ndarray | None, max_new_tokens: int
+        self,
+        input_ids: TokenIds,
+        attention_mask: np.ndarray | None,
+        max_new_tokens: int,
+        truncate: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
         if (
             isinstance(max_new_tokens, bool)
@@ -230,10 +234,15 @@ class Generator:
         ids = np.where(mask == 1, ids, pad).astype(np.int64)
         total = ids.shape[1] + max_new_tokens
         if total > self.n_positions:
-            raise KvexportError(
-                f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
-                f"{self.n_positions} positions; shorten the prompt or ask for fewer tokens"
-            )
+            keep = self.n_positions - max_new_tokens
+            if not truncate or keep < 1:
+                raise KvexportError(
+                    f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
+                    f"{self.n_positions} positions; shorten the prompt, ask for fewer tokens"
+                    + (", or truncate the prompt (truncate=True, --truncate)" if keep >= 1 else "")
+                )
+            # keep each row's most recent tokens: the left-padded tail of the batch
+            ids, mask = ids[:, -keep:], mask[:, -keep:]
         return ids, mask
 
     # ---------------------------------------------------------------- loop
@@ -250,15 +259,19 @@ class Generator:
         seed: int | None = None,
         eos_token_id: int | None = None,
         attention_mask: np.ndarray | None = None,
+        truncate: bool = False,
     ) -> Iterator[np.ndarray]:
         """Yield the next token of every row ([batch] int64) as each step finishes.
 
         Rows that have produced ``eos_token_id`` (default: the tokenizer's) get it again
         as padding; the stream ends when every row has finished or after ``max_new_tokens``.
+        A prompt that leaves no room for ``max_new_tokens`` within the model's positions
+        is an error, unless ``truncate``: then only its last ``n_positions -
+        max_new_tokens`` tokens are used.
         """
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
         sampling.validate()
-        ids, mask = self._prepare(input_ids, attention_mask, max_new_tokens)
+        ids, mask = self._prepare(input_ids, attention_mask, max_new_tokens, truncate)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
         rng = np.random.default_rng(seed)
         batch, prompt = ids.shape
@@ -362,9 +375,12 @@ class Generator:
         """Full sequences [batch, prompt + new] like Hugging Face ``generate`` (left-padded).
 
         Takes the same options as :meth:`stream`. Generation stops early when every row
-        has produced EOS; finished rows are padded with EOS.
+        has produced EOS; finished rows are padded with EOS. With ``truncate=True`` the
+        returned sequences start with the kept part of the prompt.
         """
-        ids, mask = self._prepare(input_ids, options.get("attention_mask"), max_new_tokens)
+        ids, mask = self._prepare(
+            input_ids, options.get("attention_mask"), max_new_tokens, options.pop("truncate", False)
+        )
         options["attention_mask"] = mask
         steps = list(self.stream(ids, max_new_tokens, **options))
         return np.concatenate([ids, np.stack(steps, axis=1)], axis=1)

@@ -10,9 +10,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from kvexport.testing import export_foreign
 from passes import FoldShapesPass
 from passes.fold_shapes import count_ops
-from tests.conftest import TINY, export_foreign, write_config
+from tests.conftest import TINY, write_config
 
 
 def _split_heads_model() -> onnx.ModelProto:
