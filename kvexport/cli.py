@@ -137,6 +137,13 @@ def main() -> None:
     help="Weights and activations [default: fp16 for ort-cuda, else fp32].",
 )
 @click.option(
+    "--cache",
+    type=click.Choice(["concat", "shared-buffer"]),
+    default=None,
+    help="Cache layout: concat (a new present per step) or shared-buffer (one buffer updated in "
+    "place; needs ort attention) [default: shared-buffer for ort targets, else concat].",
+)
+@click.option(
     "--opset", default=18, show_default=True, type=click.IntRange(14, 24), help="ONNX opset."
 )
 @click.option("--all-logits", is_flag=True, help="Prefill returns logits for every position.")
@@ -158,6 +165,7 @@ def gpt2_command(
     target: str,
     attention: str | None,
     dtype: str | None,
+    cache: str | None,
     opset: int,
     all_logits: bool,
     force: bool,
@@ -178,6 +186,7 @@ def gpt2_command(
             target=target,  # type: ignore[arg-type]
             attention=attention,  # type: ignore[arg-type]
             dtype=dtype,  # type: ignore[arg-type]
+            cache=cache,  # type: ignore[arg-type]
             opset=opset,
             all_logits=all_logits,
             force=force,
@@ -196,6 +205,7 @@ def gpt2_command(
         f"  layers {dims.n_layer}, heads {dims.n_head} x {dims.head_dim}, vocab {dims.vocab_size}, "
         f"positions {dims.n_positions}, {manifest.dtype}, opset {manifest.opset}"
     )
+    click.echo(f"  target {manifest.target}, attention {manifest.attention}, cache {manifest.cache_layout}")
     click.echo(
         f"  strategy {result.strategy}; nodes: prefill {result.node_counts['prefill']}, decode {result.node_counts['decode']}"
     )
@@ -486,7 +496,8 @@ def _echo_pass_table(entries: list[dict[str, Any]]) -> None:
     "pass_list",
     default=None,
     help="Comma-separated passes [default: rename_cache,fold_shapes,cleanup]; "
-    "choose from rename_cache, transposed_weight_gemm, fold_shapes, fuse_attention, fuse_ort_block, cleanup.",
+    "choose from rename_cache, transposed_weight_gemm, fold_shapes, fuse_attention, fuse_ort_block, "
+    "shared_buffer_cache (changes the cache IO; needs --attention ort), cleanup.",
 )
 @attention_option(default="unfused", note="")
 @click.option(

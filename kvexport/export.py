@@ -52,11 +52,20 @@ Attention = Literal["unfused", "onnx", "ort"]
 Progress = Callable[[str], None]
 
 DEFAULT_OPSET = 18
-# target -> (default attention, default dtype)
-TARGET_DEFAULTS: dict[str, tuple[Attention, Dtype]] = {
-    "portable": ("unfused", "fp32"),
-    "ort-cpu": ("ort", "fp32"),
-    "ort-cuda": ("ort", "fp16"),
+CacheLayout = Literal["concat", "shared-buffer"]
+# target -> (default attention, default dtype, default cache layout)
+TARGET_DEFAULTS: dict[str, tuple[Attention, Dtype, CacheLayout]] = {
+    "portable": ("unfused", "fp32", "concat"),
+    "ort-cpu": ("ort", "fp32", "shared-buffer"),
+    "ort-cuda": ("ort", "fp16", "shared-buffer"),
+}
+CACHE_DESCRIPTIONS = {
+    "concat": "present = past + the new rows: a new [batch, H, total_sequence, D] tensor per step",
+    "shared-buffer": (
+        "past.* and present.* are one [batch, H, max_sequence, D] buffer per tensor, bound to "
+        "both and updated in place; max_sequence is the capacity, attention_mask's length the "
+        "valid length; prefill takes the empty buffers as past.* inputs"
+    ),
 }
 IO_INPUTS = ["input_ids", "attention_mask", "position_ids"]
 
@@ -345,6 +354,7 @@ def export_gpt2(
     target: Target = "portable",
     attention: Attention | None = None,
     dtype: Dtype | None = None,
+    cache: CacheLayout | None = None,
     opset: int = DEFAULT_OPSET,
     all_logits: bool = False,
     force: bool = False,
@@ -365,6 +375,9 @@ def export_gpt2(
             ``Attention``) or ``ort`` (``com.microsoft`` fused ops).
         dtype: ``fp32`` or ``fp16`` weights and activations (None: fp16 for ``ort-cuda``,
             else fp32).
+        cache: ``concat`` (a new present per step, the portable contract) or
+            ``shared-buffer`` (one in-place buffer per cache tensor; needs ``ort``
+            attention). None: ``shared-buffer`` for the ort targets, else ``concat``.
         opset: ONNX opset of the graphs.
         all_logits: prefill returns logits for every position, not only the last.
         force: replace a non-empty ``out``.
@@ -382,6 +395,15 @@ def export_gpt2(
         raise KvexportError(f"--target {target}: choose from {', '.join(TARGET_DEFAULTS)}")
     attention = attention or TARGET_DEFAULTS[target][0]
     dtype = dtype or TARGET_DEFAULTS[target][1]
+    if cache is None:
+        cache = TARGET_DEFAULTS[target][2] if attention == "ort" else "concat"
+    if cache not in CACHE_DESCRIPTIONS:
+        raise KvexportError(f"--cache {cache}: choose concat or shared-buffer")
+    if cache == "shared-buffer" and attention != "ort":
+        raise KvexportError(
+            f"--cache shared-buffer --attention {attention}: the in-place cache needs ONNX Runtime's "
+            "attention; use --attention ort (or --target ort-cpu / ort-cuda)"
+        )
     if attention not in ("unfused", "onnx", "ort"):
         raise KvexportError(f"--attention {attention}: choose unfused, onnx or ort")
     if target == "portable" and attention == "ort":
@@ -413,7 +435,8 @@ def export_gpt2(
         pass_reports = []
         for name, graph in graphs.items():
             report(f"running passes on {name}")
-            for pass_report in run_pipeline(graph, build_pipeline(attention)):
+            pipeline = build_pipeline(attention, shared_buffer=cache == "shared-buffer")
+            for pass_report in run_pipeline(graph, pipeline):
                 pass_reports.append({"graph": name, **pass_report.to_json()})
         opset = graphs["decode"].opset_imports.get("", opset)
         report("writing graphs and shared weights")
@@ -455,6 +478,7 @@ def export_gpt2(
             tokenizer=tokenizer_info,
             passes=pass_reports,
             versions=_versions(),
+            cache={"layout": cache, "description": CACHE_DESCRIPTIONS[cache]},
         )
         manifest.write(tmp)
     report(f"wrote {out_path}")

@@ -136,6 +136,15 @@ class Manifest:
     passes: list[dict[str, Any]] = field(default_factory=list)
     versions: dict[str, str] = field(default_factory=dict)
     verify: dict[str, Any] | None = None
+    # "concat": present = past + the new rows, a new tensor each step (the portable contract);
+    # "shared-buffer": past and present are one [batch, H, capacity, D] buffer the caller
+    # binds to both, updated in place; prefill takes the (empty) buffers as past inputs too.
+    cache: dict[str, Any] = field(default_factory=lambda: {"layout": "concat"})
+
+    @property
+    def cache_layout(self) -> str:
+        """``concat`` or ``shared-buffer`` (see ``cache``)."""
+        return str(self.cache.get("layout", "concat"))
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object written to ``kvexport.json``."""
@@ -157,6 +166,7 @@ class Manifest:
             "weights": self.weights,
             "tokenizer": self.tokenizer,
             "export": self.export,
+            "cache": self.cache,
             "passes": self.passes,
             "versions": self.versions,
             "verify": self.verify,
@@ -193,6 +203,7 @@ class Manifest:
                 passes=data.get("passes", []),
                 versions=data.get("versions", {}),
                 verify=data.get("verify"),
+                cache=data.get("cache", {"layout": "concat"}),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(
@@ -262,10 +273,10 @@ def check_graph_io(manifest: Manifest, graph: str, proto: onnx.ModelProto) -> li
     expected_present = cache_names("present", n_layer)
     if [t.name for t in actual.outputs if t.layer is not None] != expected_present:
         problems.append(f"{graph}: present outputs do not match the manifest's {n_layer} layers")
-    if graph == "decode" and [t.name for t in actual.inputs if t.layer is not None] != cache_names(
-        "past", n_layer
-    ):
-        problems.append(f"decode: past inputs do not match the manifest's {n_layer} layers")
-    if graph == "prefill" and any(t.layer is not None for t in actual.inputs):
+    past_inputs = [t.name for t in actual.inputs if t.layer is not None]
+    takes_past = graph == "decode" or manifest.cache_layout == "shared-buffer"
+    if takes_past and past_inputs != cache_names("past", n_layer):
+        problems.append(f"{graph}: past inputs do not match the manifest's {n_layer} layers")
+    if not takes_past and past_inputs:
         problems.append("prefill: takes past inputs; prefill and decode graphs may be swapped")
     return problems

@@ -193,6 +193,57 @@ def _positions(mask: np.ndarray) -> np.ndarray:
     return np.clip(np.cumsum(mask, axis=-1) - 1, 0, None).astype(np.int64)
 
 
+class _StepRunner:
+    """Runs one graph step and returns every output as host arrays, for either cache layout.
+
+    ``concat``: plain ``session.run``; the caller feeds the presents back as pasts.
+    ``shared-buffer``: one buffer per cache tensor on the session's device, bound as both
+    past and present through IO binding, as the Generator does; the presents returned are
+    copies of the buffers' valid part ([batch, H, total_sequence, D]).
+    """
+
+    def __init__(
+        self, manifest: Manifest, sessions: dict[str, Any], provider: str, batch: int, capacity: int
+    ) -> None:
+        import onnxruntime as ort
+
+        self.sessions = sessions
+        self.shared = manifest.cache_layout == "shared-buffer"
+        n_layer, dims = manifest.dims.n_layer, manifest.dims
+        self.past_names = cache_names("past", n_layer)
+        self.present_names = cache_names("present", n_layer)
+        dtype = np.float16 if manifest.dtype == "fp16" else np.float32
+        device = "cuda" if provider == "cuda" else "cpu"
+        shape = (batch, dims.n_head, capacity, dims.head_dim)
+        self.buffers = (
+            {
+                name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), device, 0)
+                for name in self.past_names
+            }
+            if self.shared
+            else {}
+        )
+
+    def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Outputs by name: ``logits`` and every ``present.*``."""
+        session = self.sessions[graph]
+        if not self.shared:
+            return dict(zip(["logits", *self.present_names], session.run(None, feeds), strict=True))
+        binding = session.io_binding()
+        for name in ("input_ids", "attention_mask", "position_ids"):
+            binding.bind_cpu_input(name, feeds[name])
+        binding.bind_output("logits", "cpu")
+        for past, present in zip(self.past_names, self.present_names, strict=True):
+            binding.bind_ortvalue_input(past, self.buffers[past])
+            binding.bind_ortvalue_output(present, self.buffers[past])
+        session.run_with_iobinding(binding)
+        total = feeds["attention_mask"].shape[1]
+        result = {"logits": binding.copy_outputs_to_cpu()[0]}
+        for past, present in zip(self.past_names, self.present_names, strict=True):
+            result[present] = self.buffers[past].numpy()[:, :, :total].copy()
+        return result
+
+
 def _run_case(
     case: str,
     ids: np.ndarray,
@@ -203,6 +254,7 @@ def _run_case(
     steps: int,
     report: VerifyReport,
 ) -> None:
+    runner = _StepRunner(manifest, sessions, report.provider, ids.shape[0], ids.shape[1] + steps)
     dtype = manifest.dtype
     n_layer = manifest.dims.n_layer
     present_names = cache_names("present", n_layer)
@@ -217,8 +269,7 @@ def _run_case(
     torch_inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
     for step in range(steps + 1):
         graph = "prefill" if step == 0 else "decode"
-        outputs = sessions[graph].run(None, feeds)
-        got = dict(zip(["logits", *present_names], outputs, strict=True))
+        got = runner.run(graph, feeds)
         with torch.no_grad():
             reference = model(
                 torch.from_numpy(torch_inputs["input_ids"]),
@@ -268,9 +319,10 @@ def _run_case(
         next_positions = mask.sum(-1, keepdims=True).astype(np.int64)
         mask = np.concatenate([mask, np.ones_like(next_ids)], axis=1)
         feeds = {"input_ids": next_ids, "attention_mask": mask, "position_ids": next_positions}
-        feeds.update(
-            {past: got[present] for past, present in zip(past_names, present_names, strict=True)}
-        )
+        if not runner.shared:
+            feeds.update(
+                {past: got[present] for past, present in zip(past_names, present_names, strict=True)}
+            )
         torch_inputs = {
             "input_ids": next_ids,
             "attention_mask": mask,

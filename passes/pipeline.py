@@ -20,6 +20,7 @@ from passes.fold_shapes import FoldShapesPass, count_ops
 from passes.fuse_attention import FuseAttentionPass, count_attention_ops
 from passes.fuse_ort_block import FuseOrtBlockPass
 from passes.rename_cache import RenameCachePass
+from passes.shared_buffer_cache import SharedBufferCachePass
 from passes.transposed_weight_gemm import TransposedWeightGemmPass
 
 AttentionChoice = Literal["unfused", "onnx", "ort"]
@@ -29,6 +30,7 @@ PASS_NAMES = (
     "fold_shapes",
     "fuse_attention",
     "fuse_ort_block",
+    "shared_buffer_cache",
     "cleanup",
 )
 DEFAULT_REWRITE_PASSES = ("rename_cache", "fold_shapes", "cleanup")
@@ -82,7 +84,9 @@ class _Measured(InPlacePass):
 
 
 def build_pipeline(
-    attention: AttentionChoice = "unfused", passes: Sequence[str] | None = None
+    attention: AttentionChoice = "unfused",
+    passes: Sequence[str] | None = None,
+    shared_buffer: bool = False,
 ) -> list[tuple[str, InPlacePass]]:
     """The named passes to run, in pipeline order.
 
@@ -91,12 +95,20 @@ def build_pipeline(
             ``fuse_attention`` for that target (and ``fuse_ort_block`` for ``ort``).
         passes: the passes to run (any order; they run in pipeline order). None means
             everything that ``attention`` calls for.
+        shared_buffer: add ``shared_buffer_cache`` (needs ``attention="ort"``); it
+            changes the graphs' cache IO (see :mod:`passes.shared_buffer_cache`).
 
     Raises:
-        ValueError: an unknown pass name, or a fusion pass without a fused ``attention``.
+        ValueError: an unknown pass name, or a pass whose prerequisite is not chosen.
 
     """
     wanted = set(PASS_NAMES if passes is None else passes)
+    if passes is None and not shared_buffer:
+        wanted.discard("shared_buffer_cache")
+    if shared_buffer:
+        wanted.add("shared_buffer_cache")
+    if "shared_buffer_cache" in wanted and attention != "ort":
+        raise ValueError("shared_buffer_cache rewrites ONNX Runtime attention; use it with --attention ort")
     unknown = wanted.difference(PASS_NAMES)
     if unknown:
         raise ValueError(f"unknown pass {sorted(unknown)}; choose from {', '.join(PASS_NAMES)}")
@@ -117,6 +129,7 @@ def build_pipeline(
         "fold_shapes": FoldShapesPass,
         "fuse_attention": lambda: FuseAttentionPass("onnx" if attention == "onnx" else "ort"),
         "fuse_ort_block": FuseOrtBlockPass,
+        "shared_buffer_cache": SharedBufferCachePass,
         "cleanup": CleanupPass,
     }
     return [(name, factories[name]()) for name in PASS_NAMES if name in wanted]

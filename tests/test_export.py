@@ -238,7 +238,10 @@ def test_same_seed_gives_same_weights_and_other_seed_differs(tiny_odd_config: Pa
 
 @pytest.mark.parametrize(
     ("target", "attention", "fused_op"),
-    [("ort-cpu", None, "com.microsoft.MultiHeadAttention"), ("portable", "onnx", "Attention")],
+    [
+        ("ort-cpu", None, "com.microsoft.GroupQueryAttention"),
+        ("portable", "onnx", "Attention"),
+    ],
 )
 def test_fused_targets_export_verify_and_are_small(
     target: str, attention: str | None, fused_op: str, tiny_config: Path, tmp_path: Path
@@ -250,6 +253,7 @@ def test_fused_targets_export_verify_and_are_small(
     )
     manifest = result.manifest
     assert manifest.attention == (attention or "ort")
+    assert manifest.cache_layout == ("shared-buffer" if target == "ort-cpu" else "concat")
     if attention == "onnx":
         assert manifest.opset == 23
     graphs = inspect_path(tmp_path / "out").graphs
@@ -262,7 +266,7 @@ def test_fused_targets_export_verify_and_are_small(
         # decode: what is per layer must fit 12 nodes; the rest is embedding, mask, head
         per_layer = sum(graphs["decode"].ops.get(op, 0) for op in (
             "com.microsoft.SkipLayerNormalization", "MatMul", "Add", "Split",
-            "com.microsoft.MultiHeadAttention", "com.microsoft.FastGelu",
+            "com.microsoft.GroupQueryAttention", "com.microsoft.FastGelu",
         ))
         assert per_layer <= 12 * layers + 1
     report = verify(tmp_path / "out", steps=4)

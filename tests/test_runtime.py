@@ -14,6 +14,7 @@ from kvexport import KvexportError
 from kvexport.cli import main
 from kvexport.models.gpt2 import load_gpt2
 from kvexport.runtime import Generator, SamplingConfig, choose_tokens
+from tests.conftest import TINY
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +59,35 @@ def test_cache_stays_in_two_preallocated_banks_and_is_handed_over_by_pointer(
         assert [previous[n.replace("past", "present")] for n in following] == list(
             following.values()
         )
+
+
+@pytest.fixture(scope="module")
+def shared_buffer_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> Path:
+    """The tiny model (seed 1, as ``tiny_export``) for --target ort-cpu: fused, in-place cache."""
+    from kvexport import export_gpt2
+
+    out = tmp_path_factory.mktemp("exports") / "tiny-ort-cpu"
+    export_gpt2(out, str(tiny_config), random_init=True, seed=1, target="ort-cpu")
+    return out
+
+
+def test_shared_buffer_cache_is_one_buffer_read_and_written_in_place(
+    shared_buffer_export: Path, generator: Generator
+) -> None:
+    shared = Generator(shared_buffer_export)
+    assert shared.manifest.cache_layout == "shared-buffer"
+    rows = [[464, 6766, 318, 4171, 290], [40, 1101]]
+    out = shared.generate(rows, 8, eos_token_id=-1)
+    np.testing.assert_array_equal(out, generator.generate(rows, 8, eos_token_id=-1))
+    np.testing.assert_array_equal(out[:, 5:], _hf_generate(generator, rows, 8))
+    trace = shared.last_cache_pointers  # prefill past, prefill present, then the same per step
+    assert len(trace) == 2 * 8
+    assert len({frozenset(t.values()) for t in trace}) == 1  # one buffer set, never another
+    for bound in trace:
+        assert len(set(bound.values())) == 2 * TINY["n_layer"]  # one buffer per cache tensor
+    for past, present in zip(trace[0::2], trace[1::2], strict=True):
+        # present.l.key is bound to the very buffer past.l.key reads
+        assert [present[n.replace("past", "present")] for n in past] == list(past.values())
 
 
 def test_sampling_is_deterministic_with_a_seed(generator: Generator) -> None:

@@ -6,11 +6,14 @@ Design:
   sessions as shared initializers, so prefill and decode hold one copy of the weights
   between them. By default each session loads its own and ONNX Runtime pre-packs the
   GEMM weights, which is faster on CPU but holds about 2.3x the weight bytes.
-- Each generation preallocates two cache banks (one flat buffer per ``past``/``present``
-  tensor, sized for prompt + max_new_tokens) on the session's device. Every step binds
-  the ``past`` inputs to a prefix of one bank and the ``present`` outputs to a prefix of
-  the other, then swaps. No cache tensor is allocated per step and the cache never
-  leaves the device; only the logits row that sampling needs comes back to the host.
+- Each generation preallocates its cache (one flat buffer per ``past``/``present``
+  tensor, sized for prompt + max_new_tokens) on the session's device. With the
+  ``concat`` layout there are two banks: every step binds the ``past`` inputs to a
+  prefix of one and the ``present`` outputs to a prefix of the other, then swaps. With
+  the ``shared-buffer`` layout (``--target ort-cpu|ort-cuda``) there is one bank, bound
+  as both past and present of every step, and the graphs write only the new rows. No
+  cache tensor is allocated per step and the cache never leaves the device; only the
+  logits row that sampling needs comes back to the host.
 - The sessions are shared and read-only after construction; all per-generation state
   lives in the call. A ``Generator`` is therefore safe to use from several threads.
 """
@@ -87,14 +90,17 @@ class _SharedWeights:
 
 
 class _CacheBanks:
-    """Two banks of flat cache buffers on the device; views of any length are bound by pointer."""
+    """Banks of flat cache buffers on the device; views of any length are bound by pointer.
 
-    def __init__(self, tensors: int, capacity: int, dtype: type, device: str) -> None:
+    Two banks (ping-pong) for the ``concat`` layout, one for ``shared-buffer``.
+    """
+
+    def __init__(self, tensors: int, capacity: int, dtype: type, device: str, banks: int = 2) -> None:
         self.device = device
         self.dtype = dtype
         self._owners: list[Any] = []  # keeps the buffers alive
         self.pointers: list[list[int]] = []  # [bank][tensor index in cache_names order]
-        for _ in range(2):
+        for _ in range(banks):
             bank: list[int] = []
             for _ in range(tensors):
                 if device == "cpu":
@@ -277,7 +283,11 @@ class Generator:
         batch, prompt = ids.shape
         capacity = batch * self.n_head * (prompt + max_new_tokens) * self.head_dim
         device = "cuda" if self.provider == "cuda" else "cpu"
-        banks = _CacheBanks(len(self._past_names), capacity, self.dtype, device)
+        shared = self.manifest.cache_layout == "shared-buffer"
+        banks = _CacheBanks(
+            len(self._past_names), capacity, self.dtype, device, banks=1 if shared else 2
+        )
+        full = (batch, self.n_head, prompt + max_new_tokens, self.head_dim)
         self.last_cache_pointers = []
         stats = GenerationStats(prompt_tokens=prompt, batch=batch)
         self.last_stats = stats
@@ -291,12 +301,14 @@ class Generator:
         binding.bind_cpu_input("attention_mask", mask)
         binding.bind_cpu_input("position_ids", np.clip(np.cumsum(mask, -1) - 1, 0, None))
         self._bind_logits(binding, logits)
+        if shared:
+            self._bind_cache(binding, self._past_names, banks, 0, full, output=False)
         self._bind_cache(
             binding,
             self._present_names,
             banks,
             0,
-            (batch, self.n_head, prompt, self.head_dim),
+            full if shared else (batch, self.n_head, prompt, self.head_dim),
             output=True,
         )
         self.sessions["prefill"].run_with_iobinding(binding)
@@ -332,13 +344,18 @@ class Generator:
             binding.bind_cpu_input("input_ids", tokens.reshape(batch, 1))
             binding.bind_cpu_input("attention_mask", mask)
             binding.bind_cpu_input("position_ids", positions)
-            shape = (batch, self.n_head, length, self.head_dim)
-            self._bind_cache(binding, self._past_names, banks, current, shape, output=False)
-            grown = (batch, self.n_head, length + 1, self.head_dim)
-            self._bind_cache(binding, self._present_names, banks, 1 - current, grown, output=True)
+            if shared:  # one buffer, read and written in place
+                self._bind_cache(binding, self._past_names, banks, 0, full, output=False)
+                self._bind_cache(binding, self._present_names, banks, 0, full, output=True)
+            else:
+                shape = (batch, self.n_head, length, self.head_dim)
+                self._bind_cache(binding, self._past_names, banks, current, shape, output=False)
+                grown = (batch, self.n_head, length + 1, self.head_dim)
+                self._bind_cache(binding, self._present_names, banks, 1 - current, grown, output=True)
+                current = 1 - current
             self._bind_logits(binding, step_logits)
             decode.run_with_iobinding(binding)
-            current, length = 1 - current, length + 1
+            length += 1
             last = step_logits[:, -1, :]
 
     def _bind_logits(self, binding: ort.IOBinding, logits: np.ndarray) -> None:

@@ -1,0 +1,139 @@
+"""shared_buffer_cache: a cache updated in place instead of copied every step.
+
+With ``MultiHeadAttention`` (or any past -> Concat -> present graph) each decode step
+copies the whole cache into a new, one-longer present tensor: at 1,000 tokens of
+context that is as many bytes again as the step reads. This pass rewrites every
+``com.microsoft.MultiHeadAttention`` with past/present into
+``com.microsoft.GroupQueryAttention`` (with ``kv_num_heads = num_heads``) over a
+fixed-capacity buffer that past and present share::
+
+    MultiHeadAttention(q, k, v, -, -, mask_bias, past.l.key, past.l.value)
+      -> GroupQueryAttention(q, k, v, past.l.key, past.l.value, seqlens_k, total_sequence_length,
+                             attention_bias=mask_bias)
+
+The caller binds ``present.l.key`` to the same buffer as ``past.l.key``; the op then
+reads the cache and writes only the new rows. The IO contract changes, and the manifest
+says so (``cache.layout = "shared-buffer"``):
+
+- ``past.<l>.key|value`` and ``present.<l>.key|value`` are [batch, H, max_sequence, D]:
+  the buffer's capacity, not the valid length;
+- the prefill graph gains the same ``past.*`` inputs (the empty buffers it fills);
+- the valid length is ``attention_mask``'s length: ``seqlens_k`` and
+  ``total_sequence_length`` are computed from it once per graph, so there are no new
+  inputs. Padding is still expressed by ``attention_mask`` (through the bias).
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+CAPACITY_DIM = "max_sequence"
+_MS = "com.microsoft"
+_PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
+
+
+class SharedBufferCacheError(ValueError):
+    """The graph can't be given a shared-buffer cache (no attention_mask, unexpected MHA inputs)."""
+
+
+def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    value = ir.Tensor(array)
+    constant = ir.Value(name=name, const_value=value, shape=value.shape, type=ir.TensorType(value.dtype))
+    graph.register_initializer(constant)
+    return constant
+
+
+def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """``seqlens_k`` [batch] int32 and ``total_sequence_length`` int32 scalar from the mask's shape."""
+    shape = ir.node("Shape", [mask])
+    total64 = ir.node("Gather", [shape.outputs[0], _const(graph, "kvexport.one_index", np.array(1, np.int64))], attributes={"axis": 0})
+    total = ir.node("Cast", [total64.outputs[0]], attributes={"to": ir.DataType.INT32})
+    last = ir.node("Sub", [total.outputs[0], _const(graph, "kvexport.one_int32", np.array(1, np.int32))])
+    batch = ir.node(
+        "Slice",
+        [
+            shape.outputs[0],
+            _const(graph, "kvexport.slice_start", np.array([0], np.int64)),
+            _const(graph, "kvexport.slice_end", np.array([1], np.int64)),
+        ],
+    )
+    seqlens = ir.node("Expand", [last.outputs[0], batch.outputs[0]])
+    total.outputs[0].name = "kvexport.total_sequence_length"
+    seqlens.outputs[0].name = "kvexport.seqlens_k"
+    total.outputs[0].shape, total.outputs[0].type = ir.Shape([]), ir.TensorType(ir.DataType.INT32)
+    seqlens.outputs[0].type = ir.TensorType(ir.DataType.INT32)
+    graph.insert_before(graph[0], [shape, total64, total, last, batch, seqlens])
+    return seqlens.outputs[0], total.outputs[0]
+
+
+class SharedBufferCachePass(InPlacePass):
+    """MultiHeadAttention with a cache -> GroupQueryAttention over shared past/present buffers.
+
+    ``counts["attention_converted"]`` says how many ops were rewritten; a graph without
+    ``MultiHeadAttention`` is left unmodified.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Rewrite in place; raises :class:`SharedBufferCacheError` on graphs it can't serve."""
+        graph = model.graph
+        attention = [n for n in graph if n.op_type == "MultiHeadAttention" and n.domain == _MS]
+        self.counts = {"attention_converted": 0}
+        if not attention:
+            return PassResult(model, modified=False)
+        mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
+        if mask is None:
+            raise SharedBufferCacheError("the graph has no attention_mask input to take lengths from")
+        for node in attention:
+            if any(v is not None for v in node.inputs[3:5]) or len(node.inputs) > 8:
+                raise SharedBufferCacheError(
+                    f"{node.name}: MultiHeadAttention with bias / key_padding_mask inputs is not supported"
+                )
+            if len(node.outputs) < 3 or not all(_PRESENT.match(o.name or "") for o in node.outputs[1:3]):
+                raise SharedBufferCacheError(f"{node.name}: its presents are not present.<l>.key|value outputs")
+        seqlens, total = _lengths(graph, mask)
+        new_inputs: list[ir.Value] = []
+        for node in attention:
+            heads = node.attributes.get_int("num_heads")
+            present_key = node.outputs[1]
+            layer = int(_PRESENT.match(present_key.name or "").group(1))  # type: ignore[union-attr]
+            head_dim = present_key.shape[3] if present_key.shape is not None else None
+            shape = ir.Shape(["batch", heads, CAPACITY_DIM, head_dim])
+            past: list[ir.Value] = []
+            for index, kind in enumerate(("key", "value")):
+                existing = node.inputs[6 + index] if len(node.inputs) > 6 + index else None
+                if existing is None:
+                    existing = ir.Value(name=f"past.{layer}.{kind}", shape=shape, type=present_key.type)
+                    new_inputs.append(existing)
+                existing.shape = shape
+                past.append(existing)
+            attributes: dict[str, int | float] = {"num_heads": heads or 1, "kv_num_heads": heads or 1}
+            scale = node.attributes.get_float("scale", 0.0)
+            if scale:
+                attributes["scale"] = scale
+            inputs = [*node.inputs[:3], *past, seqlens, total, None, None, None, node.inputs[5]]
+            gqa = ir.node("GroupQueryAttention", inputs, attributes=attributes, domain=_MS, num_outputs=3)
+            graph.insert_after(node, gqa)
+            for old, new in zip(node.outputs[:3], gqa.outputs, strict=True):
+                new.shape, new.type = old.shape, old.type
+                if old.is_graph_output():
+                    position = list(graph.outputs).index(old)
+                    name = old.name
+                    old.name = f"{name}.replaced"
+                    graph.outputs[position] = new
+                    new.name = name
+                    new.shape = shape
+                ir.convenience.replace_all_uses_with(old, new)
+            graph.remove(node, safe=True)
+            self.counts["attention_converted"] += 1
+        if new_inputs:
+            new_inputs.sort(key=lambda v: (int((v.name or "").split(".")[1]), v.name))
+            graph.inputs.extend(new_inputs)
+        return PassResult(model, modified=True)
