@@ -397,8 +397,15 @@ def export_gpt2(
     dtype = dtype or TARGET_DEFAULTS[target][1]
     if cache is None:
         cache = TARGET_DEFAULTS[target][2] if attention == "ort" else "concat"
+        if target == "ort-cuda" and dtype == "fp32":
+            cache = "concat"  # ORT's CUDA GroupQueryAttention has fp16/bf16 kernels only
     if cache not in CACHE_DESCRIPTIONS:
         raise KvexportError(f"--cache {cache}: choose concat or shared-buffer")
+    if cache == "shared-buffer" and target == "ort-cuda" and dtype == "fp32":
+        raise KvexportError(
+            "--target ort-cuda --dtype fp32 --cache shared-buffer: ONNX Runtime's CUDA "
+            "GroupQueryAttention runs fp16 only; use --dtype fp16 or --cache concat"
+        )
     if cache == "shared-buffer" and attention != "ort":
         raise KvexportError(
             f"--cache shared-buffer --attention {attention}: the in-place cache needs ONNX Runtime's "

@@ -321,6 +321,11 @@ class Generator:
             if logits_length == 1
             else np.empty((batch, 1, self.vocab_size), dtype=self.dtype)
         )
+        binding = decode.io_binding()
+        self._bind_logits(binding, step_logits)
+        if shared:  # one buffer, read and written in place: bound once for every step
+            past_pointers = self._bind_cache(binding, self._past_names, banks, 0, full, output=False)
+            present_pointers = self._bind_cache(binding, self._present_names, banks, 0, full, output=True)
         last = logits[:, -1, :]
         for step in range(max_new_tokens):
             tokens = choose_tokens(last.astype(np.float32), sampling, rng)
@@ -340,20 +345,18 @@ class Generator:
             started = time.perf_counter()
             positions = mask.sum(-1, keepdims=True).astype(np.int64)
             mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
-            binding = decode.io_binding()
             binding.bind_cpu_input("input_ids", tokens.reshape(batch, 1))
             binding.bind_cpu_input("attention_mask", mask)
             binding.bind_cpu_input("position_ids", positions)
-            if shared:  # one buffer, read and written in place
-                self._bind_cache(binding, self._past_names, banks, 0, full, output=False)
-                self._bind_cache(binding, self._present_names, banks, 0, full, output=True)
+            if shared:
+                if step > 0:  # the trace records what each step reads and writes
+                    self.last_cache_pointers += [past_pointers, present_pointers]
             else:
                 shape = (batch, self.n_head, length, self.head_dim)
                 self._bind_cache(binding, self._past_names, banks, current, shape, output=False)
                 grown = (batch, self.n_head, length + 1, self.head_dim)
                 self._bind_cache(binding, self._present_names, banks, 1 - current, grown, output=True)
                 current = 1 - current
-            self._bind_logits(binding, step_logits)
             decode.run_with_iobinding(binding)
             length += 1
             last = step_logits[:, -1, :]
@@ -371,7 +374,7 @@ class Generator:
         shape: tuple[int, int, int, int],
         *,
         output: bool,
-    ) -> None:
+    ) -> dict[str, int]:
         """Bind cache tensor i (``past.*`` or ``present.*``, same order) to the front of buffer i of ``bank``."""
         pointers = {}
         for index, name in enumerate(names):
@@ -382,6 +385,7 @@ class Generator:
             else:
                 binding.bind_input(name, banks.device, 0, banks.dtype, list(shape), pointer)
         self.last_cache_pointers.append(pointers)
+        return pointers
 
     def generate(
         self,
