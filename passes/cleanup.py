@@ -41,6 +41,8 @@ class CleanupPass(InPlacePass):
         manager = PassManager(
             [
                 LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0),
+                # identical constants first, so that CSE sees the nodes reading them as equal
+                DeduplicateInitializersPass(),
                 CommonSubexpressionEliminationPass(),
                 RemoveUnusedNodesPass(),
                 DeduplicateInitializersPass(),

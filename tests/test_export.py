@@ -271,3 +271,44 @@ def test_fused_targets_export_verify_and_are_small(
         assert per_layer <= 12 * layers + 1
     report = verify(tmp_path / "out", steps=4)
     assert report.ok, report.failures()
+
+
+@pytest.fixture(scope="module")
+def checkpoint_with_random_biases(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A local safetensors checkpoint whose every parameter is random, biases and LayerNorms included.
+
+    ``--random-init`` follows transformers' init (zero biases, unit LayerNorm), which
+    the dynamo exporter folds away; real checkpoints have neither, so the fusions must
+    be checked with them present.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(7)
+    model = GPT2LMHeadModel(GPT2Config(**{k: v for k, v in TINY.items() if k != "model_type"}))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.2)
+    path = tmp_path_factory.mktemp("checkpoint") / "gpt2-random-biases"
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.mark.parametrize("target", ["portable", "ort-cpu"])
+def test_local_checkpoint_with_biases_exports_and_verifies(
+    target: str, checkpoint_with_random_biases: Path, tmp_path: Path
+) -> None:
+    result = export_gpt2(tmp_path / "out", str(checkpoint_with_random_biases), target=target)  # type: ignore[arg-type]
+    assert result.manifest.source.kind == "local"
+    decode_passes = [p for p in result.manifest.passes if p["graph"] == "decode"]
+    fold = next(p for p in decode_passes if p["name"] == "fold_shapes")
+    assert fold["counts"]["GemmSandwichToMatMul"] == 3 * TINY["n_layer"]  # with their biases
+    if target == "ort-cpu":
+        block = next(p for p in decode_passes if p["name"] == "fuse_ort_block")
+        assert block["counts"] == {"FastGeluRule": TINY["n_layer"], "SkipLayerNormRule": 2 * TINY["n_layer"] + 1}
+        graph = onnx.load(str(tmp_path / "out" / "decode.onnx"), load_external_data=False).graph
+        # the c_fc bias moved into FastGelu, c_proj's into the SkipLayerNorm that follows
+        assert all(len(n.input) == 2 for n in graph.node if n.op_type == "FastGelu")
+        biased = [n for n in graph.node if n.op_type == "SkipLayerNormalization" and len(n.input) == 5]
+        assert len(biased) == 2 * TINY["n_layer"]
+    report = verify(tmp_path / "out", steps=4)
+    assert report.ok, report.failures()
