@@ -3,6 +3,8 @@
 Systems measured in the same process, on the same weights:
 
 - ``kvexport``: the :class:`~kvexport.runtime.Generator` over the export directory;
+- ``kvexport-shared``: the same with ``share_weights=True`` (less memory);
+- ``kvexport[<attention>]``: other exports of the same weights given with ``--compare``;
 - ``pytorch``: Hugging Face ``generate`` in eager PyTorch with its KV cache;
 - ``no-cache``: PyTorch recomputing the whole sequence for every token;
 - ``floor``: the memory-bandwidth floor of one decode step: the bytes a step must read
@@ -10,8 +12,10 @@ Systems measured in the same process, on the same weights:
   read bandwidth.
 
 For each batch and context it reports TTFT (prefill of ``context`` tokens and the first
-token) and decode ms per step (median over the steps). ONNX is measured first, before
-PyTorch allocates anything, so its resident memory is its own.
+token) and decode ms per step (median over the steps). Resident memory of each Generator
+is measured as it loads, before PyTorch allocates anything. Then every system is timed
+at one (batch, context) before the next, with the floor's bandwidth measured just
+before, so that a machine whose speed drifts during the run treats all systems alike.
 """
 
 from __future__ import annotations
@@ -301,36 +305,41 @@ def run_bench(
             "processor": platform.processor(),
         },
     )
-    for batch in batches:
-        for context in contexts:
-            say(f"kvexport: batch {batch}, context {context}")
-            report.measurements.append(_bench_onnx(generator, batch, context, new_tokens, repeats))
-            cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * element
-            floor_ms = 1000 * (report.weight_bytes + cache_bytes) / (bandwidth * 1e9)
-            report.measurements.append(Measurement("floor", batch, context, None, floor_ms))
-    del generator
-    gc.collect()
+    compared = []
     for other_dir, other in others:
         system = f"kvexport[{other.attention}]"
         say(f"loading {system} from {other_dir}")
-        other_generator = Generator(other_dir, provider=provider)
-        _warm_up(other_generator)
-        for batch in batches:
-            for context in contexts:
+        compared.append((system, Generator(other_dir, provider=provider)))
+        _warm_up(compared[-1][1])
+    model = None
+    if baselines:
+        say("loading the PyTorch reference")
+        model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
+    bandwidths = [bandwidth]
+    # Every system is timed at one (batch, context) before the next cell starts, so a
+    # machine whose speed drifts during the run (shared hosts do) treats them alike;
+    # the floor of each cell uses the bandwidth measured just before it.
+    for batch in batches:
+        for context in contexts:
+            bandwidths.append(measure_read_bandwidth(repeats=3))
+            cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * element
+            floor_ms = 1000 * (report.weight_bytes + cache_bytes) / (bandwidths[-1] * 1e9)
+            report.measurements.append(Measurement("floor", batch, context, None, floor_ms))
+            say(f"kvexport: batch {batch}, context {context}")
+            report.measurements.append(_bench_onnx(generator, batch, context, new_tokens, repeats))
+            for system, other_generator in compared:
                 say(f"{system}: batch {batch}, context {context}")
                 report.measurements.append(
                     _bench_onnx(other_generator, batch, context, new_tokens, repeats, system)
                 )
-        del other_generator
-        gc.collect()
-    report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
-    if baselines:
-        say("loading the PyTorch reference")
-        model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
-        for batch in batches:
-            for context in contexts:
+            if model is not None:
                 say(f"pytorch and no-cache: batch {batch}, context {context}")
                 report.measurements.extend(_bench_torch(model, batch, context, new_tokens, repeats))
+                time.sleep(0.5)  # let PyTorch's worker threads stop spinning before ORT runs again
+    report.bandwidth_gb_s = round(float(np.median(bandwidths)), 2)
+    report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
+    del generator, compared
+    gc.collect()
     return report
 
 

@@ -217,13 +217,17 @@ def test_truncate_keeps_the_last_tokens_and_matches_the_short_prompt(tiny_export
         generator.generate(prompt, 64, truncate=True)  # nothing of the prompt would fit
 
 
-def test_bench_writes_json_and_plot_with_every_system(tiny_export: Path, tmp_path: Path) -> None:
+def test_bench_writes_json_and_plot_with_every_system(
+    tiny_export: Path, shared_buffer_export: Path, tmp_path: Path
+) -> None:
     results = tmp_path / "bench"
     result = CliRunner().invoke(
         main,
         [
             "bench",
             str(tiny_export),
+            "--compare",
+            str(shared_buffer_export),
             "--contexts",
             "8,24",
             "--batches",
@@ -239,12 +243,24 @@ def test_bench_writes_json_and_plot_with_every_system(tiny_export: Path, tmp_pat
     assert result.exit_code == 0, result.output
     data = json.loads((results / "bench.json").read_text())
     systems = {(m["system"], m["batch"], m["context"]) for m in data["measurements"]}
-    for system in ("kvexport", "pytorch", "no-cache", "floor"):
+    for system in ("kvexport", "kvexport-shared", "kvexport[ort]", "pytorch", "no-cache", "floor"):
         for batch in (1, 2):
             for context in (8, 24):
                 assert (system, batch, context) in systems
     assert data["bandwidth_gb_s"] > 0 and data["ratios"]["decode_vs_floor_ctx8"] > 0
+    assert data["ratios"]["decode_kvexport[ort]_vs_kvexport_ctx8"] > 0
     assert (results / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_compare_refuses_other_weights(tiny_export: Path, tiny_odd_torchscript_export: Path) -> None:
+    result = CliRunner().invoke(
+        main, ["bench", str(tiny_export), "--compare", str(tiny_odd_torchscript_export)]
+    )
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        f"Error: --compare {tiny_odd_torchscript_export}: holds other weights than {tiny_export}; "
+        "compare exports of the same model"
+    )
 
 
 def test_shared_weights_generator_gives_the_same_tokens(
