@@ -240,6 +240,7 @@ def test_same_seed_gives_same_weights_and_other_seed_differs(tiny_odd_config: Pa
     ("target", "attention", "fused_op"),
     [
         ("ort-cpu", None, "com.microsoft.GroupQueryAttention"),
+        ("ort-cuda", None, "com.microsoft.GroupQueryAttention"),  # fp16; verified on ORT CPU here
         ("portable", "onnx", "Attention"),
     ],
 )
@@ -253,7 +254,8 @@ def test_fused_targets_export_verify_and_are_small(
     )
     manifest = result.manifest
     assert manifest.attention == (attention or "ort")
-    assert manifest.cache_layout == ("shared-buffer" if target == "ort-cpu" else "concat")
+    assert manifest.cache_layout == ("shared-buffer" if target.startswith("ort") else "concat")
+    assert manifest.dtype == ("fp16" if target == "ort-cuda" else "fp32")
     if attention == "onnx":
         assert manifest.opset == 23
     graphs = inspect_path(tmp_path / "out").graphs
