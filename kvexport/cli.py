@@ -454,7 +454,7 @@ def inspect_command(path: Path, as_json: bool) -> None:
     if report.manifest:
         m = report.manifest
         click.echo(
-            f"{report.path}: {m['source']['name']} ({m['source']['kind']}), {m['dtype']}, opset {m['opset']}, target {m['target']}, attention {m['attention']}, exported by {m['strategy']}"
+            f"{report.path}: {m['source']['name']} ({m['source']['kind']}), {m['dtype']}, opset {m['opset']}, target {m['target']}, attention {m['attention']}, cache {m.get('cache_layout', 'concat')}, exported by {m['strategy']}"
         )
         click.echo(f"  config {m['config']}")
         click.echo(
@@ -483,7 +483,7 @@ def _echo_pass_table(entries: list[dict[str, Any]]) -> None:
         shapes = f"{e.get('shape_nodes_before', '?')}->{e.get('shape_nodes_after', '?')}"
         counts = ", ".join(f"{k} {v}" for k, v in e.get("counts", {}).items() if v)
         click.echo(
-            f"{e.get('graph', ''):<8} {e['name']:<23} {nodes:>11} {shapes:>9} "
+            f"{e.get('graph', ''):<8} {e.get('name', e.get('pass', '?')):<23} {nodes:>11} {shapes:>9} "
             f"{e.get('fused_attention_after', '?'):>5} {e.get('softmax_after', '?'):>7}  {counts}"
         )
 

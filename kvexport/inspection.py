@@ -100,6 +100,7 @@ def inspect_path(path: str | Path) -> InspectReport:
             "opset": data["opset"],
             "target": data["target"],
             "attention": data["attention"],
+            "cache_layout": manifest.cache_layout,
             "strategy": data["export"].get("strategy"),
             "weights": data["weights"],
             "tokenizer": data["tokenizer"],

@@ -30,6 +30,7 @@ import re
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
+from onnx_ir.passes.common import TopologicalSortPass
 
 CAPACITY_DIM = "max_sequence"
 _MS = "com.microsoft"
@@ -47,26 +48,59 @@ def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     return constant
 
 
-def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """``seqlens_k`` [batch] int32 and ``total_sequence_length`` int32 scalar from the mask's shape."""
-    shape = ir.node("Shape", [mask])
-    total64 = ir.node("Gather", [shape.outputs[0], _const(graph, "kvexport.one_index", np.array(1, np.int64))], attributes={"axis": 0})
-    total = ir.node("Cast", [total64.outputs[0]], attributes={"to": ir.DataType.INT32})
-    last = ir.node("Sub", [total.outputs[0], _const(graph, "kvexport.one_int32", np.array(1, np.int32))])
-    batch = ir.node(
+def _mask_dim(graph: ir.Graph, mask: ir.Value, axis: int, created: list[ir.Node]) -> ir.Value:
+    """``Shape(mask)[axis:axis+1]`` ([1] int64), reusing a Shape node the graph already has."""
+    for use in mask.uses():
+        node = use.node
+        if node.op_type != "Shape" or node.domain not in ("", "ai.onnx"):
+            continue
+        start = node.attributes.get_int("start", 0) or 0
+        end = node.attributes.get_int("end", None)
+        if start == axis and end == axis + 1:
+            return node.outputs[0]
+    full = next(
+        (
+            u.node.outputs[0]
+            for u in mask.uses()
+            if u.node.op_type == "Shape" and not u.node.attributes
+        ),
+        None,
+    )
+    if full is None:
+        shape = ir.node("Shape", [mask])
+        created.append(shape)
+        full = shape.outputs[0]
+    piece = ir.node(
         "Slice",
         [
-            shape.outputs[0],
-            _const(graph, "kvexport.slice_start", np.array([0], np.int64)),
-            _const(graph, "kvexport.slice_end", np.array([1], np.int64)),
+            full,
+            _const(graph, f"kvexport.slice_start_{axis}", np.array([axis], np.int64)),
+            _const(graph, f"kvexport.slice_end_{axis}", np.array([axis + 1], np.int64)),
         ],
     )
-    seqlens = ir.node("Expand", [last.outputs[0], batch.outputs[0]])
+    created.append(piece)
+    return piece.outputs[0]
+
+
+def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """``seqlens_k`` [batch] int32 and ``total_sequence_length`` int32 scalar from the mask's shape.
+
+    The mask's Shape nodes the graph already has are reused, so the pass adds no
+    ``Shape`` node to an export that reads both dims of the mask already.
+    """
+    created: list[ir.Node] = []
+    batch = _mask_dim(graph, mask, 0, created)
+    total_1d = _mask_dim(graph, mask, 1, created)
+    total32 = ir.node("Cast", [total_1d], attributes={"to": ir.DataType.INT32})
+    scalar = _const(graph, "kvexport.scalar_shape", np.array([], np.int64))
+    total = ir.node("Reshape", [total32.outputs[0], scalar])
+    last = ir.node("Sub", [total.outputs[0], _const(graph, "kvexport.one_int32", np.array(1, np.int32))])
+    seqlens = ir.node("Expand", [last.outputs[0], batch])
     total.outputs[0].name = "kvexport.total_sequence_length"
     seqlens.outputs[0].name = "kvexport.seqlens_k"
     total.outputs[0].shape, total.outputs[0].type = ir.Shape([]), ir.TensorType(ir.DataType.INT32)
     seqlens.outputs[0].type = ir.TensorType(ir.DataType.INT32)
-    graph.insert_before(graph[0], [shape, total64, total, last, batch, seqlens])
+    graph.extend([*created, total32, total, last, seqlens])
     return seqlens.outputs[0], total.outputs[0]
 
 
@@ -136,4 +170,5 @@ class SharedBufferCachePass(InPlacePass):
         if new_inputs:
             new_inputs.sort(key=lambda v: (int((v.name or "").split(".")[1]), v.name))
             graph.inputs.extend(new_inputs)
+        TopologicalSortPass()(model)  # the length nodes were appended; put them before their users
         return PassResult(model, modified=True)
