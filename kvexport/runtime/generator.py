@@ -5,7 +5,7 @@ Design:
 - With ``share_weights=True`` the weights file is memory-mapped once and handed to both
   sessions as shared initializers, so prefill and decode hold one copy of the weights
   between them. By default each session loads its own and ONNX Runtime pre-packs the
-  GEMM weights, which is faster on CPU but holds about 2.3x the weight bytes.
+  GEMM weights, which is faster on CPU but holds about 2.3-2.6x the weight bytes.
 - Each generation preallocates its cache (one flat buffer per ``past``/``present``
   tensor, sized for prompt + max_new_tokens) on the session's device. With the
   ``concat`` layout there are two banks: every step binds the ``past`` inputs to a
@@ -123,7 +123,7 @@ class Generator:
         intra_op_threads: ONNX Runtime threads per session (default: ORT's choice).
         share_weights: give both sessions one memory-mapped copy of the weights and turn
             off ONNX Runtime's weight pre-packing (which makes private re-laid copies):
-            about 1.1x the weight bytes resident instead of about 2.3x, at a cost in CPU
+            about 1.05x the weight bytes resident instead of about 2.3-2.6x, at a cost in CPU
             decode speed (``kvexport bench`` measures both). Default: off (fastest).
 
     """
