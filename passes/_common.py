@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnxscript.rewriter import RewriteRule, RewriteRuleSet
@@ -78,6 +79,38 @@ def dims_of(value: ir.Value | None) -> list[int | str] | None:
     return dims
 
 
+_LARGE_ELEMENTS = 1024  # tensors this big are weights, never shape arithmetic
+
+
+def _structure_only(model: ir.Model) -> onnx.ModelProto:
+    """Serialize ``model`` with every large initializer as a dangling external reference.
+
+    Shape inference needs their dtype and dims only. Swapping them for placeholders
+    while serializing keeps the weights from being copied into the proto (6 GB for
+    gpt2-xl, once per fold_shapes round); the originals are put back at once.
+    """
+    swapped: list[tuple[ir.Value, ir.TensorProtocol]] = []
+    for value in model.graph.initializers.values():
+        tensor = value.const_value
+        if tensor is None or tensor.size <= _LARGE_ELEMENTS:
+            continue
+        placeholder = ir.ExternalTensor(
+            "kvexport-shape-inference-placeholder",
+            0,
+            tensor.nbytes,
+            tensor.dtype,
+            shape=ir.Shape(tensor.shape.numpy()),
+            name=tensor.name or value.name or "",
+        )
+        swapped.append((value, tensor))
+        value.const_value = placeholder
+    try:
+        return ir.serde.serialize_model(model)
+    finally:
+        for value, tensor in swapped:
+            value.const_value = tensor
+
+
 def annotate_symbolic_shapes(model: ir.Model) -> int:
     """Infer symbolic shapes for every value and write them onto the IR; return how many changed.
 
@@ -90,17 +123,7 @@ def annotate_symbolic_shapes(model: ir.Model) -> int:
     """
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-    proto = ir.serde.serialize_model(model)
-    for initializer in proto.graph.initializer:
-        # Large weights are never needed to infer shapes; drop their bytes from the copy.
-        if initializer.data_location == 1 or len(initializer.raw_data) > 4096:
-            if int(np.prod(list(initializer.dims))) > 64:
-                initializer.ClearField("raw_data")
-                initializer.ClearField("external_data")
-                initializer.data_location = 0
-                del initializer.float_data[:]
-                # keep dims and dtype: the inference reads only those for big tensors
-                initializer.raw_data = b""
+    proto = _structure_only(model)
     try:
         inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
     except Exception:  # the inference is best effort; the rules then simply don't fire
