@@ -33,7 +33,11 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
-from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
+from onnx_ir.passes.common import (
+    IdentityEliminationPass,
+    LiftConstantsToInitializersPass,
+    RemoveUnusedNodesPass,
+)
 from onnxscript import optimizer
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
@@ -291,22 +295,10 @@ def fold_to_fixed_point(model: ir.Model) -> dict[str, int]:
         for name, n in fired.items():
             counts[name] = counts.get(name, 0) + n
         RemoveUnusedNodesPass()(model)
-        _drop_identities(model)
+        IdentityEliminationPass()(model)  # what ReshapeIdentity left
         if not any(fired.values()):
             break
     return counts
-
-
-def _drop_identities(model: ir.Model) -> None:
-    """Bypass Identity nodes whose output is not a graph output (left by ReshapeIdentity)."""
-    for node in list(model.graph):
-        if node.op_type != "Identity" or node.domain not in ("", "ai.onnx"):
-            continue
-        source, target = node.inputs[0], node.outputs[0]
-        if source is None or target.is_graph_output():
-            continue
-        ir.convenience.replace_all_uses_with(target, source)
-        model.graph.remove(node, safe=True)
 
 
 __all__ = ["FoldShapesPass", "count_ops"]

@@ -15,8 +15,9 @@ from __future__ import annotations
 from typing import Any
 
 import onnx_ir as ir
-from onnx_ir.passes import InPlacePass, PassResult
-from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleSet
+from onnxscript.rewriter import MatchResult, RewriteRule
+
+from passes._common import RulePass
 
 
 def _pattern(op: Any, x: ir.Value, weight: ir.Value) -> ir.Value:
@@ -41,15 +42,7 @@ def _rewrite(op: Any, x: ir.Value, weight: ir.Value, **_: Any) -> ir.Value:
 RULE = RewriteRule(_pattern, _rewrite, _check, name="MatMulTransposedWeightToGemm")
 
 
-class TransposedWeightGemmPass(InPlacePass):
+class TransposedWeightGemmPass(RulePass):
     """Rewrite ``MatMul(X, Transpose(W))`` into ``Gemm(X, W, transB=1)``; ``counts`` says how often."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.counts: dict[str, int] = {}
-
-    def call(self, model: ir.Model) -> PassResult:
-        """Apply the rule everywhere it matches."""
-        fired = RewriteRuleSet([RULE]).apply_to_model(model)
-        self.counts = {RULE.name or "rule": fired}
-        return PassResult(model, modified=bool(fired))
+    rules = (RULE,)
