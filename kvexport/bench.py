@@ -65,8 +65,9 @@ class BenchReport:
     weight_bytes: int
     rss_before_load_mb: float
     rss_after_load_mb: float  # after loading and one short warm-up generation
-    rss_peak_onnx_mb: float
+    rss_peak_onnx_mb: float  # every Generator loaded and warmed up, before PyTorch loads
     shared_rss_mb: float = 0.0
+    rss_peak_mb: float = 0.0  # the whole run: Generators and the PyTorch reference together
     measurements: list[Measurement] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
 
@@ -311,6 +312,7 @@ def run_bench(
         say(f"loading {system} from {other_dir}")
         compared.append((system, Generator(other_dir, provider=provider)))
         _warm_up(compared[-1][1])
+    report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
     model = None
     if baselines:
         say("loading the PyTorch reference")
@@ -337,7 +339,7 @@ def run_bench(
                 report.measurements.extend(_bench_torch(model, batch, context, new_tokens, repeats))
                 time.sleep(0.5)  # let PyTorch's worker threads stop spinning before ORT runs again
     report.bandwidth_gb_s = round(float(np.median(bandwidths)), 2)
-    report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
+    report.rss_peak_mb = round(rss_mb(peak=True), 1)
     del generator, compared
     gc.collect()
     return report
