@@ -269,6 +269,7 @@ class RenameCachePass(InPlacePass):
                 )
         # Free every target name first so that a swap (a->b, b->a) can't collide.
         renamed = split = 0
+        names_before = {value: value.name for value in plan}
         for value in plan:
             if plan[value].kind is not None:
                 value.metadata_props.setdefault(_ORIGINAL_NAME, value.name or "")
@@ -282,7 +283,7 @@ class RenameCachePass(InPlacePass):
                 split += 1
                 continue
             new_name = slot.name(self.style)
-            if value.metadata_props[_ORIGINAL_NAME] != new_name:
+            if names_before[value] != new_name:  # not the first name: a graph renamed before
                 renamed += 1
             value.name = new_name
         self.counts = {"renamed": renamed, "stacked_split": split}

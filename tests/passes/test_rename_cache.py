@@ -211,3 +211,12 @@ def test_stacked_cache_can_be_refused_instead_of_split() -> None:
     with pytest.raises(CacheNamingError, match="'past_0' holds key and value in one tensor"):
         RenameCachePass(split_stacked=False)(model)
     assert _names(model) == (["past_0"], ["present_0", "total"])
+
+
+def test_second_run_on_a_renamed_graph_changes_nothing() -> None:
+    model = _cache_model(["past_key_0", "past_value_0"], ["present_key_0", "present_value_0"])
+    assert RenameCachePass()(model).modified
+    again = RenameCachePass()
+    assert not again(model).modified
+    assert again.counts == {"renamed": 0, "stacked_split": 0}
+    assert model.graph.inputs[1].metadata_props["kvexport.original_name"] == "past_key_0"
