@@ -60,6 +60,20 @@ def const_float(value: ir.Value | None) -> float | None:
     return float(np.asarray(array).reshape(-1)[0])
 
 
+def const_close(value: ir.Value | None, expected: float, atol: float = 1e-6) -> float | None:
+    """The constant's single value when it equals ``expected`` to its own precision, else None.
+
+    The tolerance is ``atol`` or one unit of the constant's float type at ``expected``,
+    whichever is larger: an fp16 export stores 0.044715 as 0.04471, which is still gelu's.
+    """
+    found = const_float(value)
+    if found is None:
+        return None
+    dtype = np.asarray(value.const_value.numpy()).dtype  # type: ignore[union-attr]
+    unit = float(np.finfo(dtype).eps) * abs(expected) if np.issubdtype(dtype, np.floating) else 0.0
+    return found if abs(found - expected) <= max(atol, unit) else None
+
+
 def dims_of(value: ir.Value | None) -> list[int | str] | None:
     """The value's shape as ints (static dims) and strings (symbolic dims), or None if unknown.
 

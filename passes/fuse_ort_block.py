@@ -22,7 +22,7 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes._common import RulePass, const_float
+from passes._common import RulePass, const_close, const_float
 
 _GELU_CONSTANTS = {"half": 0.5, "cube": 3.0, "coefficient": 0.044715, "sqrt_2_over_pi": 0.7978845608, "one": 1.0}
 
@@ -49,12 +49,11 @@ class FastGeluRule(RewriteRuleClassBase):
         return op.Mul(op.Mul(x, half), op.Add(op.Tanh(inner), one))
 
     def check(self, context: Any, x: ir.Value, **constants: Any) -> MatchResult:
-        """The constants are gelu's (to float32 precision)."""
+        """The constants are gelu's (to the precision of their own type: fp32 or fp16)."""
         result = MatchResult()
         for name, expected in _GELU_CONSTANTS.items():
-            found = const_float(constants[name])
-            if found is None or abs(found - expected) > 1e-6:
-                return result.fail(f"{name} is {found}, not {expected}")
+            if const_close(constants[name], expected) is None:
+                return result.fail(f"{name} is {const_float(constants[name])}, not {expected}")
         self._bias = _bias_source(x, allowed_uses=3)
         return result
 

@@ -12,7 +12,7 @@ from passes import FuseOrtBlockPass
 E = 8
 
 
-def _block_model() -> onnx.ModelProto:
+def _block_model(dtype: type = np.float32) -> onnx.ModelProto:
     """h = LN(x + r); y = gelu_tanh(h @ W + b); outputs y and the residual sum x + r."""
     h = onnx.helper
     rng = np.random.default_rng(0)
@@ -35,15 +35,16 @@ def _block_model() -> onnx.ModelProto:
         h.make_node("Add", ["t", "one"], ["t1"]),
         h.make_node("Mul", ["halfx", "t1"], ["y"]),
     ]
-    initializers = [onnx.numpy_helper.from_array(np.array(v, np.float32), k) for k, v in consts.items()]
+    initializers = [onnx.numpy_helper.from_array(np.array(v, dtype), k) for k, v in consts.items()]
+    element = onnx.helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     shape = ["batch", "sequence", E]
     graph = h.make_graph(
         nodes,
         "block",
-        [h.make_tensor_value_info(n, onnx.TensorProto.FLOAT, shape) for n in ("x", "r")],
+        [h.make_tensor_value_info(n, element, shape) for n in ("x", "r")],
         [
-            h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None),
-            h.make_tensor_value_info("sum", onnx.TensorProto.FLOAT, shape),
+            h.make_tensor_value_info("y", element, None),
+            h.make_tensor_value_info("sum", element, shape),
         ],
         initializers,
     )
@@ -90,3 +91,23 @@ def test_other_constants_are_not_mistaken_for_gelu() -> None:
     fuse(model)
     assert fuse.counts["FastGeluRule"] == 0
     assert sum(n.op_type == "Tanh" for n in model.graph) == 1
+
+
+def test_fp16_constants_are_gelu_to_fp16_precision() -> None:
+    # fp16 stores 0.044715 as 0.04471 and sqrt(2/pi) as 0.7979: still gelu (the ort-cuda default)
+    model = ir.serde.deserialize_model(_block_model(np.float16))
+    fuse = FuseOrtBlockPass()
+    fuse(model)
+    assert fuse.counts == {"FastGeluRule": 1, "SkipLayerNormRule": 1}
+
+
+def test_fp16_near_miss_is_still_not_gelu() -> None:
+    proto = _block_model(np.float16)
+    for initializer in proto.graph.initializer:
+        if initializer.name == "coef":  # one fp16 step away from 0.04471
+            near = np.nextafter(np.float16(0.044715), np.float16(1))
+            near = np.nextafter(near, np.float16(1))
+            initializer.CopyFrom(onnx.numpy_helper.from_array(np.array(near, np.float16), "coef"))
+    fuse = FuseOrtBlockPass()
+    fuse(ir.serde.deserialize_model(proto))
+    assert fuse.counts["FastGeluRule"] == 0
