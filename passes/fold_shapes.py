@@ -21,8 +21,17 @@ Runtime's symbolic inference, which follows shape *data* through those chains), 
 - ``GemmSandwichToMatMul``: ``Reshape(Gemm(Reshape(X, [-1, K]), W, B), [a, s, N])`` becomes
   ``MatMul(X, W) + B``: the Reshapes only exist because Gemm is 2-D.
 
+- ``DecodeMaskFromAttentionMask`` (decode graphs only: ``input_ids`` is [batch, 1]): the
+  attention mask bias ``Where(cond, 0, -inf)``, whose ``cond`` the exporter built from
+  ``attention_mask`` as causal AND padding over ranges of the shapes, gets
+  ``cond = Unsqueeze(Cast(attention_mask, bool), [1, 2])``. A single query sits at the
+  last position, so the causal part admits every key and padding is all that is left.
+  Under CUDA this removes host-side shape work and its copy to the device from every
+  decode step. (A GPT-2 decoder masks causally and by padding only; a model with other
+  masks, e.g. a sliding window, would need that kept.)
+
 The chains left without users are then removed, so only what truly depends on run-time
-lengths stays (the causal / padding mask, computed once per graph). Inference, rules and
+lengths stays (the causal / padding mask of prefill, computed once per graph). Inference, rules and
 dead-node removal repeat until nothing changes.
 """
 
@@ -41,7 +50,7 @@ from onnx_ir.passes.common import (
 from onnxscript import optimizer
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes._common import annotate_symbolic_shapes, apply_rules, const_ints, dims_of
+from passes._common import annotate_symbolic_shapes, apply_rules, const_float, const_ints, dims_of
 
 _MAX_ROUNDS = 6
 
@@ -260,6 +269,59 @@ RULES = [
 ]
 
 
+def _depends_on(value: ir.Value, source: ir.Value, limit: int = 200) -> bool:
+    """Whether ``source`` is among ``value``'s ancestors (looking at ``limit`` nodes at most)."""
+    stack, seen = [value], 0
+    while stack and seen < limit:
+        current = stack.pop()
+        if current is source:
+            return True
+        node = current.producer()
+        if node is not None:
+            seen += 1
+            stack.extend(v for v in node.inputs if v is not None)
+    return False
+
+
+def decode_mask_from_attention_mask(model: ir.Model) -> int:
+    """``DecodeMaskFromAttentionMask`` (see the module docstring); returns how many masks changed."""
+    graph = model.graph
+    inputs = {v.name: v for v in graph.inputs}
+    ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
+    if ids is None or mask is None or ids.shape is None or mask.shape is None:
+        return 0
+    if len(ids.shape) != 2 or ids.shape[1] != 1 or len(mask.shape) != 2:
+        return 0  # not a one-token decode graph
+    changed = 0
+    padding: ir.Value | None = None
+    for node in list(graph):
+        if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
+            continue
+        cond, zero, fill = node.inputs
+        if cond is None or cond.name == "kvexport.decode_padding" or const_float(zero) != 0.0 or fill is None:
+            continue
+        low = const_float(fill)
+        dtype = np.asarray(fill.const_value.numpy()).dtype if fill.const_value is not None else None
+        if low is None or dtype is None or not (low == -np.inf or (np.issubdtype(dtype, np.floating) and low == float(np.finfo(dtype).min))):
+            continue
+        dims = dims_of(cond)
+        if dims is None or len(dims) != 4 or dims[1] != 1 or dims[2] != 1 or not _depends_on(cond, mask):
+            continue
+        if padding is None:
+            cast = ir.node("Cast", [mask], attributes={"to": ir.DataType.BOOL})
+            axes = ir.Value(name="kvexport.decode_mask_axes", const_value=ir.tensor(np.array([1, 2], np.int64)))
+            axes.shape, axes.type = ir.Shape([2]), ir.TensorType(ir.DataType.INT64)
+            graph.register_initializer(axes)
+            unsqueeze = ir.node("Unsqueeze", [cast.outputs[0], axes])
+            padding = unsqueeze.outputs[0]
+            padding.name = "kvexport.decode_padding"
+            padding.shape, padding.type = ir.Shape([mask.shape[0], 1, 1, mask.shape[1]]), ir.TensorType(ir.DataType.BOOL)
+            graph.insert_before(node, [cast, unsqueeze])
+        node.replace_input_with(0, padding)
+        changed += 1
+    return changed
+
+
 def count_ops(model: ir.Model, op_type: str) -> int:
     """How many nodes of ``op_type`` the main graph has."""
     return sum(1 for node in model.graph if node.op_type == op_type)
@@ -284,7 +346,7 @@ class FoldShapesPass(InPlacePass):
 
 def fold_to_fixed_point(model: ir.Model) -> dict[str, int]:
     """Constant folding, shape inference and :data:`RULES`, repeated until nothing fires."""
-    counts: dict[str, int] = {}
+    counts: dict[str, int] = {"DecodeMaskFromAttentionMask": 0}
     for _ in range(_MAX_ROUNDS):
         optimizer.fold_constants(model)
         # Constant nodes become initializers: one form of constant for the rules and
@@ -292,6 +354,7 @@ def fold_to_fixed_point(model: ir.Model) -> dict[str, int]:
         LiftConstantsToInitializersPass(lift_all_constants=True, size_limit=0)(model)
         annotate_symbolic_shapes(model)
         fired = apply_rules(model, RULES)
+        fired["DecodeMaskFromAttentionMask"] = decode_mask_from_attention_mask(model)
         for name, n in fired.items():
             counts[name] = counts.get(name, 0) + n
         RemoveUnusedNodesPass()(model)

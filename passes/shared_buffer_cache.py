@@ -20,7 +20,15 @@ says so (``cache.layout = "shared-buffer"``):
 - the prefill graph gains the same ``past.*`` inputs (the empty buffers it fills);
 - the valid length is ``attention_mask``'s length: ``seqlens_k`` and
   ``total_sequence_length`` are computed from it once per graph, so there are no new
-  inputs. Padding is still expressed by ``attention_mask`` (through the bias).
+  inputs. ``total_sequence_length`` comes from the mask's shape (GroupQueryAttention
+  reads it on the host); ``seqlens_k`` from the mask tensor itself, so on CUDA it is
+  computed on the device and no host-to-device copy runs inside the graph.
+- the attention bias: GroupQueryAttention masks causally itself, so when the exporter's
+  bias is a pure mask (``Where(cond, 0, lowest or -inf)``: the causal-and-padding mask
+  every GPT-2 export builds) it is replaced by the padding part alone,
+  ``Where(attention_mask, 0, lowest)`` as [batch, 1, sequence, total]. That drops the
+  exporter's mask-building chain (Shape/Range/GatherND on the host under CUDA, and the
+  copies back to the device) from both graphs. Any other bias is kept as it is.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import TopologicalSortPass
+
+from passes._common import const_float
 
 CAPACITY_DIM = "max_sequence"
 _MS = "com.microsoft"
@@ -49,7 +59,10 @@ def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
 
 
 def _mask_dim(graph: ir.Graph, mask: ir.Value, axis: int, created: list[ir.Node]) -> ir.Value:
-    """``Shape(mask)[axis:axis+1]`` ([1] int64), reusing a Shape node the graph already has."""
+    """``Shape(mask)[axis:axis+1]`` ([1] int64), reusing a Shape node the graph already has.
+
+    ``mask`` is any graph input (the attention mask, or input_ids for the query length).
+    """
     for use in mask.uses():
         node = use.node
         if node.op_type != "Shape" or node.domain not in ("", "ai.onnx"):
@@ -74,8 +87,8 @@ def _mask_dim(graph: ir.Graph, mask: ir.Value, axis: int, created: list[ir.Node]
         "Slice",
         [
             full,
-            _const(graph, f"kvexport.slice_start_{axis}", np.array([axis], np.int64)),
-            _const(graph, f"kvexport.slice_end_{axis}", np.array([axis + 1], np.int64)),
+            _const(graph, f"kvexport.{mask.name}_dim{axis}_start", np.array([axis], np.int64)),
+            _const(graph, f"kvexport.{mask.name}_dim{axis}_end", np.array([axis + 1], np.int64)),
         ],
     )
     created.append(piece)
@@ -83,25 +96,76 @@ def _mask_dim(graph: ir.Graph, mask: ir.Value, axis: int, created: list[ir.Node]
 
 
 def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """``seqlens_k`` [batch] int32 and ``total_sequence_length`` int32 scalar from the mask's shape.
+    """``seqlens_k`` [batch] int32 and ``total_sequence_length`` int32 scalar for the mask.
 
-    The mask's Shape nodes the graph already has are reused, so the pass adds no
-    ``Shape`` node to an export that reads both dims of the mask already.
+    ``total_sequence_length`` is the mask's length, from a Shape node the graph already
+    has where it can (GroupQueryAttention wants it in host memory). ``seqlens_k`` is the
+    same length less one for every row, but computed from the mask tensor
+    (``ReduceSum(Cast(Equal(mask, mask)))``), so that under CUDA it stays on the device:
+    a value derived from a shape would be computed on the host and copied over.
     """
     created: list[ir.Node] = []
-    batch = _mask_dim(graph, mask, 0, created)
     total_1d = _mask_dim(graph, mask, 1, created)
     total32 = ir.node("Cast", [total_1d], attributes={"to": ir.DataType.INT32})
     scalar = _const(graph, "kvexport.scalar_shape", np.array([], np.int64))
     total = ir.node("Reshape", [total32.outputs[0], scalar])
-    last = ir.node("Sub", [total.outputs[0], _const(graph, "kvexport.one_int32", np.array(1, np.int32))])
-    seqlens = ir.node("Expand", [last.outputs[0], batch])
+    everywhere = ir.node("Equal", [mask, mask])
+    ones = ir.node("Cast", [everywhere.outputs[0]], attributes={"to": ir.DataType.INT32})
+    axis = _const(graph, "kvexport.axis_1", np.array([1], np.int64))
+    length = ir.node("ReduceSum", [ones.outputs[0], axis], attributes={"keepdims": 0})
+    seqlens = ir.node("Sub", [length.outputs[0], _const(graph, "kvexport.one_int32", np.array(1, np.int32))])
     total.outputs[0].name = "kvexport.total_sequence_length"
     seqlens.outputs[0].name = "kvexport.seqlens_k"
     total.outputs[0].shape, total.outputs[0].type = ir.Shape([]), ir.TensorType(ir.DataType.INT32)
     seqlens.outputs[0].type = ir.TensorType(ir.DataType.INT32)
-    graph.extend([*created, total32, total, last, seqlens])
+    graph.extend([*created, total32, total, everywhere, ones, length, seqlens])
     return seqlens.outputs[0], total.outputs[0]
+
+
+def _is_pure_mask(bias: ir.Value | None) -> bool:
+    """Whether ``bias`` is ``Where(cond, 0, x)`` with x -inf or a float type's lowest value."""
+    node = bias.producer() if bias is not None else None
+    if node is None or node.op_type != "Where" or len(node.inputs) != 3:
+        return False
+    zero, fill = (const_float(v) for v in node.inputs[1:])
+    if zero != 0.0 or fill is None:
+        return False
+    dtype = np.asarray(node.inputs[2].const_value.numpy()).dtype  # type: ignore[union-attr]
+    return fill == -np.inf or (np.issubdtype(dtype, np.floating) and fill == float(np.finfo(dtype).min))
+
+
+def _padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dtype: ir.DataType) -> ir.Value:
+    """``Where(attention_mask, 0, lowest)`` as [batch, 1, sequence, total] of ``dtype``.
+
+    ``queries`` is the ``input_ids`` input: where its length is not statically 1 (prefill)
+    the [batch, 1, 1, total] mask is expanded along the query axis, as GroupQueryAttention
+    wants; the Expand's shape is host data under CUDA and needs no copy.
+    """
+    numpy_dtype = dtype.numpy()
+    created: list[ir.Node] = []
+    cond = ir.node("Cast", [mask], attributes={"to": ir.DataType.BOOL})
+    axes = _const(graph, "kvexport.axes_1_2", np.array([1, 2], np.int64))
+    cond4 = ir.node("Unsqueeze", [cond.outputs[0], axes])
+    zero = _const(graph, "kvexport.bias_zero", np.array(0, numpy_dtype))
+    lowest = _const(graph, "kvexport.bias_lowest", np.array(np.finfo(numpy_dtype).min, numpy_dtype))
+    bias = ir.node("Where", [cond4.outputs[0], zero, lowest])
+    nodes = [cond, cond4, bias]
+    result = bias.outputs[0]
+    query_dims = queries.shape if queries is not None else None
+    if query_dims is None or len(query_dims) < 2 or query_dims[1] != 1:
+        if queries is None:
+            raise SharedBufferCacheError("the graph has no input_ids input to take the query length from")
+        query_length = _mask_dim(graph, queries, 1, created)
+        ones = _const(graph, "kvexport.ones_1_1", np.array([1, 1], np.int64))
+        one = _const(graph, "kvexport.ones_1", np.array([1], np.int64))
+        shape = ir.node("Concat", [ones, query_length, one], attributes={"axis": 0})
+        expanded = ir.node("Expand", [result, shape.outputs[0]])
+        nodes += [shape, expanded]
+        result = expanded.outputs[0]
+    result.name = "kvexport.padding_bias"
+    result.type = ir.TensorType(dtype)
+    graph.extend([*created, *nodes])
+    return result
 
 
 class SharedBufferCachePass(InPlacePass):
@@ -133,6 +197,9 @@ class SharedBufferCachePass(InPlacePass):
             if len(node.outputs) < 3 or not all(_PRESENT.match(o.name or "") for o in node.outputs[1:3]):
                 raise SharedBufferCacheError(f"{node.name}: its presents are not present.<l>.key|value outputs")
         seqlens, total = _lengths(graph, mask)
+        queries = next((v for v in graph.inputs if v.name == "input_ids"), None)
+        padding: dict[ir.DataType, ir.Value] = {}
+        self.counts["bias_replaced"] = 0
         new_inputs: list[ir.Value] = []
         for node in attention:
             heads = node.attributes.get_int("num_heads")
@@ -152,7 +219,14 @@ class SharedBufferCachePass(InPlacePass):
             scale = node.attributes.get_float("scale", 0.0)
             if scale:
                 attributes["scale"] = scale
-            inputs = [*node.inputs[:3], *past, seqlens, total, None, None, None, node.inputs[5]]
+            bias = node.inputs[5] if len(node.inputs) > 5 else None
+            if _is_pure_mask(bias) and node.inputs[0] is not None and node.inputs[0].dtype is not None:
+                dtype = node.inputs[0].dtype
+                if dtype not in padding:
+                    padding[dtype] = _padding_bias(graph, mask, queries, dtype)
+                bias = padding[dtype]
+                self.counts["bias_replaced"] += 1
+            inputs = [*node.inputs[:3], *past, seqlens, total, None, None, None, bias]
             gqa = ir.node("GroupQueryAttention", inputs, attributes=attributes, domain=_MS, num_outputs=3)
             graph.insert_after(node, gqa)
             for old, new in zip(node.outputs[:3], gqa.outputs, strict=True):

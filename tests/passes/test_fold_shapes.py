@@ -126,3 +126,44 @@ def test_torchscript_decode_shape_count_is_small_and_does_not_grow_with_depth(
 def test_dynamo_decode_shape_count_is_at_most_four(tiny_export: Path) -> None:
     model = ir.load(tiny_export / "decode.onnx")  # the export pipeline already folded it
     assert count_ops(model, "Shape") <= 4
+
+
+def _feeds(session: ort.InferenceSession, past_length: int) -> dict[str, np.ndarray]:
+    """A left-padded batch of 2 for a decode graph: row 0 has 3 padded positions."""
+    rng = np.random.default_rng(5)
+    mask = np.ones((2, past_length + 1), np.int64)
+    mask[0, :3] = 0
+    feeds: dict[str, np.ndarray] = {
+        "input_ids": rng.integers(0, TINY["vocab_size"], (2, 1)),
+        "attention_mask": mask,
+        "position_ids": (mask.sum(-1, keepdims=True) - 1).astype(np.int64),
+    }
+    for value in session.get_inputs():
+        if value.name not in feeds:  # the cache, whatever its names
+            heads, head_dim = TINY["n_head"], TINY["n_embd"] // TINY["n_head"]
+            feeds[value.name] = rng.normal(size=(2, heads, past_length, head_dim)).astype(np.float32)
+    return feeds
+
+
+def test_decode_mask_becomes_the_padding_mask_and_outputs_are_unchanged(tmp_path: Path) -> None:
+    config = write_config(tmp_path, TINY)
+    graphs = export_foreign(tmp_path / "graphs", config, seed=4, style="optimum", exporter="dynamo")
+    raw = onnx.load(graphs / "decode.onnx")
+    model = ir.serde.deserialize_model(raw)
+    fold = FoldShapesPass()
+    fold(model)
+    # one shared mask for all layers; the causal/padding chain over shapes is gone
+    assert fold.counts["DecodeMaskFromAttentionMask"] == 1
+    ops = {node.op_type for node in model.graph}
+    assert {"Range", "GatherND", "LessOrEqual"}.isdisjoint(ops)
+    assert count_ops(model, "Shape") == 0
+    folded = ir.serde.serialize_model(model)
+    sessions = [ort.InferenceSession(p.SerializeToString(), providers=["CPUExecutionProvider"]) for p in (raw, folded)]
+    feeds = _feeds(sessions[0], past_length=5)
+    for want, got in zip(sessions[0].run(None, feeds), sessions[1].run(None, feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+    prefill = ir.load(graphs / "prefill.onnx")
+    fold = FoldShapesPass()
+    fold(prefill)
+    assert fold.counts["DecodeMaskFromAttentionMask"] == 0  # prompts need the causal part

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import onnx_ir as ir
 import pytest
 
-from passes import build_pipeline, run_pipeline
+from passes import CleanupPass, build_pipeline, run_pipeline
 from passes.shared_buffer_cache import CAPACITY_DIM, SharedBufferCacheError, SharedBufferCachePass
 from tests.conftest import TINY
 
@@ -22,6 +23,18 @@ def _ops(model: ir.Model) -> list[str]:
     return [node.op_type for node in model.graph]
 
 
+def _ancestor_ops(value: ir.Value | None) -> set[str]:
+    seen: set[str] = set()
+    stack = [value]
+    while stack:
+        current = stack.pop()
+        node = current.producer() if current is not None else None
+        if node is not None:
+            seen.add(node.op_type)
+            stack.extend(node.inputs)
+    return seen
+
+
 @pytest.mark.parametrize("graph", ["prefill", "decode"])
 def test_attention_becomes_gqa_over_capacity_sized_shared_buffers(tiny_export: Path, graph: str) -> None:
     model = _ort_fused(tiny_export / f"{graph}.onnx")
@@ -29,7 +42,7 @@ def test_attention_becomes_gqa_over_capacity_sized_shared_buffers(tiny_export: P
     assert _ops(model).count("MultiHeadAttention") == layers
     shared = SharedBufferCachePass()
     assert shared(model).modified
-    assert shared.counts == {"attention_converted": layers}
+    assert shared.counts == {"attention_converted": layers, "bias_replaced": layers}
     assert _ops(model).count("GroupQueryAttention") == layers
     assert "MultiHeadAttention" not in _ops(model)
     past = [v for v in model.graph.inputs if (v.name or "").startswith("past.")]
@@ -50,6 +63,16 @@ def test_attention_becomes_gqa_over_capacity_sized_shared_buffers(tiny_export: P
             assert [n.replace("past", "present") for n in layer_inputs] == layer_outputs
     # lengths are computed once per graph from attention_mask, not once per layer
     assert _ops(model).count("Shape") <= 4  # the mask's existing Shape nodes are reused
+    CleanupPass()(model)
+    # GQA masks causally itself: the bias is the padding mask alone, and the exporter's
+    # mask-building chain (Range/GatherND over shapes: host work and copies under CUDA) is gone
+    assert {"Range", "GatherND", "LessOrEqual"}.isdisjoint(_ops(model))
+    for node in model.graph:
+        if node.op_type == "GroupQueryAttention":
+            bias = node.inputs[10]
+            assert bias is not None and _ancestor_ops(bias) <= {"Where", "Unsqueeze", "Cast", "Expand", "Concat", "Shape", "Slice"}
+            # seqlens_k (a device input under CUDA) is computed from the mask tensor, not its shape
+            assert "Shape" not in _ancestor_ops(node.inputs[5])
 
 
 def test_graph_without_mha_is_left_alone(tiny_export: Path) -> None:
@@ -65,3 +88,17 @@ def test_graph_without_attention_mask_is_refused(tiny_export: Path) -> None:
     mask.name = "mask"
     with pytest.raises(SharedBufferCacheError, match="no attention_mask input"):
         SharedBufferCachePass()(model)
+
+
+def test_a_bias_that_is_not_a_pure_mask_is_kept(tiny_export: Path) -> None:
+    model = _ort_fused(tiny_export / "decode.onnx")
+    attention = next(n for n in model.graph if n.op_type == "MultiHeadAttention")
+    where = attention.inputs[5].producer()
+    assert where is not None and where.op_type == "Where"
+    fill = where.inputs[2]
+    fill.const_value = ir.tensor(np.array(-100.0, np.float32))  # an additive bias, not a mask
+    shared = SharedBufferCachePass()
+    shared(model)
+    assert shared.counts["bias_replaced"] == 0
+    kept = [n.inputs[10] for n in model.graph if n.op_type == "GroupQueryAttention"]
+    assert kept and all(v is where.outputs[0] for v in kept)
