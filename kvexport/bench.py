@@ -3,7 +3,9 @@
 Systems measured in the same process, on the same weights:
 
 - ``kvexport``: the :class:`~kvexport.runtime.Generator` over the export directory;
-- ``kvexport-shared``: the same with ``share_weights=True`` (less memory);
+- ``kvexport-prepacked``: the same with ``prepacked=True`` (CPU: both sessions map one
+  file of pre-packed weights);
+- ``kvexport-shared``: the same with ``share_weights=True`` (least memory, slower);
 - ``kvexport[<attention>]``: other exports of the same weights given with ``--compare``;
 - ``pytorch``: Hugging Face ``generate`` in eager PyTorch with its KV cache;
 - ``no-cache``: PyTorch recomputing the whole sequence for every token;
@@ -12,8 +14,9 @@ Systems measured in the same process, on the same weights:
   read bandwidth.
 
 For each batch and context it reports TTFT (prefill of ``context`` tokens and the first
-token) and decode ms per step (median over the steps). Resident memory of each Generator
-is measured as it loads, before PyTorch allocates anything. Then every system is timed
+token) and decode ms per step (median over the steps). Resident memory (RSS, and PSS,
+which counts a page mapped by both sessions once) of each Generator is measured as it
+loads, before PyTorch allocates anything. Then every system is timed
 at one (batch, context) before the next, with the floor's bandwidth measured just
 before, so that a machine whose speed drifts during the run treats all systems alike.
 """
@@ -38,6 +41,8 @@ from kvexport.errors import KvexportError
 from kvexport.manifest import read_manifest
 from kvexport.models.gpt2 import load_gpt2
 from kvexport.runtime.generator import Generator
+from kvexport.runtime.prepacked import prepacked_graphs
+from kvexport.runtime.session import resolve_provider
 
 DEFAULT_CONTEXTS = (128, 512, 1000)
 DEFAULT_BATCHES = (1, 4)
@@ -66,7 +71,10 @@ class BenchReport:
     rss_before_load_mb: float
     rss_after_load_mb: float  # after loading and one short warm-up generation
     rss_peak_onnx_mb: float  # every Generator loaded and warmed up, before PyTorch loads
-    shared_rss_mb: float = 0.0
+    pss_before_load_mb: float = 0.0  # PSS: shared pages divided among their mappings
+    pss_after_load_mb: float = 0.0
+    # kvexport-shared / kvexport-prepacked: {"rss_mb", "pss_mb"} each added as it loaded
+    variant_memory: dict[str, dict[str, float]] = field(default_factory=dict)
     rss_peak_mb: float = 0.0  # the whole run: Generators and the PyTorch reference together
     measurements: list[Measurement] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
@@ -75,6 +83,11 @@ class BenchReport:
     def generator_rss_mb(self) -> float:
         """Resident memory the Generator added (both sessions and the shared weights)."""
         return self.rss_after_load_mb - self.rss_before_load_mb
+
+    @property
+    def generator_pss_mb(self) -> float:
+        """The same as PSS (a page mapped twice counts once)."""
+        return self.pss_after_load_mb - self.pss_before_load_mb
 
     def get(self, system: str, batch: int, context: int) -> Measurement | None:
         """The measurement of one system at one point, if it was taken."""
@@ -108,14 +121,19 @@ class BenchReport:
             f"decode_vs_pytorch_ctx{first}": self._ratio("kvexport", "pytorch", first, decode),
             f"decode_ctx{last}_vs_ctx{first}": self._ratio("kvexport", "kvexport", last, decode, first),
         }
-        for system in sorted({m.system for m in self.measurements if m.system.startswith("kvexport[")}):
+        for system in sorted({m.system for m in self.measurements if m.system.startswith(("kvexport[", "kvexport-"))}):
             candidates[f"decode_{system}_vs_kvexport_ctx{first}"] = self._ratio(system, "kvexport", first, decode)
             candidates[f"ttft_{system}_vs_kvexport_ctx{first}"] = self._ratio(system, "kvexport", first, "ttft_ms")
             candidates[f"decode_{system}_ctx{last}_vs_ctx{first}"] = self._ratio(system, system, last, decode, first)
         result = {k: v for k, v in candidates.items() if v is not None}
-        result["generator_rss_vs_weights"] = (
-            self.generator_rss_mb * 2**20 / max(1, self.weight_bytes)
-        )
+        weights = max(1, self.weight_bytes)
+        result["generator_rss_vs_weights"] = self.generator_rss_mb * 2**20 / weights
+        if self.generator_pss_mb:
+            result["generator_pss_vs_weights"] = self.generator_pss_mb * 2**20 / weights
+        for system, memory in self.variant_memory.items():
+            for kind in ("rss", "pss"):
+                if memory.get(f"{kind}_mb"):
+                    result[f"{system}_{kind}_vs_weights"] = memory[f"{kind}_mb"] * 2**20 / weights
         return {k: round(v, 3) for k, v in result.items()}
 
     def to_dict(self) -> dict[str, Any]:
@@ -123,6 +141,7 @@ class BenchReport:
         data = asdict(self)
         data["ratios"] = self.ratios()
         data["generator_rss_mb"] = round(self.generator_rss_mb, 1)
+        data["generator_pss_mb"] = round(self.generator_pss_mb, 1)
         return data
 
 
@@ -132,6 +151,18 @@ def rss_mb(peak: bool = False) -> float:
     try:
         with open("/proc/self/status") as status:
             return next(int(line.split()[1]) / 1024 for line in status if line.startswith(key))
+    except (OSError, StopIteration):  # pragma: no cover - non-Linux
+        return 0.0
+
+
+def pss_mb() -> float:
+    """Proportional set size of this process in MiB (0.0 where /proc lacks smaps_rollup).
+
+    Unlike RSS, a page mapped twice (two sessions mapping one weights file) counts once.
+    """
+    try:
+        with open("/proc/self/smaps_rollup") as rollup:
+            return next(int(line.split()[1]) / 1024 for line in rollup if line.startswith("Pss:"))
     except (OSError, StopIteration):  # pragma: no cover - non-Linux
         return 0.0
 
@@ -263,30 +294,31 @@ def run_bench(
     say("measuring memory read bandwidth")
     bandwidth = measure_read_bandwidth()
     gc.collect()
-    shared_rss = 0.0
-    shared_measurements: list[Measurement] = []
+    # the memory-saving variants load first, each measured as it loads, and stay loaded to
+    # be timed beside the default Generator in every cell
+    variants: list[tuple[str, Generator]] = []
+    variant_memory: dict[str, dict[str, float]] = {}
     if shared:
-        # measured first: its memory is the smaller, and freed memory may stay in the process
-        say("loading the kvexport Generator with shared weights")
-        before = rss_mb()
-        shared_generator = Generator(directory, provider=provider, share_weights=True)
-        _warm_up(shared_generator)  # mapped weights count once they are read
-        shared_rss = rss_mb() - before
-        for batch in batches:
-            for context in contexts:
-                say(f"kvexport (shared weights): batch {batch}, context {context}")
-                shared_measurements.append(
-                    _bench_onnx(
-                        shared_generator, batch, context, new_tokens, repeats, "kvexport-shared"
-                    )
-                )
-        del shared_generator
-        gc.collect()
+        options: list[tuple[str, dict[str, Any]]] = [("kvexport-shared", {"share_weights": True})]
+        if resolve_provider(provider) == "cpu":
+            say("building (or finding) the pre-packed weights cache")
+            prepacked_graphs(directory)  # in a child process: not counted in this one
+            options.insert(0, ("kvexport-prepacked", {"prepacked": True}))
+        for system, kwargs in options:
+            say(f"loading {system}")
+            before_rss, before_pss = rss_mb(), pss_mb()
+            variant = Generator(directory, provider=provider, **kwargs)
+            _warm_up(variant)  # mapped weights count once they are read
+            variant_memory[system] = {
+                "rss_mb": round(rss_mb() - before_rss, 1),
+                "pss_mb": round(pss_mb() - before_pss, 1),
+            }
+            variants.append((system, variant))
     say("loading the kvexport Generator")
-    rss_before = rss_mb()
+    rss_before, pss_before = rss_mb(), pss_mb()
     generator = Generator(directory, provider=provider)
     _warm_up(generator)
-    rss_loaded = rss_mb()
+    rss_loaded, pss_loaded = rss_mb(), pss_mb()
     dims = manifest.dims
     element = 2 if manifest.dtype == "fp16" else 4
     report = BenchReport(
@@ -298,15 +330,16 @@ def run_bench(
         rss_before_load_mb=round(rss_before, 1),
         rss_after_load_mb=round(rss_loaded, 1),
         rss_peak_onnx_mb=0.0,
-        shared_rss_mb=round(shared_rss, 1),
-        measurements=shared_measurements,
+        pss_before_load_mb=round(pss_before, 1),
+        pss_after_load_mb=round(pss_loaded, 1),
+        variant_memory=variant_memory,
         machine={
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "processor": platform.processor(),
         },
     )
-    compared = []
+    compared = list(variants)
     for other_dir, other in others:
         system = f"kvexport[{other.attention}]"
         say(f"loading {system} from {other_dir}")

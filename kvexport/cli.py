@@ -292,7 +292,12 @@ def sampling_options(function: F) -> F:
 @click.option(
     "--share-weights",
     is_flag=True,
-    help="One mapped copy of the weights (less memory, slower on CPU).",
+    help="One mapped copy of the weights (least memory, slower on CPU).",
+)
+@click.option(
+    "--prepacked",
+    is_flag=True,
+    help="CPU: both graphs map one file of pre-packed weights, built once per machine (less memory, same speed).",
 )
 @click.option(
     "--truncate",
@@ -306,6 +311,7 @@ def generate_command(
     prompt: str,
     max_new_tokens: int,
     share_weights: bool,
+    prepacked: bool,
     truncate: bool,
     do_sample: bool,
     temperature: float,
@@ -319,7 +325,11 @@ def generate_command(
 
     if not prompt:
         raise UserError("--prompt is empty; pass some text")
-    generator = _run(lambda: Generator(directory, provider=provider, share_weights=share_weights))
+    generator = _run(
+        lambda: Generator(
+            directory, provider=provider, share_weights=share_weights, prepacked=prepacked
+        )
+    )
     pieces = generator.stream_text(
         prompt,
         max_new_tokens,
@@ -373,7 +383,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 )
 @click.option("--repeats", default=2, show_default=True, type=int)
 @click.option("--no-baselines", is_flag=True, help="Skip the PyTorch and no-cache baselines.")
-@click.option("--no-shared", is_flag=True, help="Skip the shared-weights Generator variant.")
+@click.option(
+    "--no-shared",
+    is_flag=True,
+    help="Skip the memory-saving Generator variants (pre-packed, shared weights).",
+)
 @click.option(
     "--compare",
     "compare",
@@ -431,10 +445,15 @@ def bench_command(
         ttft = f"{m.ttft_ms:.1f}" if m.ttft_ms is not None else "-"
         decode = f"{m.decode_ms_per_token:.2f}" if m.decode_ms_per_token is not None else "-"
         click.echo(f"{m.system:<18} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
+    memory = [f"kvexport RSS {report.generator_rss_mb:.0f} / PSS {report.generator_pss_mb:.0f} MiB"]
+    memory += [
+        f"{system} RSS {m['rss_mb']:.0f} / PSS {m['pss_mb']:.0f} MiB"
+        for system, m in report.variant_memory.items()
+    ]
     click.echo(
         f"bandwidth {report.bandwidth_gb_s} GB/s; weights {report.weight_bytes / 1e6:.1f} MB; "
-        f"generator RSS {report.generator_rss_mb:.0f} MiB, shared-weights generator {report.shared_rss_mb:.0f} MiB "
-        f"(process {report.rss_after_load_mb:.0f} MiB)"
+        + "; ".join(memory)
+        + f" (process {report.rss_after_load_mb:.0f} MiB)"
     )
     click.echo("ratios: " + ", ".join(f"{k} {v}" for k, v in report.ratios().items()))
     click.echo(f"wrote {results / 'bench.json'} and {results / 'bench.png'}")

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 from click.testing import CliRunner
@@ -14,6 +16,7 @@ from kvexport import KvexportError
 from kvexport.cli import main
 from kvexport.models.gpt2 import load_gpt2
 from kvexport.runtime import Generator, SamplingConfig, choose_tokens
+from kvexport.runtime.prepacked import CACHE_DIR, DATA_FILE
 from tests.conftest import TINY
 
 
@@ -221,11 +224,12 @@ def test_bench_writes_json_and_plot_with_every_system(
     tiny_export: Path, shared_buffer_export: Path, tmp_path: Path
 ) -> None:
     results = tmp_path / "bench"
+    export = shutil.copytree(tiny_export, tmp_path / "export")  # the pre-packed cache goes in it
     result = CliRunner().invoke(
         main,
         [
             "bench",
-            str(tiny_export),
+            str(export),
             "--compare",
             str(shared_buffer_export),
             "--contexts",
@@ -243,12 +247,16 @@ def test_bench_writes_json_and_plot_with_every_system(
     assert result.exit_code == 0, result.output
     data = json.loads((results / "bench.json").read_text())
     systems = {(m["system"], m["batch"], m["context"]) for m in data["measurements"]}
-    for system in ("kvexport", "kvexport-shared", "kvexport[ort]", "pytorch", "no-cache", "floor"):
+    systems_named = ("kvexport", "kvexport-prepacked", "kvexport-shared", "kvexport[ort]", "pytorch", "no-cache", "floor")
+    for system in systems_named:
         for batch in (1, 2):
             for context in (8, 24):
                 assert (system, batch, context) in systems
     assert data["bandwidth_gb_s"] > 0 and data["ratios"]["decode_vs_floor_ctx8"] > 0
     assert data["ratios"]["decode_kvexport[ort]_vs_kvexport_ctx8"] > 0
+    assert data["ratios"]["decode_kvexport-prepacked_vs_kvexport_ctx8"] > 0
+    assert set(data["variant_memory"]) == {"kvexport-prepacked", "kvexport-shared"}
+    assert data["generator_pss_mb"] > 0 and "generator_pss_vs_weights" in data["ratios"]
     assert (results / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -291,3 +299,44 @@ def test_one_generator_used_from_two_threads_matches_serial_use(generator: Gener
         thread.join()
     for index, expected in enumerate(serial):
         np.testing.assert_array_equal(results[index], expected)
+
+
+def test_prepacked_generator_maps_one_shared_file_and_gives_the_same_tokens(
+    tiny_export: Path, generator: Generator, tmp_path: Path
+) -> None:
+    export = shutil.copytree(tiny_export, tmp_path / "export")
+    prepacked = Generator(export, prepacked=True)
+    rows = [[464, 6766, 318], [40]]
+    np.testing.assert_array_equal(
+        prepacked.generate(rows, 8, eos_token_id=-1), generator.generate(rows, 8, eos_token_id=-1)
+    )
+    (cache,) = (export / CACHE_DIR).iterdir()
+    assert sorted(p.name for p in cache.iterdir()) == ["decode.onnx", "prefill.onnx", DATA_FILE]
+    placed: dict[str, dict[str, dict[str, str]]] = {}
+    for graph in ("prefill", "decode"):
+        model = onnx.load(str(cache / f"{graph}.onnx"), load_external_data=False)
+        placed[graph] = {
+            t.name: {e.key: e.value for e in t.external_data} for t in model.graph.initializer if t.external_data
+        }
+        for entries in placed[graph].values():
+            assert entries["location"] == DATA_FILE and int(entries["offset"]) % 4096 == 0
+    packed = {name for name, e in placed["decode"].items() if "prepacked_0" in e}
+    assert packed  # ONNX Runtime wrote the GEMM weights' packed form
+    # one region per weight and per packed form, whichever graph points at it
+    for name in set(placed["prefill"]) & set(placed["decode"]):
+        assert placed["prefill"][name] == placed["decode"][name]
+    built = (cache / DATA_FILE).stat().st_mtime_ns
+    command = ["generate", str(export), "--prompt", "The sky is", "--max-new-tokens", "6"]
+    plain, packed = (CliRunner().invoke(main, command + extra) for extra in ([], ["--prepacked"]))
+    assert packed.exit_code == 0, packed.output
+    assert packed.stdout == plain.stdout and packed.stdout.startswith("The sky is")
+    assert (cache / DATA_FILE).stat().st_mtime_ns == built  # found, not rebuilt
+
+
+def test_prepacked_refusals(tiny_export: Path, tmp_path: Path) -> None:
+    with pytest.raises(KvexportError, match="^prepacked and share_weights are two ways"):
+        Generator(tiny_export, prepacked=True, share_weights=True)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(KvexportError, match=f"^{blocker}: can't write the pre-packed weights cache there"):
+        Generator(tiny_export, prepacked=True, prepack_dir=blocker)
