@@ -300,6 +300,12 @@ def sampling_options(function: F) -> F:
     help="CPU: both graphs map one file of pre-packed weights, built once per machine (less memory, same speed).",
 )
 @click.option(
+    "--prepack-dir",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="Where --prepacked keeps its cache (default: DIRECTORY/.ort-prepacked).",
+)
+@click.option(
     "--truncate",
     is_flag=True,
     help="Keep the prompt's last tokens when it leaves no room for --max-new-tokens (default: error).",
@@ -312,6 +318,7 @@ def generate_command(
     max_new_tokens: int,
     share_weights: bool,
     prepacked: bool,
+    prepack_dir: Path | None,
     truncate: bool,
     do_sample: bool,
     temperature: float,
@@ -327,7 +334,11 @@ def generate_command(
         raise UserError("--prompt is empty; pass some text")
     generator = _run(
         lambda: Generator(
-            directory, provider=provider, share_weights=share_weights, prepacked=prepacked
+            directory,
+            provider=provider,
+            share_weights=share_weights,
+            prepacked=prepacked,
+            prepack_dir=prepack_dir,
         )
     )
     pieces = generator.stream_text(

@@ -17,6 +17,7 @@ from kvexport.cli import main
 from kvexport.models.gpt2 import load_gpt2
 from kvexport.runtime import Generator, SamplingConfig, choose_tokens
 from kvexport.runtime.prepacked import CACHE_DIR, DATA_FILE
+from kvexport.runtime.session import session_providers
 from tests.conftest import TINY
 
 
@@ -340,3 +341,14 @@ def test_prepacked_refusals(tiny_export: Path, tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(KvexportError, match=f"^{blocker}: can't write the pre-packed weights cache there"):
         Generator(tiny_export, prepacked=True, prepack_dir=blocker)
+    command = ["generate", str(tiny_export), "--prompt", "x", "--prepacked", "--prepack-dir", str(blocker)]
+    refused = CliRunner().invoke(main, command)
+    assert refused.exit_code == 2
+    assert refused.stderr.startswith(f"Error: {blocker}: can't write the pre-packed weights cache there (")
+    assert refused.stderr.strip().endswith("; pass another cache directory")
+
+
+def test_cuda_sessions_ask_for_fp32_without_tf32() -> None:
+    # ORT's CUDA provider defaults to TF32 matmuls, which failed fp32 verify on an H200
+    assert session_providers("cuda") == [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
+    assert session_providers("cpu") == ["CPUExecutionProvider"]
