@@ -60,6 +60,21 @@ def const_float(value: ir.Value | None) -> float | None:
     return float(np.asarray(array).reshape(-1)[0])
 
 
+def is_mask_where(node: ir.Node | None) -> bool:
+    """Whether ``node`` is ``Where(cond, 0, fill)`` with fill -inf or its float type's lowest.
+
+    That is an attention mask as an additive bias: keys are either kept or masked out.
+    """
+    if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
+        return False
+    zero, fill = node.inputs[1], node.inputs[2]
+    low = const_float(fill)
+    if const_float(zero) != 0.0 or low is None or fill is None or fill.const_value is None:
+        return False
+    dtype = np.asarray(fill.const_value.numpy()).dtype
+    return low == -np.inf or (np.issubdtype(dtype, np.floating) and low == float(np.finfo(dtype).min))
+
+
 def const_close(value: ir.Value | None, expected: float, atol: float = 1e-6) -> float | None:
     """The constant's single value when it equals ``expected`` to its own precision, else None.
 

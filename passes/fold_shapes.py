@@ -50,7 +50,7 @@ from onnx_ir.passes.common import (
 from onnxscript import optimizer
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes._common import annotate_symbolic_shapes, apply_rules, const_float, const_ints, dims_of
+from passes._common import annotate_symbolic_shapes, apply_rules, const_ints, dims_of, is_mask_where
 
 _MAX_ROUNDS = 6
 
@@ -295,14 +295,10 @@ def decode_mask_from_attention_mask(model: ir.Model) -> int:
     changed = 0
     padding: ir.Value | None = None
     for node in list(graph):
-        if node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
+        if not is_mask_where(node):
             continue
-        cond, zero, fill = node.inputs
-        if cond is None or cond.name == "kvexport.decode_padding" or const_float(zero) != 0.0 or fill is None:
-            continue
-        low = const_float(fill)
-        dtype = np.asarray(fill.const_value.numpy()).dtype if fill.const_value is not None else None
-        if low is None or dtype is None or not (low == -np.inf or (np.issubdtype(dtype, np.floating) and low == float(np.finfo(dtype).min))):
+        cond = node.inputs[0]
+        if cond is None or cond.name == "kvexport.decode_padding":
             continue
         dims = dims_of(cond)
         if dims is None or len(dims) != 4 or dims[1] != 1 or dims[2] != 1 or not _depends_on(cond, mask):

@@ -40,7 +40,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import TopologicalSortPass
 
-from passes._common import const_float
+from passes._common import is_mask_where
 
 CAPACITY_DIM = "max_sequence"
 _MS = "com.microsoft"
@@ -120,18 +120,6 @@ def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
     seqlens.outputs[0].type = ir.TensorType(ir.DataType.INT32)
     graph.extend([*created, total32, total, everywhere, ones, length, seqlens])
     return seqlens.outputs[0], total.outputs[0]
-
-
-def _is_pure_mask(bias: ir.Value | None) -> bool:
-    """Whether ``bias`` is ``Where(cond, 0, x)`` with x -inf or a float type's lowest value."""
-    node = bias.producer() if bias is not None else None
-    if node is None or node.op_type != "Where" or len(node.inputs) != 3:
-        return False
-    zero, fill = (const_float(v) for v in node.inputs[1:])
-    if zero != 0.0 or fill is None:
-        return False
-    dtype = np.asarray(node.inputs[2].const_value.numpy()).dtype  # type: ignore[union-attr]
-    return fill == -np.inf or (np.issubdtype(dtype, np.floating) and fill == float(np.finfo(dtype).min))
 
 
 def _padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dtype: ir.DataType) -> ir.Value:
@@ -220,7 +208,7 @@ class SharedBufferCachePass(InPlacePass):
             if scale:
                 attributes["scale"] = scale
             bias = node.inputs[5] if len(node.inputs) > 5 else None
-            if _is_pure_mask(bias) and node.inputs[0] is not None and node.inputs[0].dtype is not None:
+            if bias is not None and is_mask_where(bias.producer()) and node.inputs[0] is not None and node.inputs[0].dtype is not None:
                 dtype = node.inputs[0].dtype
                 if dtype not in padding:
                     padding[dtype] = _padding_bias(graph, mask, queries, dtype)
