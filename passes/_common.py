@@ -40,6 +40,22 @@ def apply_rules(model: ir.Model, rules: Sequence[RewriteRule]) -> dict[str, int]
     return counts
 
 
+def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    """A constant the pass adds as a named initializer (with its shape and type set).
+
+    An initializer of that name holding the same values is reused, so a pass run again
+    adds nothing; one holding other values is an error (``register_initializer`` raises).
+    """
+    existing = graph.initializers.get(name)
+    if existing is not None and existing.const_value is not None:
+        if np.array_equal(existing.const_value.numpy(), array) and existing.const_value.numpy().dtype == array.dtype:
+            return existing
+    tensor = ir.Tensor(array)
+    constant = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+    graph.register_initializer(constant)
+    return constant
+
+
 def const_ints(value: ir.Value | None) -> list[int] | None:
     """The value as a list of Python ints when it is a constant integer tensor, else None."""
     if value is None or value.const_value is None:

@@ -50,7 +50,14 @@ from onnx_ir.passes.common import (
 from onnxscript import optimizer
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes._common import annotate_symbolic_shapes, apply_rules, const_ints, dims_of, is_mask_where
+from passes._common import (
+    annotate_symbolic_shapes,
+    apply_rules,
+    const_ints,
+    dims_of,
+    initializer,
+    is_mask_where,
+)
 
 _MAX_ROUNDS = 6
 
@@ -319,11 +326,7 @@ def decode_mask_from_attention_mask(model: ir.Model) -> int:
             continue
         if padding is None:
             cast = ir.node("Cast", [mask], attributes={"to": ir.DataType.BOOL})
-            axes = graph.initializers.get("kvexport.decode_mask_axes")
-            if axes is None:
-                axes = ir.Value(name="kvexport.decode_mask_axes", const_value=ir.tensor(np.array([1, 2], np.int64)))
-                axes.shape, axes.type = ir.Shape([2]), ir.TensorType(ir.DataType.INT64)
-                graph.register_initializer(axes)
+            axes = initializer(graph, "kvexport.decode_mask_axes", np.array([1, 2], np.int64))
             unsqueeze = ir.node("Unsqueeze", [cast.outputs[0], axes])
             padding = unsqueeze.outputs[0]
             padding.name = "kvexport.decode_padding"

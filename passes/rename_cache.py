@@ -31,8 +31,11 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
+import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
+
+from passes._common import initializer
 
 Kind = Literal["key", "value"]
 Style = Literal["canonical", "optimum"]
@@ -119,8 +122,7 @@ def _split_stacked_input(graph: ir.Graph, stacked: ir.Value, layer: int) -> None
         halves.append(half)
     position = list(graph.inputs).index(stacked)
     graph.inputs[position : position + 1] = halves
-    axes = ir.Value(name=f"{stacked.name}.stack_axes", const_value=ir.tensor([0], dtype=ir.DataType.INT64))
-    graph.initializers[axes.name or ""] = axes
+    axes = initializer(graph, f"{stacked.name}.stack_axes", np.array([0], np.int64))
     unsqueezed = [ir.node("Unsqueeze", [half, axes]) for half in halves]
     stack = ir.node("Concat", [u.outputs[0] for u in unsqueezed], attributes={"axis": 0})
     graph.insert_before(graph[0], [*unsqueezed, stack])
@@ -145,8 +147,7 @@ def _split_stacked_output(graph: ir.Graph, stacked: ir.Value, layer: int) -> Non
         if stacked_from is not None and not stacked_from[index].is_graph_input() and not stacked_from[index].is_graph_output():
             half = stacked_from[index]
         else:
-            indices = ir.Value(name=f"{stacked.name}.index{index}", const_value=ir.tensor(index, dtype=ir.DataType.INT64))
-            graph.initializers[indices.name or ""] = indices
+            indices = initializer(graph, f"{stacked.name}.index{index}", np.array(index, np.int64))
             gather = ir.node("Gather", [stacked, indices], attributes={"axis": 0})
             graph.append(gather)
             half = gather.outputs[0]

@@ -40,7 +40,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import TopologicalSortPass
 
-from passes._common import is_mask_where
+from passes._common import initializer, is_mask_where
 
 CAPACITY_DIM = "max_sequence"
 _MS = "com.microsoft"
@@ -49,13 +49,6 @@ _PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
 
 class SharedBufferCacheError(ValueError):
     """The graph can't be given a shared-buffer cache (no attention_mask, unexpected MHA inputs)."""
-
-
-def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    value = ir.Tensor(array)
-    constant = ir.Value(name=name, const_value=value, shape=value.shape, type=ir.TensorType(value.dtype))
-    graph.register_initializer(constant)
-    return constant
 
 
 def _mask_dim(graph: ir.Graph, mask: ir.Value, axis: int, created: list[ir.Node]) -> ir.Value:
@@ -87,8 +80,8 @@ def _mask_dim(graph: ir.Graph, mask: ir.Value, axis: int, created: list[ir.Node]
         "Slice",
         [
             full,
-            _const(graph, f"kvexport.{mask.name}_dim{axis}_start", np.array([axis], np.int64)),
-            _const(graph, f"kvexport.{mask.name}_dim{axis}_end", np.array([axis + 1], np.int64)),
+            initializer(graph, f"kvexport.{mask.name}_dim{axis}_start", np.array([axis], np.int64)),
+            initializer(graph, f"kvexport.{mask.name}_dim{axis}_end", np.array([axis + 1], np.int64)),
         ],
     )
     created.append(piece)
@@ -107,13 +100,13 @@ def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
     created: list[ir.Node] = []
     total_1d = _mask_dim(graph, mask, 1, created)
     total32 = ir.node("Cast", [total_1d], attributes={"to": ir.DataType.INT32})
-    scalar = _const(graph, "kvexport.scalar_shape", np.array([], np.int64))
+    scalar = initializer(graph, "kvexport.scalar_shape", np.array([], np.int64))
     total = ir.node("Reshape", [total32.outputs[0], scalar])
     everywhere = ir.node("Equal", [mask, mask])
     ones = ir.node("Cast", [everywhere.outputs[0]], attributes={"to": ir.DataType.INT32})
-    axis = _const(graph, "kvexport.axis_1", np.array([1], np.int64))
+    axis = initializer(graph, "kvexport.axis_1", np.array([1], np.int64))
     length = ir.node("ReduceSum", [ones.outputs[0], axis], attributes={"keepdims": 0})
-    seqlens = ir.node("Sub", [length.outputs[0], _const(graph, "kvexport.one_int32", np.array(1, np.int32))])
+    seqlens = ir.node("Sub", [length.outputs[0], initializer(graph, "kvexport.one_int32", np.array(1, np.int32))])
     total.outputs[0].name = "kvexport.total_sequence_length"
     seqlens.outputs[0].name = "kvexport.seqlens_k"
     total.outputs[0].shape, total.outputs[0].type = ir.Shape([]), ir.TensorType(ir.DataType.INT32)
@@ -132,10 +125,10 @@ def _padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dty
     numpy_dtype = dtype.numpy()
     created: list[ir.Node] = []
     cond = ir.node("Cast", [mask], attributes={"to": ir.DataType.BOOL})
-    axes = _const(graph, "kvexport.axes_1_2", np.array([1, 2], np.int64))
+    axes = initializer(graph, "kvexport.axes_1_2", np.array([1, 2], np.int64))
     cond4 = ir.node("Unsqueeze", [cond.outputs[0], axes])
-    zero = _const(graph, "kvexport.bias_zero", np.array(0, numpy_dtype))
-    lowest = _const(graph, "kvexport.bias_lowest", np.array(np.finfo(numpy_dtype).min, numpy_dtype))
+    zero = initializer(graph, "kvexport.bias_zero", np.array(0, numpy_dtype))
+    lowest = initializer(graph, "kvexport.bias_lowest", np.array(np.finfo(numpy_dtype).min, numpy_dtype))
     bias = ir.node("Where", [cond4.outputs[0], zero, lowest])
     nodes = [cond, cond4, bias]
     result = bias.outputs[0]
@@ -144,8 +137,8 @@ def _padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dty
         if queries is None:
             raise SharedBufferCacheError("the graph has no input_ids input to take the query length from")
         query_length = _mask_dim(graph, queries, 1, created)
-        ones = _const(graph, "kvexport.ones_1_1", np.array([1, 1], np.int64))
-        one = _const(graph, "kvexport.ones_1", np.array([1], np.int64))
+        ones = initializer(graph, "kvexport.ones_1_1", np.array([1, 1], np.int64))
+        one = initializer(graph, "kvexport.ones_1", np.array([1], np.int64))
         shape = ir.node("Concat", [ones, query_length, one], attributes={"axis": 0})
         expanded = ir.node("Expand", [result, shape.outputs[0]])
         nodes += [shape, expanded]
