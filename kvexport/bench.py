@@ -145,14 +145,18 @@ class BenchReport:
         return data
 
 
-def rss_mb(peak: bool = False) -> float:
-    """Resident memory of this process in MiB, now or at its peak (0.0 where /proc is absent)."""
-    key = "VmHWM:" if peak else "VmRSS:"
+def _proc_mib(file: str, key: str) -> float:
+    """A ``key: N kB`` line of ``/proc/self/<file>`` in MiB (0.0 where /proc is absent)."""
     try:
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) / 1024 for line in status if line.startswith(key))
+        with open(f"/proc/self/{file}") as lines:
+            return next(int(line.split()[1]) / 1024 for line in lines if line.startswith(key))
     except (OSError, StopIteration):  # pragma: no cover - non-Linux
         return 0.0
+
+
+def rss_mb(peak: bool = False) -> float:
+    """Resident memory of this process in MiB, now or at its peak (0.0 where /proc is absent)."""
+    return _proc_mib("status", "VmHWM:" if peak else "VmRSS:")
 
 
 def pss_mb() -> float:
@@ -160,11 +164,7 @@ def pss_mb() -> float:
 
     Unlike RSS, a page mapped twice (two sessions mapping one weights file) counts once.
     """
-    try:
-        with open("/proc/self/smaps_rollup") as rollup:
-            return next(int(line.split()[1]) / 1024 for line in rollup if line.startswith("Pss:"))
-    except (OSError, StopIteration):  # pragma: no cover - non-Linux
-        return 0.0
+    return _proc_mib("smaps_rollup", "Pss:")
 
 
 def measure_read_bandwidth(

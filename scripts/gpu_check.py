@@ -87,15 +87,15 @@ def _copy_edges(optimized: Path) -> list[str]:
 
 def _torch_timing(source: Any, dtype: str, device: str, grid: list[tuple[int, int]], vocab: int) -> dict[str, Any]:
     """PyTorch eager generate (cache on): TTFT and ms/token per (batch, context)."""
-    import numpy as np
     import torch
 
+    from kvexport.bench import _prompt
     from kvexport.models.gpt2 import load_gpt2
 
     model = load_gpt2(source, dtype).to(device)  # type: ignore[arg-type]
     out: dict[str, Any] = {}
     for batch, context in grid:
-        ids = torch.from_numpy(np.random.default_rng(context * 10 + batch).integers(0, vocab, (batch, context))).to(device)
+        ids = torch.from_numpy(_prompt(vocab, batch, context)).to(device)
         mask = torch.ones_like(ids)
 
         def run(tokens: int, ids: Any = ids, mask: Any = mask) -> float:
@@ -121,6 +121,7 @@ def main() -> int:
     import onnxruntime as ort
 
     from kvexport import export_gpt2, verify
+    from kvexport.bench import _bench_onnx, _prompt
     from kvexport.manifest import read_manifest
     from kvexport.runtime import Generator
     from kvexport.runtime.session import session_options, session_providers
@@ -198,26 +199,18 @@ def main() -> int:
                 reference = Generator(out, provider="cpu").generate([prompt], 16, eos_token_id=-1)
                 check(f"{label}: cuda greedy tokens == cpu greedy tokens", bool((tokens == reference).all()))
 
+            grid = [(b, c) for b in batches for c in contexts if c + 40 <= generator.n_positions]
             cells: dict[str, Any] = {}
-            for batch in batches:
-                for context in contexts:
-                    if context + 40 > generator.n_positions:
-                        continue
-                    ids = np.random.default_rng(context * 10 + batch).integers(0, generator.vocab_size, (batch, context))
-                    generator.generate(ids, 4, eos_token_id=-1)
-                    ttfts, steps = [], []
-                    for _ in range(3):
-                        generator.generate(ids, 33, eos_token_id=-1)
-                        ttfts.append(generator.last_stats.ttft_s)
-                        steps.extend(generator.last_stats.step_s)
-                    cells[f"b{batch}/c{context}"] = {
-                        "ttft_ms": round(1000 * min(ttfts), 3),
-                        "tpot_ms": round(1000 * float(np.median(steps)), 3),
-                    }
+            for batch, context in grid:  # as kvexport bench times it: min TTFT, median step
+                generator.generate(_prompt(generator.vocab_size, batch, context), 4, eos_token_id=-1)
+                measured = _bench_onnx(generator, batch, context, 33, 3)
+                cells[f"b{batch}/c{context}"] = {
+                    "ttft_ms": round(measured.ttft_ms or 0.0, 3),
+                    "tpot_ms": round(measured.decode_ms_per_token or 0.0, 3),
+                }
             timings[f"kvexport {label}"] = cells
             check(f"{label}: timing", True, **cells)
             if provider == "cuda" and f"pytorch eager {dtype}" not in timings:
-                grid = [(b, c) for b in batches for c in contexts if c + 40 <= generator.n_positions]
                 try:  # the baseline, same weights and dtype, same GPU, timed beside this export
                     timings[f"pytorch eager {dtype}"] = torch_cells = _torch_timing(source, dtype, "cuda", grid, vocab)
                     check(f"pytorch eager {dtype}: timing", True, **torch_cells)

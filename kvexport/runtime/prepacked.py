@@ -29,6 +29,7 @@ process, so the transient memory of building never stays in the caller's.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -170,12 +171,9 @@ def _merge(work: Path, final: Path) -> None:
             location = entries["location"]
             rewritten = dict(entries, location=DATA_FILE)
             rewritten["offset"] = str(place(location, int(entries.get("offset", 0)), int(entries["length"])))
-            def place_here(offset: int, length: int, location: str = location) -> int:
-                return place(location, offset, length)
-
             for key, value in entries.items():
                 if key.startswith("prepacked_"):
-                    rewritten[key] = _relocate(value, place_here)
+                    rewritten[key] = _relocate(value, functools.partial(place, location))
             del tensor.external_data[:]
             for key, value in rewritten.items():
                 entry = tensor.external_data.add()
