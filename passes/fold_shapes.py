@@ -55,8 +55,9 @@ from passes._common import (
     apply_rules,
     const_ints,
     dims_of,
-    initializer,
     is_mask_where,
+    is_padding_condition,
+    padding_condition,
 )
 
 _MAX_ROUNDS = 6
@@ -290,20 +291,6 @@ def _depends_on(value: ir.Value, source: ir.Value, limit: int = 200) -> bool:
     return False
 
 
-def _is_padding_of(cond: ir.Value, mask: ir.Value) -> bool:
-    """Whether ``cond`` is ``Unsqueeze(Cast(mask, bool), [1, 2])`` already."""
-    unsqueeze = cond.producer()
-    if unsqueeze is None or unsqueeze.op_type != "Unsqueeze" or const_ints(unsqueeze.inputs[1]) != [1, 2]:
-        return False
-    cast = unsqueeze.inputs[0].producer() if unsqueeze.inputs[0] is not None else None
-    return (
-        cast is not None
-        and cast.op_type == "Cast"
-        and cast.inputs[0] is mask
-        and cast.attributes.get_int("to") == ir.DataType.BOOL
-    )
-
-
 def decode_mask_from_attention_mask(model: ir.Model) -> int:
     """``DecodeMaskFromAttentionMask`` (see the module docstring); returns how many masks changed."""
     graph = model.graph
@@ -319,19 +306,15 @@ def decode_mask_from_attention_mask(model: ir.Model) -> int:
         if not is_mask_where(node):
             continue
         cond = node.inputs[0]
-        if cond is None or cond is padding or _is_padding_of(cond, mask):
+        if cond is None or cond is padding or is_padding_condition(cond, mask):
             continue  # already the padding mask
         dims = dims_of(cond)
         if dims is None or len(dims) != 4 or dims[1] != 1 or dims[2] != 1 or not _depends_on(cond, mask):
             continue
         if padding is None:
-            cast = ir.node("Cast", [mask], attributes={"to": ir.DataType.BOOL})
-            axes = initializer(graph, "kvexport.decode_mask_axes", np.array([1, 2], np.int64))
-            unsqueeze = ir.node("Unsqueeze", [cast.outputs[0], axes])
-            padding = unsqueeze.outputs[0]
+            nodes, padding = padding_condition(graph, mask)
             padding.name = "kvexport.decode_padding"
-            padding.shape, padding.type = ir.Shape([mask.shape[0], 1, 1, mask.shape[1]]), ir.TensorType(ir.DataType.BOOL)
-            graph.insert_before(node, [cast, unsqueeze])
+            graph.insert_before(node, nodes)
         node.replace_input_with(0, padding)
         changed += 1
     return changed

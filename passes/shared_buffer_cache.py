@@ -40,7 +40,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import TopologicalSortPass
 
-from passes._common import initializer, is_mask_where
+from passes._common import initializer, is_mask_where, padding_condition
 
 CAPACITY_DIM = "max_sequence"
 _MS = "com.microsoft"
@@ -124,13 +124,11 @@ def _padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dty
     """
     numpy_dtype = dtype.numpy()
     created: list[ir.Node] = []
-    cond = ir.node("Cast", [mask], attributes={"to": ir.DataType.BOOL})
-    axes = initializer(graph, "kvexport.axes_1_2", np.array([1, 2], np.int64))
-    cond4 = ir.node("Unsqueeze", [cond.outputs[0], axes])
+    nodes, condition = padding_condition(graph, mask)
     zero = initializer(graph, "kvexport.bias_zero", np.array(0, numpy_dtype))
     lowest = initializer(graph, "kvexport.bias_lowest", np.array(np.finfo(numpy_dtype).min, numpy_dtype))
-    bias = ir.node("Where", [cond4.outputs[0], zero, lowest])
-    nodes = [cond, cond4, bias]
+    bias = ir.node("Where", [condition, zero, lowest])
+    nodes.append(bias)
     result = bias.outputs[0]
     query_dims = queries.shape if queries is not None else None
     if query_dims is None or len(query_dims) < 2 or query_dims[1] != 1:
