@@ -19,7 +19,12 @@ from pathlib import Path
 import onnx_ir as ir
 
 from kvexport.errors import KvexportError, first_line
-from kvexport.storage import EXTERNAL_THRESHOLD_BYTES, check_external_data
+from kvexport.storage import (
+    EXTERNAL_THRESHOLD_BYTES,
+    check_external_data,
+    check_parent_path,
+    created_parents,
+)
 from passes import (
     DEFAULT_REWRITE_PASSES,
     CacheNamingError,
@@ -84,8 +89,7 @@ def rewrite_graph(
         raise KvexportError(f"{output}: exists; pass --force to replace it, or choose another path")
     if output.is_dir():
         raise KvexportError(f"{output}: is a directory; give a file name such as decode.onnx")
-    if not output.parent.is_dir():
-        raise KvexportError(f"{output}: parent directory {output.parent} does not exist; create it first")
+    check_parent_path(output)
     try:
         pipeline = build_pipeline(attention, DEFAULT_REWRITE_PASSES if passes is None else passes)
     except ValueError as exc:
@@ -98,6 +102,13 @@ def rewrite_graph(
     except CacheNamingError as exc:
         raise KvexportError(f"{source}: {exc}") from exc
     data_name = f"{output.name}.data"
+    with created_parents(output):
+        data_file = _write_atomically(model, output, data_name)
+    return RewriteResult(source, output, data_file, reports)
+
+
+def _write_atomically(model: ir.Model, output: Path, data_name: str) -> Path | None:
+    """Save graph and weights in a temporary sibling, then rename both into place."""
     work = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
     try:
         ir.save(model, work / output.name, external_data=data_name, size_threshold_bytes=EXTERNAL_THRESHOLD_BYTES)
@@ -109,4 +120,4 @@ def rewrite_graph(
         os.replace(work / output.name, output)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return RewriteResult(source, output, data_file, reports)
+    return data_file

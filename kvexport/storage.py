@@ -24,7 +24,11 @@ ALIGNMENT = 4096
 
 
 def check_output_dir(out: Path, force: bool) -> None:
-    """Refuse an existing non-empty ``out`` unless ``force``; refuse a file in its place."""
+    """Refuse an existing non-empty ``out`` unless ``force``; refuse a file in its place.
+
+    Missing parent directories are fine (:func:`created_parents` makes them), but a parent
+    that exists as a file is refused.
+    """
     if out.exists() and not out.is_dir():
         raise KvexportError(f"--out {out}: exists and is not a directory; choose another path")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -32,21 +36,61 @@ def check_output_dir(out: Path, force: bool) -> None:
             f"--out {out}: directory exists and is not empty; pass --force to replace it, "
             "or choose another path"
         )
-    if not out.parent.exists():
-        raise KvexportError(
-            f"--out {out}: parent directory {out.parent} does not exist; create it first"
-        )
+    check_parent_path(out, "--out ")
+
+
+def check_parent_path(path: Path, label: str = "") -> None:
+    """Refuse ``path`` when one of its ancestors exists but is not a directory."""
+    for parent in path.absolute().parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise KvexportError(
+                    f"{label}{path}: {parent} is not a directory; choose another path"
+                )
+            return
+
+
+@contextlib.contextmanager
+def created_parents(path: Path) -> Iterator[None]:
+    """Create ``path``'s missing parent directories; remove them again if the block fails.
+
+    Like ``mkdir -p`` for the parents, so ``--out new/dir/model`` works on a fresh clone;
+    a failed or interrupted write leaves the file system as it found it.
+    """
+    missing = []
+    for parent in path.absolute().parents:
+        if parent.exists():
+            break
+        missing.append(parent)
+    for parent in reversed(missing):
+        parent.mkdir(exist_ok=True)
+    try:
+        yield
+    except BaseException:
+        for parent in missing:  # deepest first; stop at one someone else filled meanwhile
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+        raise
 
 
 @contextlib.contextmanager
 def atomic_output_dir(out: Path, force: bool) -> Iterator[Path]:
     """Yield a temporary sibling of ``out``; on success it replaces ``out`` in one rename.
 
-    On any exception (Ctrl-C included) the temporary directory is removed and ``out`` is
-    left exactly as it was. An existing ``out`` is replaced only with ``force``.
+    Missing parents of ``out`` are created. On any exception (Ctrl-C included) the
+    temporary directory and any parents it created are removed, and ``out`` is left
+    exactly as it was. An existing ``out`` is replaced only with ``force``.
     """
     out = out.absolute()
     check_output_dir(out, force)
+    with created_parents(out), _atomic_rename_into(out, force) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _atomic_rename_into(out: Path, force: bool) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
     try:

@@ -89,17 +89,28 @@ def test_verify_exit_code_is_1_when_a_check_fails(tmp_path: Path, tiny_export: P
             "fold_shapes, fuse_attention, fuse_ort_block, shared_buffer_cache, cleanup",
         ),
         (
-            ["gpt2", "--out", "{tmp}/missing-parent/o", "--random-init"],
-            "Error: --out {tmp}/missing-parent/o: parent directory {tmp}/missing-parent does not exist; create it first",
+            ["gpt2", "--out", "{tmp}/a-file/o", "--random-init"],
+            "Error: --out {tmp}/a-file/o: {tmp}/a-file is not a directory; choose another path",
         ),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    (tmp_path / "a-file").write_text("not a directory")
     result = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
     assert result.exit_code == 2
     assert result.stderr.strip() == message.format(tmp=tmp_path)
     assert "Traceback" not in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_out_creates_missing_parents(tmp_path: Path, tiny_odd_config: Path) -> None:
+    out = tmp_path / "fresh" / "clone" / "out" / "model"
+    result = CliRunner().invoke(
+        main, ["gpt2", "--out", str(out), "--random-init", "--model", str(tiny_odd_config)]
+    )
+    assert result.exit_code == 0, result.output
+    assert {"prefill.onnx", "decode.onnx", "kvexport.json"} <= {p.name for p in out.iterdir()}
+    assert sorted(p.name for p in out.parent.iterdir()) == ["model"]  # no temporary left beside it
 
 
 def test_non_empty_out_is_refused_and_untouched(tmp_path: Path) -> None:

@@ -114,6 +114,12 @@ def test_existing_output_is_not_clobbered_without_force(foreign_graphs: dict[str
     assert canonical_cache_names(ir.load(output))
 
 
+def test_output_parents_are_created(foreign_graphs: dict[str, Path], tmp_path: Path) -> None:
+    output = tmp_path / "not" / "yet" / "decode.onnx"
+    _rewrite(foreign_graphs["optimum"] / "decode.onnx", output)
+    assert canonical_cache_names(ir.load(output))
+
+
 def test_corrupt_graph_is_one_line(tmp_path: Path) -> None:
     source = tmp_path / "broken.onnx"
     source.write_bytes(b"\x00not onnx at all")

@@ -38,6 +38,18 @@ def test_atomic_dir_failure_leaves_nothing(tmp_path: Path) -> None:
     assert _siblings(out) == []
 
 
+def test_atomic_dir_creates_missing_parents_and_removes_them_on_failure(tmp_path: Path) -> None:
+    out = tmp_path / "a" / "b" / "out"
+    with pytest.raises(RuntimeError), atomic_output_dir(out, force=False) as work:
+        assert work.parent == out.parent and work.parent.is_dir()
+        raise RuntimeError("export failed")
+    assert list(tmp_path.iterdir()) == []
+    with atomic_output_dir(out, force=False) as work:
+        (work / "a.txt").write_text("a")
+    assert (out / "a.txt").read_text() == "a"
+    assert _siblings(out) == ["out"]
+
+
 def test_existing_output_is_refused_then_replaced_only_with_force(tmp_path: Path) -> None:
     out = tmp_path / "out"
     out.mkdir()
