@@ -6,12 +6,16 @@ Systems measured in the same process, on the same weights:
 - ``kvexport-prepacked``: the same with ``prepacked=True`` (CPU: both sessions map one
   file of pre-packed weights);
 - ``kvexport-shared``: the same with ``share_weights=True`` (least memory, slower);
-- ``kvexport[<attention>]``: other exports of the same weights given with ``--compare``;
+- ``kvexport[<variant>]``: other exports of the same weights given with ``--compare``
+  (``<variant>`` is the attention, plus the quantization scheme or dtype where they
+  differ: ``kvexport[ort,int4]``);
 - ``pytorch``: Hugging Face ``generate`` in eager PyTorch with its KV cache;
 - ``no-cache``: PyTorch recomputing the whole sequence for every token;
-- ``floor``: the memory-bandwidth floor of one decode step: the bytes a step must read
-  (every weight once, plus the cache at that context) over this machine's measured
-  read bandwidth.
+- ``floor`` (and ``floor[<variant>]`` for each compared export): the memory-bandwidth
+  floor of one decode step: the bytes that export's step must read (every weight once,
+  plus the cache at that context) over the best read bandwidth measured in the run. A
+  lower bound, so it uses the best bandwidth seen, never a cell's slower one: it cannot
+  fall as the context grows.
 
 For each batch and context it reports TTFT (prefill of ``context`` tokens and the first
 token) and decode ms per step (median over the steps). Resident memory (RSS, and PSS,
@@ -76,6 +80,8 @@ class BenchReport:
     # kvexport-shared / kvexport-prepacked: {"rss_mb", "pss_mb"} each added as it loaded
     variant_memory: dict[str, dict[str, float]] = field(default_factory=dict)
     rss_peak_mb: float = 0.0  # the whole run: Generators and the PyTorch reference together
+    # bytes on disk of each export (graphs, weights, tokenizer, manifest), by system
+    disk_bytes: dict[str, int] = field(default_factory=dict)
     measurements: list[Measurement] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
 
@@ -125,6 +131,9 @@ class BenchReport:
             candidates[f"decode_{system}_vs_kvexport_ctx{first}"] = self._ratio(system, "kvexport", first, decode)
             candidates[f"ttft_{system}_vs_kvexport_ctx{first}"] = self._ratio(system, "kvexport", first, "ttft_ms")
             candidates[f"decode_{system}_ctx{last}_vs_ctx{first}"] = self._ratio(system, system, last, decode, first)
+            if system.startswith("kvexport["):
+                own_floor = "floor[" + system[len("kvexport[") :]
+                candidates[f"decode_{system}_vs_its_floor_ctx{first}"] = self._ratio(system, own_floor, first, decode)
         result = {k: v for k, v in candidates.items() if v is not None}
         weights = max(1, self.weight_bytes)
         result["generator_rss_vs_weights"] = self.generator_rss_mb * 2**20 / weights
@@ -184,6 +193,21 @@ def measure_read_bandwidth(
             worker.join()
         best = max(best, data.nbytes / (time.perf_counter() - started) / 1e9)
     return best
+
+
+def export_bytes(directory: Path) -> int:
+    """Bytes on disk of an export: its files, not caches kept beside them (``.ort-prepacked``)."""
+    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+
+
+def variant_label(manifest: Any) -> str:
+    """How a compared export is named in the table: attention, then scheme or dtype."""
+    parts = [manifest.attention]
+    if manifest.quantization:
+        parts.append(manifest.quantization["scheme"])
+    elif manifest.dtype != "fp32":
+        parts.append(manifest.dtype)
+    return ",".join(parts)
 
 
 def _prompt(vocab: int, batch: int, context: int) -> np.ndarray:
@@ -339,12 +363,26 @@ def run_bench(
             "processor": platform.processor(),
         },
     )
+    report.disk_bytes["kvexport"] = export_bytes(Path(directory))
     compared = list(variants)
+    # floors: (system, weight bytes, cache element bytes) of each export
+    floors = [("floor", report.weight_bytes, element)]
     for other_dir, other in others:
-        system = f"kvexport[{other.attention}]"
+        system = f"kvexport[{variant_label(other)}]"
+        if system in dict(compared):
+            system = f"kvexport[{variant_label(other)},{other_dir.name}]"
         say(f"loading {system} from {other_dir}")
+        before_rss, before_pss = rss_mb(), pss_mb()
         compared.append((system, Generator(other_dir, provider=provider)))
         _warm_up(compared[-1][1])
+        variant_memory[system] = {
+            "rss_mb": round(rss_mb() - before_rss, 1),
+            "pss_mb": round(pss_mb() - before_pss, 1),
+        }
+        report.disk_bytes[system] = export_bytes(other_dir)
+        floors.append(
+            (f"floor[{system[len('kvexport['):-1]}]", int(other.weights["bytes"]), 2 if other.dtype == "fp16" else 4)
+        )
     report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
     model = None
     if baselines:
@@ -352,14 +390,11 @@ def run_bench(
         model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
     bandwidths = [bandwidth]
     # Every system is timed at one (batch, context) before the next cell starts, so a
-    # machine whose speed drifts during the run (shared hosts do) treats them alike;
-    # the floor of each cell uses the bandwidth measured just before it.
+    # machine whose speed drifts during the run (shared hosts do) treats them alike.
+    # Bandwidth is sampled before each cell; the floors use the best sample of the run.
     for batch in batches:
         for context in contexts:
             bandwidths.append(measure_read_bandwidth(repeats=3))
-            cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * element
-            floor_ms = 1000 * (report.weight_bytes + cache_bytes) / (bandwidths[-1] * 1e9)
-            report.measurements.append(Measurement("floor", batch, context, None, floor_ms))
             say(f"kvexport: batch {batch}, context {context}")
             report.measurements.append(_bench_onnx(generator, batch, context, new_tokens, repeats))
             for system, other_generator in compared:
@@ -371,7 +406,13 @@ def run_bench(
                 say(f"pytorch and no-cache: batch {batch}, context {context}")
                 report.measurements.extend(_bench_torch(model, batch, context, new_tokens, repeats))
                 time.sleep(0.5)  # let PyTorch's worker threads stop spinning before ORT runs again
-    report.bandwidth_gb_s = round(float(np.median(bandwidths)), 2)
+    report.bandwidth_gb_s = round(max(bandwidths), 2)
+    for batch in batches:
+        for context in contexts:
+            for system, weight_bytes, cache_element in floors:
+                cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * cache_element
+                floor_ms = 1000 * (weight_bytes + cache_bytes) / (max(bandwidths) * 1e9)
+                report.measurements.append(Measurement(system, batch, context, None, floor_ms))
     report.rss_peak_mb = round(rss_mb(peak=True), 1)
     del generator, compared
     gc.collect()

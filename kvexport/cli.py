@@ -88,6 +88,75 @@ def attention_option(default: str | None, note: str) -> Callable[[F], F]:
     )
 
 
+def quantization_options(function: F) -> F:
+    """``--quantize`` and its knobs, shared by ``gpt2`` and ``rewrite``."""
+    for option in reversed(
+        [
+            click.option(
+                "--quantize",
+                type=click.Choice(["none", "int8", "int4"]),
+                default="none",
+                show_default=True,
+                help="Weight-only quantization with ONNX Runtime's MatMulNBits / GatherBlockQuantized (ort attention only).",
+            ),
+            click.option(
+                "--block-size",
+                type=int,
+                default=None,
+                help="Weights per scale, a power of two >= 16 [default: the scheme's, 32].",
+            ),
+            click.option(
+                "--asymmetric", is_flag=True, help="Add zero points (default: symmetric blocks)."
+            ),
+            click.option(
+                "--accuracy-level",
+                type=click.IntRange(0, 4),
+                default=None,
+                help="MatMulNBits compute type on CPU: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 [default: 4].",
+            ),
+            click.option(
+                "--head-bits",
+                type=click.Choice(["4", "8"]),
+                default=None,
+                help="Bits of the LM head and embeddings [default: 8].",
+            ),
+        ]
+    ):
+        function = option(function)
+    return function
+
+
+def _quantization_knobs(
+    quantize: str,
+    block_size: int | None,
+    asymmetric: bool,
+    accuracy_level: int | None,
+    head_bits: str | None,
+) -> Any:
+    """The scheme's :class:`~passes.QuantizationConfig` with the options given applied."""
+    import dataclasses
+
+    from kvexport.export import QUANTIZATION_SCHEMES
+
+    overrides: dict[str, Any] = {}
+    if block_size is not None:
+        overrides["block_size"] = block_size
+    if asymmetric:
+        overrides["symmetric"] = False
+    if accuracy_level is not None:
+        overrides["accuracy_level"] = accuracy_level
+    if head_bits is not None:
+        overrides["head_bits"] = int(head_bits)
+    if quantize == "none":
+        if overrides:
+            raise UserError("quantization options given without --quantize; add --quantize int8 or int4")
+        return None
+    try:
+        return dataclasses.replace(QUANTIZATION_SCHEMES[quantize], **overrides)
+    except ValueError as exc:
+        raise UserError(f"--quantize {quantize}: {exc}") from None
+
+
 def provider_option(function: F) -> F:
     """``--provider cpu|cuda|auto``."""
     return click.option(
@@ -143,6 +212,7 @@ def main() -> None:
     help="Cache layout: concat (a new present per step) or shared-buffer (one buffer updated in "
     "place; needs ort attention) [default: shared-buffer for ort targets, else concat].",
 )
+@quantization_options
 @click.option(
     "--opset", default=18, show_default=True, type=click.IntRange(14, 24), help="ONNX opset."
 )
@@ -166,6 +236,11 @@ def gpt2_command(
     attention: str | None,
     dtype: str | None,
     cache: str | None,
+    quantize: str,
+    block_size: int | None,
+    asymmetric: bool,
+    accuracy_level: int | None,
+    head_bits: str | None,
     opset: int,
     all_logits: bool,
     force: bool,
@@ -177,6 +252,7 @@ def gpt2_command(
     from kvexport.export import DEFAULT_STRATEGY_ORDER, export_gpt2
 
     strategies = DEFAULT_STRATEGY_ORDER if exporter == "auto" else (exporter,)
+    knobs = _quantization_knobs(quantize, block_size, asymmetric, accuracy_level, head_bits)
     result = _run(
         lambda: export_gpt2(
             out,
@@ -187,6 +263,8 @@ def gpt2_command(
             attention=attention,  # type: ignore[arg-type]
             dtype=dtype,  # type: ignore[arg-type]
             cache=cache,  # type: ignore[arg-type]
+            quantize=quantize,  # type: ignore[arg-type]
+            quantization=knobs,
             opset=opset,
             all_logits=all_logits,
             force=force,
@@ -206,6 +284,12 @@ def gpt2_command(
         f"positions {dims.n_positions}, {manifest.dtype}, opset {manifest.opset}"
     )
     click.echo(f"  target {manifest.target}, attention {manifest.attention}, cache {manifest.cache_layout}")
+    if manifest.quantization:
+        q = manifest.quantization
+        click.echo(
+            f"  quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings "
+            f"{q['head_bits']}-bit, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']}"
+        )
     click.echo(
         f"  strategy {result.strategy}; nodes: prefill {result.node_counts['prefill']}, decode {result.node_counts['decode']}"
     )
@@ -219,15 +303,39 @@ def gpt2_command(
 @main.command("verify")
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--steps", default=8, show_default=True, type=int, help="Decode steps after prefill.")
+@click.option(
+    "--text",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A UTF-8 text file: add teacher-forced perplexity of the export and of PyTorch on it.",
+)
+@click.option(
+    "--text-tokens", default=2048, show_default=True, type=int, help="Use at most this many tokens of --text."
+)
 @provider_option
 @json_option
-def verify_command(directory: Path, steps: int, provider: str, as_json: bool) -> None:
-    """Check DIRECTORY's graphs against PyTorch, step by step; exit 0 only if all checks hold."""
+def verify_command(
+    directory: Path, steps: int, text: Path | None, text_tokens: int, provider: str, as_json: bool
+) -> None:
+    """Check DIRECTORY's graphs against PyTorch, step by step; exit 0 only if all checks hold.
+
+    A quantized export is judged by quality against PyTorch fp32 (top-1 agreement, KL
+    divergence) within its scheme's tolerances, not by fp32 parity.
+    """
     from kvexport.verify import verify
 
     if steps < 1:
         raise UserError(f"--steps {steps}: must be at least 1")
-    report = _run(lambda: verify(directory, steps=steps, provider=provider, progress=_progress))
+    report = _run(
+        lambda: verify(
+            directory,
+            steps=steps,
+            provider=provider,
+            text=text,
+            text_tokens=text_tokens,
+            progress=_progress,
+        )
+    )
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -255,14 +363,44 @@ def _render_verify(report: Any) -> None:
     for case in dict.fromkeys(t.case for t in report.tokens):
         tokens = [t for t in report.tokens if t.case == case]
         agree = sum(t.ok for t in tokens)
+        verdict = "ok" if agree == len(tokens) else ("FAIL" if not report.quantized else "-")
         click.echo(
-            f"{case:<20} {'tokens':<7} {len(tokens):>6} {'greedy agree':>13} {agree:>13}/{len(tokens):<15} {'ok' if agree == len(tokens) else 'FAIL'}"
+            f"{case:<20} {'tokens':<7} {len(tokens):>6} {'greedy agree':>13} {agree:>13}/{len(tokens):<15} {verdict}"
         )
+    if report.quantized:
+        _render_quality(report)
+    if report.text is not None:
+        _render_text(report)
     for line in report.failures():
         click.echo(f"FAIL {line}")
     verdict = "PASS" if report.ok else "FAIL"
     click.echo(
         f"{verdict}: {report.provider}, {report.dtype}, {report.steps} steps, {report.seconds:.1f} s"
+    )
+
+
+def _render_quality(report: Any) -> None:
+    """Quantized exports: quality against PyTorch fp32, per case and over a text."""
+    tol = report.tolerances
+    click.echo(
+        f"quality vs PyTorch fp32 (tolerance: top-1 agreement >= {tol['min_top1_agreement']}, "
+        f"mean KL <= {tol['max_mean_kl']}, perplexity delta <= {tol['max_perplexity_delta_pct']}%)"
+    )
+    click.echo(f"{'case':<20} {'steps':>6} {'top-1 agree':>12} {'mean KL':>10} {'max logit err':>14}")
+    for case in dict.fromkeys(q.case for q in report.quality):
+        checks = [q for q in report.quality if q.case == case]
+        agree = sum(q.top1_agreement for q in checks) / len(checks)
+        kl = sum(q.mean_kl for q in checks) / len(checks)
+        error = max(q.max_logit_error for q in checks)
+        click.echo(f"{case:<20} {len(checks):>6} {agree:>12.3f} {kl:>10.2e} {error:>14.3f}")
+
+
+def _render_text(report: Any) -> None:
+    text = report.text
+    click.echo(
+        f"text {text.file}: {text.tokens} tokens, perplexity {text.perplexity_onnx:.3f} vs PyTorch "
+        f"{text.perplexity_torch:.3f} ({text.perplexity_delta_pct:+.2f}%), top-1 agreement "
+        f"{text.top1_agreement:.3f}, mean KL {text.mean_kl:.2e}, max logit error {text.max_logit_error:.3f}"
     )
 
 
@@ -527,9 +665,10 @@ def _echo_pass_table(entries: list[dict[str, Any]]) -> None:
     default=None,
     help="Comma-separated passes [default: rename_cache,fold_shapes,cleanup]; "
     "choose from rename_cache, transposed_weight_gemm, fold_shapes, fuse_attention, fuse_ort_block, "
-    "shared_buffer_cache (changes the cache IO; needs --attention ort), cleanup.",
+    "shared_buffer_cache (changes the cache IO; needs --attention ort), quantize_weights (with --quantize), cleanup.",
 )
 @attention_option(default="unfused", note="")
+@quantization_options
 @click.option(
     "--names",
     type=click.Choice(["canonical", "optimum"]),
@@ -544,6 +683,11 @@ def rewrite_command(
     output: Path,
     pass_list: str | None,
     attention: str,
+    quantize: str,
+    block_size: int | None,
+    asymmetric: bool,
+    accuracy_level: int | None,
+    head_bits: str | None,
     names: str,
     force: bool,
     as_json: bool,
@@ -551,6 +695,7 @@ def rewrite_command(
     """Run the rewrite passes on any decoder graph SOURCE.onnx and write OUTPUT.onnx."""
     from kvexport.rewrite import rewrite_graph
 
+    knobs = _quantization_knobs(quantize, block_size, asymmetric, accuracy_level, head_bits)
     chosen = [p.strip() for p in pass_list.split(",") if p.strip()] if pass_list else None
     result = _run(
         lambda: rewrite_graph(
@@ -558,6 +703,7 @@ def rewrite_command(
             output,
             passes=chosen,
             attention=attention,  # type: ignore[arg-type]
+            quantization=knobs,
             names=names,  # type: ignore[arg-type]
             force=force,
         )

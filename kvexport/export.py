@@ -45,7 +45,7 @@ from kvexport.storage import (
     save_with_shared_weights,
 )
 from kvexport.tokenizer import choose_tokenizer
-from passes import build_pipeline, run_pipeline
+from passes import QuantizationConfig, build_pipeline, run_pipeline
 
 Target = Literal["portable", "ort-cpu", "ort-cuda"]
 Attention = Literal["unfused", "onnx", "ort"]
@@ -68,6 +68,20 @@ CACHE_DESCRIPTIONS = {
     ),
 }
 IO_INPUTS = ["input_ids", "attention_mask", "position_ids"]
+Quantize = Literal["none", "int8", "int4"]
+# Each scheme's default knobs, chosen by measurement (README, "Quantized exports"): blocks of
+# 32 with int8 activations in the CPU kernels; the LM head (and the tied embedding that
+# shares its bytes) at 8 bits in int4 too, since its error is the one that shows.
+QUANTIZATION_SCHEMES: dict[str, QuantizationConfig] = {
+    "int8": QuantizationConfig(bits=8, block_size=32, symmetric=True, accuracy_level=4, head_bits=8),
+    "int4": QuantizationConfig(bits=4, block_size=32, symmetric=True, accuracy_level=4, head_bits=8),
+}
+# What verify holds a quantized export to against PyTorch fp32, per scheme, set from the
+# trained test model's measured quality with headroom (tests/data/tiny-trained).
+QUANTIZATION_TOLERANCES: dict[str, dict[str, float]] = {
+    "int8": {"min_top1_agreement": 0.95, "max_mean_kl": 0.01, "max_perplexity_delta_pct": 1.0},
+    "int4": {"min_top1_agreement": 0.85, "max_mean_kl": 0.05, "max_perplexity_delta_pct": 5.0},
+}
 
 # Sample sizes for tracing. Every dynamic dim gets a distinct value >= 2, or the
 # exporter specialises it to a constant.
@@ -345,6 +359,30 @@ def _versions() -> dict[str, str]:
     }
 
 
+def _quantization(
+    quantize: str, knobs: QuantizationConfig | None, attention: str
+) -> QuantizationConfig | None:
+    """The knobs for ``quantize`` (None for float weights), or one clear error."""
+    if quantize == "none":
+        if knobs is not None:
+            raise KvexportError("quantization knobs given without --quantize; add --quantize int8 or int4")
+        return None
+    if quantize not in QUANTIZATION_SCHEMES:
+        raise KvexportError(f"--quantize {quantize}: choose none, int8 or int4")
+    if attention != "ort":
+        raise KvexportError(
+            f"--quantize {quantize} --attention {attention}: the quantized weights use ONNX Runtime's "
+            "operators; use --target ort-cpu or ort-cuda"
+        )
+    scheme = QUANTIZATION_SCHEMES[quantize]
+    if knobs is not None and knobs.bits != scheme.bits:
+        raise KvexportError(
+            f"--quantize {quantize} with {knobs.bits}-bit block weights: the scheme's blocks are "
+            f"{scheme.bits}-bit; pick the scheme with that width"
+        )
+    return knobs or scheme
+
+
 def export_gpt2(
     out: str | Path,
     model: str = "gpt2",
@@ -355,6 +393,8 @@ def export_gpt2(
     attention: Attention | None = None,
     dtype: Dtype | None = None,
     cache: CacheLayout | None = None,
+    quantize: Quantize = "none",
+    quantization: QuantizationConfig | None = None,
     opset: int = DEFAULT_OPSET,
     all_logits: bool = False,
     force: bool = False,
@@ -378,6 +418,10 @@ def export_gpt2(
         cache: ``concat`` (a new present per step, the portable contract) or
             ``shared-buffer`` (one in-place buffer per cache tensor; needs ``ort``
             attention). None: ``shared-buffer`` for the ort targets, else ``concat``.
+        quantize: ``int8`` / ``int4`` store the weights with ONNX Runtime's weight-only
+            operators (``ort`` attention only); see :data:`QUANTIZATION_SCHEMES`.
+        quantization: override the scheme's knobs (block size, symmetric, accuracy
+            level, LM-head bits); needs ``quantize``.
         opset: ONNX opset of the graphs.
         all_logits: prefill returns logits for every position, not only the last.
         force: replace a non-empty ``out``.
@@ -420,6 +464,7 @@ def export_gpt2(
         )
     if dtype not in ("fp32", "fp16"):
         raise KvexportError(f"--dtype {dtype}: choose fp32 or fp16")
+    quantization = _quantization(quantize, quantization, attention)
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown or not strategies:
         raise KvexportError(
@@ -442,7 +487,9 @@ def export_gpt2(
         pass_reports = []
         for name, graph in graphs.items():
             report(f"running passes on {name}")
-            pipeline = build_pipeline(attention, shared_buffer=cache == "shared-buffer")
+            pipeline = build_pipeline(
+                attention, shared_buffer=cache == "shared-buffer", quantization=quantization
+            )
             for pass_report in run_pipeline(graph, pipeline):
                 pass_reports.append({"graph": name, **pass_report.to_json()})
         opset = graphs["decode"].opset_imports.get("", opset)
@@ -486,6 +533,13 @@ def export_gpt2(
             passes=pass_reports,
             versions=_versions(),
             cache={"layout": cache, "description": CACHE_DESCRIPTIONS[cache]},
+            quantization=None
+            if quantization is None
+            else {
+                "scheme": quantize,
+                **quantization.to_json(),
+                "tolerances": QUANTIZATION_TOLERANCES[quantize],
+            },
         )
         manifest.write(tmp)
     report(f"wrote {out_path}")

@@ -140,6 +140,9 @@ class Manifest:
     # "shared-buffer": past and present are one [batch, H, capacity, D] buffer the caller
     # binds to both, updated in place; prefill takes the (empty) buffers as past inputs too.
     cache: dict[str, Any] = field(default_factory=lambda: {"layout": "concat"})
+    # None for float weights; else {"scheme": "int8"|"int4", the QuantizationConfig knobs,
+    # "tolerances": what verify holds the export to against PyTorch fp32}.
+    quantization: dict[str, Any] | None = None
 
     @property
     def cache_layout(self) -> str:
@@ -167,6 +170,7 @@ class Manifest:
             "tokenizer": self.tokenizer,
             "export": self.export,
             "cache": self.cache,
+            "quantization": self.quantization,
             "passes": self.passes,
             "versions": self.versions,
             "verify": self.verify,
@@ -204,6 +208,7 @@ class Manifest:
                 versions=data.get("versions", {}),
                 verify=data.get("verify"),
                 cache=data.get("cache", {"layout": "concat"}),
+                quantization=data.get("quantization"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(

@@ -29,6 +29,7 @@ from passes import (
     DEFAULT_REWRITE_PASSES,
     CacheNamingError,
     PassReport,
+    QuantizationConfig,
     RenameCachePass,
     build_pipeline,
     run_pipeline,
@@ -65,6 +66,7 @@ def rewrite_graph(
     *,
     passes: Sequence[str] | None = None,
     attention: AttentionChoice = "unfused",
+    quantization: QuantizationConfig | None = None,
     names: Style = "canonical",
     force: bool = False,
 ) -> RewriteResult:
@@ -76,6 +78,7 @@ def rewrite_graph(
         passes: passes to run (default: rename_cache, fold_shapes, cleanup; see
             :data:`passes.PASS_NAMES`).
         attention: ``onnx`` / ``ort`` adds attention fusion for that target.
+        quantization: add ``quantize_weights`` with these knobs (needs ``ort``).
         names: ``canonical`` (``past.<l>.key``) or ``optimum`` (``past_key_values.<l>.key``).
         force: replace an existing ``output``.
 
@@ -91,7 +94,8 @@ def rewrite_graph(
         raise KvexportError(f"{output}: is a directory; give a file name such as decode.onnx")
     check_parent_path(output)
     try:
-        pipeline = build_pipeline(attention, DEFAULT_REWRITE_PASSES if passes is None else passes)
+        chosen = DEFAULT_REWRITE_PASSES if passes is None else passes
+        pipeline = build_pipeline(attention, chosen, quantization=quantization)
     except ValueError as exc:
         raise KvexportError(f"--passes: {exc}") from exc
     model = _load(source)

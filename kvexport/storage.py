@@ -136,12 +136,14 @@ class WeightsInfo:
 def save_with_shared_weights(graphs: Mapping[str, ir.Model], out_dir: Path) -> WeightsInfo:
     """Save each graph as ``<name>.onnx`` with all large initializers in one shared file.
 
-    Initializers are deduplicated by content (dtype, shape and bytes), so a weight used by
-    both graphs, or twice in one graph, is stored once. The graphs refer to it by offset.
+    Initializers are deduplicated by their bytes, so a weight used by both graphs, or twice
+    in one graph, is stored once; so are the same bytes under two shapes (a quantized LM
+    head and the tied embedding that reads it as a table). The graphs refer to it by
+    offset, each with its own dtype and shape.
     Works for models past protobuf's 2 GB limit, since no tensor bytes enter a proto.
     """
     weights_path = out_dir / WEIGHTS_FILE
-    stored: dict[tuple[str, tuple[int, ...], str], tuple[int, int]] = {}
+    stored: dict[str, tuple[int, int]] = {}
     references = 0
     with open(weights_path, "wb") as weights:
         for model in graphs.values():
@@ -150,11 +152,7 @@ def save_with_shared_weights(graphs: Mapping[str, ir.Model], out_dir: Path) -> W
                 if tensor is None or tensor.nbytes < EXTERNAL_THRESHOLD_BYTES:
                     continue
                 data = tensor.tobytes()
-                key = (
-                    str(tensor.dtype),
-                    tuple(tensor.shape.numpy()),
-                    hashlib.sha256(data).hexdigest(),
-                )
+                key = hashlib.sha256(data).hexdigest()
                 if key not in stored:
                     offset = -(-weights.tell() // ALIGNMENT) * ALIGNMENT
                     weights.write(b"\0" * (offset - weights.tell()))

@@ -6,6 +6,18 @@ ONNX Runtime feeds its own presents back as the next past, exactly as a deployme
 would, while PyTorch keeps its own cache. At every step the logits and every present
 tensor are compared (cache entries at padded positions are excluded: they are masked
 out and never read), and the greedy tokens must agree.
+
+A quantized export (the manifest's ``quantization``) cannot meet fp32 tolerances; it is
+judged by quality against PyTorch fp32 instead: at every step, top-1 agreement of the
+next token (both sides continue on PyTorch's choice, so this is teacher-forced), the KL
+divergence of ONNX's next-token distribution from PyTorch's, and the largest logit error.
+Overall agreement and mean KL must be within the scheme's tolerances in the manifest.
+
+``text=`` adds perplexity on a text file (any export): the text is tokenized with the
+export's tokenizer, cut into windows, and each window runs through prefill and then one
+decode step per token, teacher-forced, beside one PyTorch forward of the window. It
+reports both perplexities, their difference in percent, top-1 agreement, mean KL and
+the largest logit error; a quantized export must keep the difference within tolerance.
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ from kvexport.storage import check_external_data
 # (atol, rtol) per dtype: a check holds when |onnx - torch| <= atol + rtol * |torch|.
 TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-4, 1e-3), "fp16": (2e-2, 2e-2)}
 DEFAULT_STEPS = 8
+DEFAULT_TEXT_TOKENS = 2048
+TEXT_WINDOW = 256  # tokens per teacher-forced window (at most the model's positions)
 _PROMPT_LENGTHS = (11, 6)  # batch 2 left-pads the second prompt by 5
 
 
@@ -59,6 +73,32 @@ class TokenCheck:
     ok: bool
 
 
+@dataclass(frozen=True)
+class QualityCheck:
+    """Next-token quality of ONNX against PyTorch fp32 at one step of one case (quantized)."""
+
+    case: str
+    step: int
+    top1_agreement: float  # rows whose argmax agrees, over rows
+    mean_kl: float  # KL(PyTorch || ONNX) of the next-token distribution, mean over rows
+    max_logit_error: float
+
+
+@dataclass(frozen=True)
+class TextQuality:
+    """Teacher-forced quality over a text: perplexities and agreement (``verify(text=...)``)."""
+
+    file: str
+    tokens: int  # predicted positions
+    window: int
+    perplexity_onnx: float
+    perplexity_torch: float
+    perplexity_delta_pct: float
+    top1_agreement: float
+    mean_kl: float
+    max_logit_error: float
+
+
 @dataclass
 class VerifyReport:
     """Everything :func:`verify` found; ``ok`` only when every check holds."""
@@ -71,15 +111,61 @@ class VerifyReport:
     weights_match: bool = True
     tensors: list[TensorCheck] = field(default_factory=list)
     tokens: list[TokenCheck] = field(default_factory=list)
+    # quantized exports: per-step quality and the scheme's tolerances from the manifest
+    quality: list[QualityCheck] = field(default_factory=list)
+    tolerances: dict[str, float] | None = None
+    text: TextQuality | None = None
     seconds: float = 0.0
 
     @property
+    def quantized(self) -> bool:
+        """Whether checks are judged by quality (the scheme's tolerances), not fp32 parity."""
+        return self.tolerances is not None
+
+    def overall_quality(self) -> dict[str, float]:
+        """Top-1 agreement, mean KL and max logit error over every step and case."""
+        if not self.quality:
+            return {}
+        return {
+            "top1_agreement": float(np.mean([q.top1_agreement for q in self.quality])),
+            "mean_kl": float(np.mean([q.mean_kl for q in self.quality])),
+            "max_logit_error": max(q.max_logit_error for q in self.quality),
+        }
+
+    def _quality_failures(self) -> list[str]:
+        if self.tolerances is None:
+            return []
+        lines = []
+        tol = self.tolerances
+        results = [("steps", self.overall_quality())]
+        if self.text is not None:
+            results.append(("text", asdict(self.text)))
+        for where, measured in results:
+            if not measured:
+                lines.append(f"{where}: nothing was compared")
+                continue
+            if measured["top1_agreement"] < tol["min_top1_agreement"]:
+                lines.append(
+                    f"{where}: top-1 agreement {measured['top1_agreement']:.3f} under {tol['min_top1_agreement']}"
+                )
+            if measured["mean_kl"] > tol["max_mean_kl"]:
+                lines.append(f"{where}: mean KL {measured['mean_kl']:.4g} over {tol['max_mean_kl']}")
+        if self.text is not None and self.text.perplexity_delta_pct > tol["max_perplexity_delta_pct"]:
+            lines.append(
+                f"text: perplexity {self.text.perplexity_delta_pct:+.2f}% over PyTorch's, more than "
+                f"{tol['max_perplexity_delta_pct']}%"
+            )
+        return lines
+
+    @property
     def ok(self) -> bool:
-        """True when the IO, the weights, every tensor and every token check hold."""
+        """True when the IO, the weights and every check hold (quality checks when quantized)."""
+        if self.io_problems or not self.weights_match:
+            return False
+        if self.quantized:
+            return bool(self.quality) and not self._quality_failures()
         return (
-            not self.io_problems
-            and self.weights_match
-            and bool(self.tensors)
+            bool(self.tensors)
             and all(c.ok for c in self.tensors)
             and all(c.ok for c in self.tokens)
         )
@@ -105,6 +191,8 @@ class VerifyReport:
             for c in self.tensors
             if not c.ok
         ]
+        if self.quantized:
+            return lines + self._quality_failures()
         lines += [
             f"{c.case} step {c.step}: greedy tokens differ (onnx {c.onnx_tokens}, torch {c.torch_tokens})"
             for c in self.tokens
@@ -115,16 +203,21 @@ class VerifyReport:
     def summary(self) -> dict[str, Any]:
         """Compact form recorded in the manifest."""
         worst = self.worst()
-        return {
+        summary: dict[str, Any] = {
             "ok": self.ok,
             "provider": self.provider,
             "steps": self.steps,
-            "checks": len(self.tensors) + len(self.tokens),
+            "checks": len(self.tensors) + len(self.tokens) + len(self.quality),
             "failed": len(self.failures()),
             "max_abs_diff_logits": worst["logits"].max_abs_diff if "logits" in worst else None,
             "max_abs_diff_cache": worst["cache"].max_abs_diff if "cache" in worst else None,
             "seconds": round(self.seconds, 2),
         }
+        if self.quantized:
+            summary["quality"] = self.overall_quality()
+        if self.text is not None:
+            summary["text"] = asdict(self.text)
+        return summary
 
     def to_dict(self) -> dict[str, Any]:
         """Full JSON-able form (``kvexport verify --json``)."""
@@ -224,8 +317,14 @@ class _StepRunner:
             else {}
         )
 
-    def run(self, graph: str, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Outputs by name: ``logits`` and every ``present.*``."""
+    def run(
+        self, graph: str, feeds: dict[str, np.ndarray], presents: bool = True
+    ) -> dict[str, np.ndarray]:
+        """Outputs by name: ``logits`` and every ``present.*``.
+
+        With ``presents=False`` (shared-buffer layout) the buffers are not copied out: the
+        caller only reads the logits, and the next step reads the buffers in place.
+        """
         session = self.sessions[graph]
         if not self.shared:
             return dict(zip(["logits", *self.present_names], session.run(None, feeds), strict=True))
@@ -239,9 +338,59 @@ class _StepRunner:
         session.run_with_iobinding(binding)
         total = feeds["attention_mask"].shape[1]
         result = {"logits": binding.copy_outputs_to_cpu()[0]}
+        if not presents:
+            return result
         for past, present in zip(self.past_names, self.present_names, strict=True):
             result[present] = self.buffers[past].numpy()[:, :, :total].copy()
         return result
+
+
+def _compare_step(
+    case: str,
+    step: int,
+    got: dict[str, np.ndarray],
+    want_logits: np.ndarray,
+    cache: DynamicCache,
+    mask: np.ndarray,
+    dtype: str,
+    report: VerifyReport,
+) -> None:
+    """fp32/fp16 parity of one step: the logits and every present tensor (unpadded rows)."""
+    report.tensors.append(_compare(case, step, "logits", got["logits"], want_logits, dtype))
+    for layer_index, (keys, values) in enumerate(cache_layers(cache)):
+        for which, tensor in (("key", keys), ("value", values)):
+            name = f"present.{layer_index}.{which}"
+            want = tensor.float().numpy()
+            if got[name].shape != want.shape:
+                report.tensors.append(_compare(case, step, name, got[name], want, dtype))
+                continue
+            check = _compare(
+                case,
+                step,
+                name,
+                _valid_positions(got[name], mask),
+                _valid_positions(want, mask),
+                dtype,
+            )
+            report.tensors.append(TensorCheck(**{**asdict(check), "shape": list(got[name].shape)}))
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def _next_token_stats(got: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Per row [.., V]: argmax agreement, KL(want || got), and the largest logit error."""
+    log_got, log_want = _log_softmax(got), _log_softmax(want)
+    kl = (np.exp(log_want) * (log_want - log_got)).sum(-1)
+    agree = got.argmax(-1) == want.argmax(-1)
+    return agree, kl, float(np.abs(got.astype(np.float64) - want).max())
+
+
+def _quality(case: str, step: int, got: np.ndarray, want: np.ndarray) -> QualityCheck:
+    agree, kl, max_error = _next_token_stats(got, want)
+    return QualityCheck(case, step, float(agree.mean()), float(kl.mean()), max_error)
 
 
 def _run_case(
@@ -281,25 +430,12 @@ def _run_case(
         want_logits = reference.logits.float().numpy()
         if not (step == 0 and manifest.all_logits):
             want_logits = want_logits[:, -1:, :]
-        report.tensors.append(_compare(case, step, "logits", got["logits"], want_logits, dtype))
-        for layer_index, (keys, values) in enumerate(cache_layers(cache)):
-            for which, tensor in (("key", keys), ("value", values)):
-                name = f"present.{layer_index}.{which}"
-                want = tensor.float().numpy()
-                if got[name].shape != want.shape:
-                    report.tensors.append(_compare(case, step, name, got[name], want, dtype))
-                    continue
-                check = _compare(
-                    case,
-                    step,
-                    name,
-                    _valid_positions(got[name], mask),
-                    _valid_positions(want, mask),
-                    dtype,
-                )
-                report.tensors.append(
-                    TensorCheck(**{**asdict(check), "shape": list(got[name].shape)})
-                )
+        if report.quantized:
+            report.quality.append(
+                _quality(case, step, got["logits"][:, -1, :], want_logits[:, -1, :])
+            )
+        else:
+            _compare_step(case, step, got, want_logits, cache, mask, dtype, report)
         onnx_tokens = got["logits"][:, -1, :].argmax(-1)
         torch_tokens = want_logits[:, -1, :].argmax(-1)
         report.tokens.append(
@@ -330,11 +466,85 @@ def _run_case(
         }
 
 
+def _read_text(text_file: Path) -> str:
+    if not text_file.is_file():
+        raise KvexportError(f"--text {text_file}: no such file; pass a UTF-8 text file")
+    try:
+        return text_file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise KvexportError(f"--text {text_file}: not UTF-8 text; pass a UTF-8 text file") from None
+
+
+def _text_quality(
+    text_file: Path,
+    text: str,
+    path: Path,
+    manifest: Manifest,
+    sessions: dict[str, Any],
+    model: GPT2LMHeadModel,
+    provider: str,
+    max_tokens: int,
+    window: int,
+) -> TextQuality:
+    """Teacher-forced perplexity and agreement over ``text_file`` (see the module docstring)."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(path / manifest.tokenizer["file"]))
+    ids = tokenizer.encode(text).ids[: max_tokens + 1]
+    if len(ids) < 2:
+        raise KvexportError(f"--text {text_file}: fewer than 2 tokens; pass a longer text")
+    window = max(2, min(window, manifest.dims.n_positions))
+    past_names = cache_names("past", manifest.dims.n_layer)
+    present_names = cache_names("present", manifest.dims.n_layer)
+    got_rows, want_rows, targets = [], [], []
+    for start in range(0, len(ids) - 1, window - 1):  # windows overlap by one token
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        with torch.no_grad():
+            want_rows.append(model(torch.tensor([chunk])).logits[0, :-1].float().numpy())
+        runner = _StepRunner(manifest, sessions, provider, 1, len(chunk))
+        feeds = {
+            "input_ids": np.array([[chunk[0]]], dtype=np.int64),
+            "attention_mask": np.ones((1, 1), dtype=np.int64),
+            "position_ids": np.zeros((1, 1), dtype=np.int64),
+        }
+        for position in range(1, len(chunk)):
+            got = runner.run("prefill" if position == 1 else "decode", feeds, presents=not runner.shared)
+            got_rows.append(got["logits"][0, -1])
+            feeds = {
+                "input_ids": np.array([[chunk[position]]], dtype=np.int64),
+                "attention_mask": np.ones((1, position + 1), dtype=np.int64),
+                "position_ids": np.array([[position]], dtype=np.int64),
+            }
+            if not runner.shared:
+                feeds.update({p: got[q] for p, q in zip(past_names, present_names, strict=True)})
+        targets += chunk[1:]
+    got_logits, want_logits = np.stack(got_rows), np.concatenate(want_rows)
+    agree, kl, max_error = _next_token_stats(got_logits, want_logits)
+    rows = np.arange(len(targets))
+    nll_onnx = -_log_softmax(got_logits)[rows, targets].mean()
+    nll_torch = -_log_softmax(want_logits)[rows, targets].mean()
+    return TextQuality(
+        file=str(text_file),
+        tokens=len(targets),
+        window=window,
+        perplexity_onnx=float(np.exp(nll_onnx)),
+        perplexity_torch=float(np.exp(nll_torch)),
+        perplexity_delta_pct=float((np.exp(nll_onnx - nll_torch) - 1) * 100),
+        top1_agreement=float(agree.mean()),
+        mean_kl=float(kl.mean()),
+        max_logit_error=max_error,
+    )
+
+
 def verify(
     directory: str | Path,
     *,
     steps: int = DEFAULT_STEPS,
     provider: str = "cpu",
+    text: str | Path | None = None,
+    text_tokens: int = DEFAULT_TEXT_TOKENS,
     record: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> VerifyReport:
@@ -344,6 +554,9 @@ def verify(
         directory: a directory written by :func:`kvexport.export_gpt2`.
         steps: decode steps after prefill, per case.
         provider: ``cpu``, ``cuda`` or ``auto`` (CUDA asked for and missing is an error).
+        text: a UTF-8 text file: add teacher-forced perplexity of the export and of
+            PyTorch on it (see :class:`TextQuality`).
+        text_tokens: use at most this many tokens of ``text``.
         record: write the summary into the manifest's ``verify`` entry.
         progress: called with a short message at each phase (the CLI prints them).
 
@@ -360,7 +573,20 @@ def verify(
     resolved = resolve_provider(provider)
     say = progress or (lambda message: None)
     say(f"verifying {path}: {manifest.source.describe()}, {steps} decode steps on {resolved}")
-    report = VerifyReport(directory=str(path), provider=resolved, steps=steps, dtype=manifest.dtype)
+    report = VerifyReport(
+        directory=str(path),
+        provider=resolved,
+        steps=steps,
+        dtype=manifest.dtype,
+        tolerances=manifest.quantization["tolerances"] if manifest.quantization else None,
+    )
+    if text_tokens < 1:
+        raise KvexportError(f"--text-tokens {text_tokens}: must be at least 1")
+    text_content = None if text is None else _read_text(Path(text))
+    if text is not None and not manifest.tokenizer.get("file"):
+        raise KvexportError(
+            f"--text: {path} has no tokenizer.json to tokenize the text with; export a model that has one"
+        )
     if manifest.dtype not in TOLERANCES:
         raise KvexportError(
             f"manifest dtype {manifest.dtype!r} is not one verify knows (fp32, fp16)"
@@ -382,6 +608,11 @@ def verify(
     ).items():
         say(f"running {case}")
         _run_case(case, ids, mask, manifest, sessions, model, steps, report)
+    if text is not None and text_content is not None:
+        say(f"teacher-forcing {text} (at most {text_tokens} tokens)")
+        report.text = _text_quality(
+            Path(text), text_content, path, manifest, sessions, model, resolved, text_tokens, TEXT_WINDOW
+        )
     report.seconds = time.perf_counter() - started
     if record:
         manifest.verify = report.summary()

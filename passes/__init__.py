@@ -17,6 +17,7 @@ from passes.pipeline import (
     build_pipeline,
     run_pipeline,
 )
+from passes.quantize_weights import QuantizationConfig, QuantizeWeightsPass
 from passes.rename_cache import CacheNamingError, NoCacheError, RenameCachePass
 from passes.transposed_weight_gemm import TransposedWeightGemmPass
 
@@ -30,6 +31,8 @@ __all__ = [
     "FuseOrtBlockPass",
     "NoCacheError",
     "PassReport",
+    "QuantizationConfig",
+    "QuantizeWeightsPass",
     "RenameCachePass",
     "TransposedWeightGemmPass",
     "build_pipeline",

@@ -19,6 +19,7 @@ from passes.cleanup import CleanupPass
 from passes.fold_shapes import FoldShapesPass, count_ops
 from passes.fuse_attention import FuseAttentionPass, count_attention_ops
 from passes.fuse_ort_block import FuseOrtBlockPass
+from passes.quantize_weights import QuantizationConfig, QuantizeWeightsPass
 from passes.rename_cache import RenameCachePass
 from passes.shared_buffer_cache import SharedBufferCachePass
 from passes.transposed_weight_gemm import TransposedWeightGemmPass
@@ -31,6 +32,7 @@ PASS_NAMES = (
     "fuse_attention",
     "fuse_ort_block",
     "shared_buffer_cache",
+    "quantize_weights",
     "cleanup",
 )
 DEFAULT_REWRITE_PASSES = ("rename_cache", "fold_shapes", "cleanup")
@@ -87,6 +89,7 @@ def build_pipeline(
     attention: AttentionChoice = "unfused",
     passes: Sequence[str] | None = None,
     shared_buffer: bool = False,
+    quantization: QuantizationConfig | None = None,
 ) -> list[tuple[str, InPlacePass]]:
     """The named passes to run, in pipeline order.
 
@@ -97,6 +100,8 @@ def build_pipeline(
             everything that ``attention`` calls for.
         shared_buffer: add ``shared_buffer_cache`` (needs ``attention="ort"``); it
             changes the graphs' cache IO (see :mod:`passes.shared_buffer_cache`).
+        quantization: add ``quantize_weights`` with these knobs (needs ``attention="ort"``:
+            its operators are ONNX Runtime's).
 
     Raises:
         ValueError: an unknown pass name, or a pass whose prerequisite is not chosen.
@@ -105,8 +110,14 @@ def build_pipeline(
     wanted = set(PASS_NAMES if passes is None else passes)
     if passes is None and not shared_buffer:
         wanted.discard("shared_buffer_cache")
+    if passes is None and quantization is None:
+        wanted.discard("quantize_weights")
     if shared_buffer:
         wanted.add("shared_buffer_cache")
+    if quantization is not None:
+        wanted.add("quantize_weights")
+    if "quantize_weights" in wanted and attention != "ort":
+        raise ValueError("quantize_weights emits ONNX Runtime ops; use it with --attention ort")
     if "shared_buffer_cache" in wanted and attention != "ort":
         raise ValueError("shared_buffer_cache rewrites ONNX Runtime attention; use it with --attention ort")
     unknown = wanted.difference(PASS_NAMES)
@@ -130,6 +141,7 @@ def build_pipeline(
         "fuse_attention": lambda: FuseAttentionPass("onnx" if attention == "onnx" else "ort"),
         "fuse_ort_block": FuseOrtBlockPass,
         "shared_buffer_cache": SharedBufferCachePass,
+        "quantize_weights": lambda: QuantizeWeightsPass(quantization),
         "cleanup": CleanupPass,
     }
     return [(name, factories[name]()) for name in PASS_NAMES if name in wanted]

@@ -17,7 +17,9 @@ One PASS/FAIL line per check; ``gpu_check.json`` (all figures) lands in ``$GPU_C
 (default: a temp dir). Exit 1 if any check fails. A failing export does not stop the others.
 
 Environment: ``GPU_CHECK_PROVIDER=cpu`` dry-runs the script's logic without CUDA;
-``GPU_CHECK_VARIANTS`` (e.g. ``ort-cuda/fp16,portable/fp32``) picks the exports;
+``GPU_CHECK_VARIANTS`` (e.g. ``ort-cuda/fp16,ort-cuda/fp16/int4,portable/fp32``: target,
+dtype and optionally ``--quantize``) picks the exports; a quantized export's verify is
+judged by quality (top-1 agreement, KL) within its scheme's tolerances;
 ``GPU_CHECK_CONTEXTS`` / ``GPU_CHECK_BATCHES`` the timing grid.
 """
 
@@ -34,7 +36,9 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-DEFAULT_VARIANTS = "ort-cuda/fp16,ort-cuda/fp32,portable/fp32,portable/fp16"
+DEFAULT_VARIANTS = (
+    "ort-cuda/fp16,ort-cuda/fp16/int4,ort-cuda/fp16/int8,ort-cuda/fp32,portable/fp32,portable/fp16"
+)
 
 
 def _pointer_kinds(pointers: set[int]) -> set[str]:
@@ -129,8 +133,8 @@ def main() -> int:
     model = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
     provider = os.environ.get("GPU_CHECK_PROVIDER", "cuda")
     ort_provider = {"cuda": "CUDAExecutionProvider", "cpu": "CPUExecutionProvider"}[provider]
-    default_variants = DEFAULT_VARIANTS if provider == "cuda" else "portable/fp32,ort-cpu/fp32"
-    variants = [v.split("/") for v in os.environ.get("GPU_CHECK_VARIANTS", default_variants).split(",")]
+    default_variants = DEFAULT_VARIANTS if provider == "cuda" else "portable/fp32,ort-cpu/fp32,ort-cpu/fp32/int4"
+    variants = [([*v.split("/"), "none"])[:3] for v in os.environ.get("GPU_CHECK_VARIANTS", default_variants).split(",")]
     contexts = [int(c) for c in os.environ.get("GPU_CHECK_CONTEXTS", "128,960").split(",")]
     batches = [int(b) for b in os.environ.get("GPU_CHECK_BATCHES", "1,4").split(",")]
     out_dir = Path(os.environ.get("GPU_CHECK_OUT") or tempfile.mkdtemp(prefix="kvexport-gpu-out-"))
@@ -161,12 +165,12 @@ def main() -> int:
     check(f"{provider} provider available", ort_provider in ort.get_available_providers(), ort=ort.__version__, providers=ort.get_available_providers())
     source = None
     vocab = 0
-    for target, dtype in variants:
-        label = f"{target}/{dtype}"
-        out = work / f"{target}-{dtype}"
+    for target, dtype, quantize in variants:
+        label = f"{target}/{dtype}" + (f"/{quantize}" if quantize != "none" else "")
+        out = work / label.replace("/", "-")
         try:
             started = time.perf_counter()
-            export_gpt2(out, model, random_init=True, seed=0, target=target, dtype=dtype)  # type: ignore[arg-type]
+            export_gpt2(out, model, random_init=True, seed=0, target=target, dtype=dtype, quantize=quantize)  # type: ignore[arg-type]
             manifest = read_manifest(out)
             source = manifest.source
             vocab = manifest.dims.vocab_size
@@ -180,6 +184,7 @@ def main() -> int:
                 logits_max_abs=float(worst["logits"].max_abs_diff) if "logits" in worst else None,
                 cache_max_abs=float(worst["cache"].max_abs_diff) if "cache" in worst else None,
                 tokens_agree=all(t.ok for t in report.tokens),
+                quality=report.overall_quality() or None,
                 failures=report.failures()[:3],
             )
 
@@ -195,7 +200,7 @@ def main() -> int:
             if manifest.cache_layout == "shared-buffer":
                 per_step = [tuple(sorted(step.values())) for step in trace]
                 check(f"{label}: in-place cache: one set of buffers for every step", len(set(per_step)) == 1, steps=len(per_step), buffers=len(pointers))
-            if dtype == "fp32" and provider != "cpu":
+            if dtype == "fp32" and quantize == "none" and provider != "cpu":
                 reference = Generator(out, provider="cpu").generate([prompt], 16, eos_token_id=-1)
                 check(f"{label}: cuda greedy tokens == cpu greedy tokens", bool((tokens == reference).all()))
 
@@ -219,8 +224,8 @@ def main() -> int:
 
             options = session_options()
             options.enable_profiling = True
-            options.profile_file_prefix = str(work / f"profile-{target}-{dtype}")
-            optimized = work / f"decode-optimized-{target}-{dtype}.onnx"
+            options.profile_file_prefix = str(work / f"profile-{out.name}")
+            optimized = work / f"decode-optimized-{out.name}.onnx"
             options.optimized_model_filepath = str(optimized)  # shows where ORT put its copies
             profiled = ort.InferenceSession(str(out / "decode.onnx"), options, providers=session_providers(provider))  # type: ignore[arg-type]
             generator.sessions["decode"] = profiled

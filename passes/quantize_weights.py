@@ -1,0 +1,355 @@
+"""quantize_weights: weight-only block quantization with ONNX Runtime's own operators.
+
+Decode reads every weight once per token, so its floor is bytes over bandwidth; fewer
+bytes per weight is what makes a CPU decode fast. This pass stores the large weights of
+a decoder graph with ONNX Runtime's weight-only ``com.microsoft`` operators::
+
+    MatMul(X, W[K, N])                ->  MatMulNBits(X, Wq[N, K/bs, bs*bits/8], scales[N, K/bs])
+    Gemm(X, W[N, K], transB=1[, C])   ->  MatMulNBits(X, ...)  (+ Add(C))    the LM head
+    Gather(E[V, K], ids)              ->  GatherBlockQuantized(Eq[V, K*bits/8], ids, scales[V, K/bs])
+
+The quantization itself is ONNX Runtime's (``DefaultWeightOnlyQuantizer.qbits_block_quant``,
+the C++ kernels behind ``MatMulNBitsQuantizer``); this pass only decides which weight gets
+which bit width and wires the nodes.
+
+GPT-2 ties its token embedding to the LM head. ``MatMulNBits`` stores ``B`` transposed,
+one row per output, blocks along ``K``: for the head that is exactly the embedding's row
+layout, so ``GatherBlockQuantized`` reads the same bytes and the same scales (the packed
+weight under a second, flat 2-D shape; ``kvexport``'s storage writes identical bytes
+once). The head and every embedding table use ``head_bits`` (8 by default in an int4
+export: the head is the quantization error that shows, measured on a trained model).
+
+A ``Gather`` whose row length is not a multiple of the block size stays in float, and
+so does any weight whose ``K`` is under 16 (the operators' smallest block).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+MS_DOMAIN = "com.microsoft"
+_SHAPE_ONLY = {"Reshape", "Identity", "Squeeze", "Unsqueeze", "Cast", "Add"}
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """The knobs of a weight-only quantized export (recorded in the manifest).
+
+    Attributes:
+        bits: bits per weight in the transformer blocks (4 or 8).
+        block_size: weights per scale, along ``K`` (a power of two, at least 16).
+        symmetric: no zero points (one scale per block); asymmetric adds a zero point.
+        accuracy_level: ``MatMulNBits``' compute type on CPU: 0 unset, 1 fp32, 2 fp16,
+            3 bf16, 4 int8 activations (fastest on CPU; ignored by CUDA).
+        head_bits: bits of the LM head and the embedding tables (None: ``bits``).
+
+    """
+
+    bits: int = 4
+    block_size: int = 32
+    symmetric: bool = True
+    accuracy_level: int = 4
+    head_bits: int | None = 8
+
+    def __post_init__(self) -> None:
+        for name, bits in (("bits", self.bits), ("head_bits", self.head_bits)):
+            if bits not in (4, 8, None):
+                raise ValueError(f"{name} {bits}: choose 4 or 8")
+        if self.block_size < 16 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block size {self.block_size}: use a power of two, at least 16")
+        if self.accuracy_level not in (0, 1, 2, 3, 4):
+            raise ValueError(f"accuracy level {self.accuracy_level}: choose 0-4")
+
+    @property
+    def embedding_bits(self) -> int:
+        """Bits of the LM head and the embedding tables."""
+        return self.head_bits or self.bits
+
+    def to_json(self) -> dict[str, Any]:
+        """The knobs as a plain dict."""
+        return {**asdict(self), "head_bits": self.embedding_bits}
+
+
+@dataclass(frozen=True)
+class _Packed:
+    """One weight quantized by ONNX Runtime, in ``MatMulNBits``' layout."""
+
+    data: ir.Value  # uint8 [N, K/bs, bs*bits/8]
+    scales: ir.Value  # [N, K/bs]
+    zero_points: ir.Value | None
+    bits: int
+    k: int
+    n: int
+
+
+class QuantizeWeightsPass(InPlacePass):
+    """Store MatMul/Gemm/Gather weights as ``MatMulNBits`` / ``GatherBlockQuantized``.
+
+    ``counts``: ``matmul`` and ``lm_head`` (weights now ``MatMulNBits``), ``gather_shared``
+    (an embedding reading the LM head's packed bytes), ``gather`` (an embedding quantized
+    on its own), ``left_float`` (candidates that had to stay in float).
+    """
+
+    def __init__(self, config: QuantizationConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or QuantizationConfig()
+        self.counts: dict[str, int] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Quantize ``model``'s weights in place."""
+        self.counts = {"matmul": 0, "lm_head": 0, "gather_shared": 0, "gather": 0, "left_float": 0}
+        graph = model.graph
+        heads = _head_nodes(graph)
+        packed_by_weight: dict[int, _Packed] = {}
+        for node in list(graph):
+            if node.domain not in ("", "ai.onnx"):
+                continue
+            if node.op_type == "MatMul":
+                self._matmul(graph, node, node in heads, packed_by_weight)
+            elif node.op_type == "Gemm":
+                self._gemm(graph, node, packed_by_weight)
+        for node in list(graph):  # after the head, so a tied embedding can share it
+            if node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
+                self._gather(graph, node, packed_by_weight)
+        modified = any(v for k, v in self.counts.items() if k != "left_float")
+        if modified:
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
+            _drop_unused_initializers(graph)
+        return PassResult(model, modified=modified)
+
+    # -- the three rewrites ------------------------------------------------------------
+
+    def _matmul(
+        self, graph: ir.Graph, node: ir.Node, is_head: bool, cache: dict[int, _Packed]
+    ) -> None:
+        activation, weight = node.inputs[0], node.inputs[1]
+        array = _float_matrix(weight)
+        if activation is None or weight is None or array is None:
+            return
+        if array.shape[0] < 16:
+            self.counts["left_float"] += 1
+            return
+        bits = self.config.embedding_bits if is_head else self.config.bits
+        packed = self._pack(graph, weight, array, bits, transposed=False, cache=cache)
+        self._replace_with_nbits(graph, node, activation, packed, bias=None)
+        self.counts["lm_head" if is_head else "matmul"] += 1
+
+    def _gemm(self, graph: ir.Graph, node: ir.Node, cache: dict[int, _Packed]) -> None:
+        attrs = {name: attr.value for name, attr in node.attributes.items()}
+        if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
+            return
+        activation, weight = node.inputs[0], node.inputs[1]
+        array = _float_matrix(weight)
+        if activation is None or weight is None or array is None:
+            return
+        transposed = bool(attrs.get("transB", 0))
+        k = array.shape[1] if transposed else array.shape[0]
+        if k < 16:
+            self.counts["left_float"] += 1
+            return
+        bits = self.config.embedding_bits  # a Gemm with a constant weight is the LM head here
+        packed = self._pack(graph, weight, array, bits, transposed=transposed, cache=cache)
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        self._replace_with_nbits(graph, node, activation, packed, bias=bias)
+        self.counts["lm_head"] += 1
+
+    def _gather(self, graph: ir.Graph, node: ir.Node, cache: dict[int, _Packed]) -> None:
+        table, indices = node.inputs[0], node.inputs[1]
+        array = _float_matrix(table)
+        axis = node.attributes.get_int("axis", 0)
+        if table is None or indices is None or array is None or axis != 0:
+            return
+        rows, k = array.shape
+        if k % self.config.block_size or k < 16:
+            self.counts["left_float"] += 1
+            return
+        shared = cache.get(id(table))
+        if shared is not None and shared.n == rows and shared.k == k:
+            packed = shared
+            self.counts["gather_shared"] += 1
+        else:  # an embedding table is [rows, K]: MatMulNBits' layout of its transpose
+            packed = self._pack(
+                graph, table, array, self.config.embedding_bits, transposed=True, cache=cache
+            )
+            self.counts["gather"] += 1
+        flat = _initializer(
+            graph,
+            f"{table.name}_q{packed.bits}_rows",
+            packed.data.const_value.numpy().reshape(rows, -1),  # type: ignore[union-attr]
+        )
+        inputs = [flat, indices, packed.scales]
+        if packed.zero_points is not None:
+            inputs.append(packed.zero_points)
+        replacement = ir.node(
+            "GatherBlockQuantized",
+            inputs,
+            attributes={
+                "gather_axis": 0,
+                "quantize_axis": 1,
+                "block_size": self.config.block_size,
+                "bits": packed.bits,
+            },
+            domain=MS_DOMAIN,
+            name=_derived_name(node, f"q{packed.bits}"),
+        )
+        _swap(graph, node, replacement)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _pack(
+        self,
+        graph: ir.Graph,
+        weight: ir.Value,
+        array: np.ndarray,
+        bits: int,
+        *,
+        transposed: bool,
+        cache: dict[int, _Packed],
+    ) -> _Packed:
+        """ONNX Runtime's block quantization of ``array`` ([K, N], or [N, K] if ``transposed``)."""
+        known = cache.get(id(weight))
+        if known is not None and known.bits == bits:
+            return known
+        config_class, quantizer_class = _ort_block_quantizer()
+        k_by_n = np.ascontiguousarray(array.T if transposed else array)
+        quantizer = quantizer_class(
+            config_class(
+                block_size=self.config.block_size,
+                is_symmetric=self.config.symmetric,
+                accuracy_level=self.config.accuracy_level or None,
+                bits=bits,
+            )
+        )
+        data, scales, zero_points = quantizer.qbits_block_quant(k_by_n.astype(np.float32))
+        scales = scales.astype(array.dtype)
+        name = weight.name or "weight"
+        packed = _Packed(
+            data=_initializer(graph, f"{name}_q{bits}", data),
+            scales=_initializer(graph, f"{name}_q{bits}_scales", scales),
+            zero_points=None
+            if self.config.symmetric
+            else _initializer(graph, f"{name}_q{bits}_zero_points", zero_points),
+            bits=bits,
+            k=k_by_n.shape[0],
+            n=k_by_n.shape[1],
+        )
+        cache[id(weight)] = packed
+        return packed
+
+    def _replace_with_nbits(
+        self,
+        graph: ir.Graph,
+        node: ir.Node,
+        activation: ir.Value,
+        packed: _Packed,
+        bias: ir.Value | None,
+    ) -> None:
+        inputs: list[ir.Value | None] = [activation, packed.data, packed.scales]
+        if packed.zero_points is not None:
+            inputs.append(packed.zero_points)
+        attributes: dict[str, int] = {
+            "K": packed.k,
+            "N": packed.n,
+            "bits": packed.bits,
+            "block_size": self.config.block_size,
+        }
+        if self.config.accuracy_level:
+            attributes["accuracy_level"] = self.config.accuracy_level
+        matmul = ir.node(
+            "MatMulNBits", inputs, attributes=attributes, domain=MS_DOMAIN, name=_derived_name(node, f"q{packed.bits}")
+        )
+        if bias is None:
+            _swap(graph, node, matmul)
+            return
+        add = ir.node("Add", [matmul.outputs[0], bias], name=_derived_name(node, "bias"))
+        graph.insert_before(node, matmul)
+        _swap(graph, node, add)
+
+
+def _ort_block_quantizer() -> tuple[Any, Any]:
+    """ONNX Runtime's weight-only quantizer classes, imported without its logging side effect.
+
+    The module calls ``logging.basicConfig(level=INFO)`` on import, which would turn on
+    every library's INFO chatter in the caller's process; the root logger is put back.
+    """
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
+
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    root.setLevel(level)
+    return DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+
+
+def _derived_name(node: ir.Node, suffix: str) -> str | None:
+    """``<name>_<suffix>`` for a named node; None (a fresh name from the graph) otherwise."""
+    return f"{node.name}_{suffix}" if node.name else None
+
+
+def _float_matrix(value: ir.Value | None) -> np.ndarray | None:
+    """The value's array when it is a constant 2-D float tensor (fp32 or fp16), else None."""
+    if value is None or value.const_value is None or value.is_graph_input():
+        return None
+    if value.const_value.dtype not in (ir.DataType.FLOAT, ir.DataType.FLOAT16):
+        return None
+    if len(value.const_value.shape) != 2:
+        return None
+    return value.const_value.numpy()
+
+
+def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
+    tensor = ir.Tensor(array, name=name)
+    value = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
+    graph.register_initializer(value)
+    return value
+
+
+def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:
+    """Put ``new`` where ``old`` was; ``old``'s single output's users (and graph output) read ``new``'s."""
+    graph.insert_before(old, new)
+    output, replacement = old.outputs[0], new.outputs[0]
+    replacement.shape, replacement.type = output.shape, output.type
+    name, output.name = output.name, None
+    output.replace_all_uses_with(replacement, replace_graph_outputs=True)
+    replacement.name = name
+    graph.remove(old, safe=True)
+
+
+def _head_nodes(graph: ir.Graph) -> set[ir.Node]:
+    """MatMul / Gemm nodes whose result reaches a graph output through shape-only ops.
+
+    That is the LM head: every other projection feeds a normalization or attention.
+    """
+    heads: set[ir.Node] = set()
+
+    def walk(value: ir.Value) -> Iterator[ir.Node]:
+        node = value.producer()
+        while node is not None and node.op_type in _SHAPE_ONLY and node.inputs:
+            data = node.inputs[0]
+            if data is None:
+                return
+            node = data.producer()
+        if node is not None and node.op_type in ("MatMul", "Gemm"):
+            yield node
+
+    for output in graph.outputs:
+        heads.update(walk(output))
+    return heads
+
+
+def _drop_unused_initializers(graph: ir.Graph) -> None:
+    for name, value in list(graph.initializers.items()):
+        if not value.uses() and not value.is_graph_output():
+            del graph.initializers[name]

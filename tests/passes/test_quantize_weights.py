@@ -1,0 +1,143 @@
+"""quantize_weights: MatMul/Gemm/Gather -> MatMulNBits/GatherBlockQuantized, tied bytes shared."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+
+from passes import QuantizationConfig, QuantizeWeightsPass
+
+V, C, HIDDEN = 67, 64, 128  # odd vocab; K = 64 and 128 are multiples of the block sizes
+
+
+def _tied_decoder() -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """Gather(E, ids) -> MatMul(W1) -> MatMul(W2) -> Gemm(E, transB=1): a tied-head toy."""
+    rng = np.random.default_rng(0)
+    weights = {
+        "E": rng.standard_normal((V, C)).astype(np.float32),
+        "W1": (rng.standard_normal((C, HIDDEN)) / 8).astype(np.float32),
+        "W2": (rng.standard_normal((HIDDEN, C)) / 8).astype(np.float32),
+    }
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Gather", ["E", "ids"], ["embedded"]),
+            onnx.helper.make_node("MatMul", ["embedded", "W1"], ["h1"]),
+            onnx.helper.make_node("MatMul", ["h1", "W2"], ["h2"]),
+            onnx.helper.make_node("Gemm", ["h2", "E"], ["logits"], transB=1),
+        ],
+        "toy",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["n"])],
+        [onnx.helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, ["n", V])],
+        [onnx.numpy_helper.from_array(a, n) for n, a in weights.items()],
+    )
+    proto = onnx.helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10
+    )
+    return proto, weights
+
+
+def _run(model: onnx.ModelProto | ir.Model, ids: np.ndarray) -> np.ndarray:
+    proto = ir.to_proto(model) if isinstance(model, ir.Model) else model
+    session = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    return session.run(None, {"ids": ids})[0]
+
+
+def _block_dequantized(weight_k_by_n: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """Symmetric block quantization written out in numpy, the independent reference."""
+    k, n = weight_k_by_n.shape
+    blocks = weight_k_by_n.T.reshape(n, k // block, block)
+    # ORT picks the signed extreme of each block, so that value maps to -2^(bits-1) exactly
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)
+    scale = extreme / -(2 ** (bits - 1))
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    quantized = np.clip(np.round(blocks / np.where(scale == 0, 1, scale)), low, high)
+    return (quantized * scale).reshape(n, k).T
+
+
+@pytest.mark.parametrize(("bits", "head_bits"), [(4, 8), (8, 8), (4, 4)])
+def test_weights_become_nbits_ops_with_the_head_and_embedding_sharing_bytes(bits: int, head_bits: int) -> None:
+    proto, weights = _tied_decoder()
+    ids = np.array([0, 5, V - 1], dtype=np.int64)
+    model = ir.from_proto(proto)
+    config = QuantizationConfig(bits=bits, block_size=32, accuracy_level=0, head_bits=head_bits)
+    graph_pass = QuantizeWeightsPass(config)
+    assert graph_pass(model).modified
+    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0}
+    ops = [(node.op_type, node.attributes.get_int("bits", 0)) for node in model.graph]
+    assert ops == [
+        ("GatherBlockQuantized", head_bits),
+        ("MatMulNBits", bits),
+        ("MatMulNBits", bits),
+        ("MatMulNBits", head_bits),
+    ]
+    gather, *_, head = list(model.graph)
+    # the embedding reads the head's bytes (as a flat table) and the head's very scales
+    assert gather.inputs[2] is head.inputs[2]
+    assert gather.inputs[0].const_value.tobytes() == head.inputs[1].const_value.tobytes()
+    assert set(model.graph.initializers) == {
+        v.name for node in model.graph for v in node.inputs if v is not None and v.const_value is not None
+    }  # the float weights are gone
+
+    # the same function computed with numpy's block-dequantized weights
+    table = _block_dequantized(weights["E"].T, head_bits, 32).T  # [V, C]
+    w1 = _block_dequantized(weights["W1"], bits, 32)
+    w2 = _block_dequantized(weights["W2"], bits, 32)
+    expected = table[ids] @ w1 @ w2 @ table.T
+    np.testing.assert_allclose(_run(model, ids), expected, rtol=1e-4, atol=1e-4)
+    # and it is an approximation of the float model, closer at 8 bits
+    reference = _run(proto, ids)
+    relative = np.abs(_run(model, ids) - reference).max() / np.abs(reference).max()
+    assert relative < (0.02 if min(bits, head_bits) == 8 else 0.4)
+
+
+def test_asymmetric_blocks_carry_zero_points_and_stay_close() -> None:
+    proto, _ = _tied_decoder()
+    ids = np.arange(V, dtype=np.int64)
+    model = ir.from_proto(proto)
+    QuantizeWeightsPass(QuantizationConfig(bits=8, symmetric=False, accuracy_level=0))(model)
+    assert all(len(node.inputs) == 4 for node in model.graph)  # a zero-point input each
+    expected = _run(proto, ids)
+    assert np.abs(_run(model, ids) - expected).max() < 0.05 * np.abs(expected).max()
+
+
+def test_rows_not_a_multiple_of_the_block_stay_float() -> None:
+    proto, _ = _tied_decoder()
+    model = ir.from_proto(proto)
+    graph_pass = QuantizeWeightsPass(QuantizationConfig(bits=8, block_size=128, accuracy_level=0))
+    graph_pass(model)
+    # C = 64 is not a multiple of 128: the embedding table stays a float Gather
+    assert next(node.op_type for node in model.graph) == "Gather"
+    assert graph_pass.counts["left_float"] == 1 and graph_pass.counts["lm_head"] == 1
+
+
+def test_graph_without_weights_is_left_alone() -> None:
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["A", "B"], ["Y"])],
+        "g",
+        [
+            onnx.helper.make_tensor_value_info("A", onnx.TensorProto.FLOAT, [2, 32]),
+            onnx.helper.make_tensor_value_info("B", onnx.TensorProto.FLOAT, [32, 4]),
+        ],
+        [onnx.helper.make_tensor_value_info("Y", onnx.TensorProto.FLOAT, [2, 4])],
+    )
+    model = ir.from_proto(onnx.helper.make_model(graph))
+    graph_pass = QuantizeWeightsPass()
+    assert not graph_pass(model).modified
+    assert graph_pass.counts == {"matmul": 0, "lm_head": 0, "gather_shared": 0, "gather": 0, "left_float": 0}
+    assert [node.op_type for node in model.graph] == ["MatMul"]
+
+
+@pytest.mark.parametrize(
+    ("knobs", "message"),
+    [
+        ({"bits": 3}, "bits 3: choose 4 or 8"),
+        ({"block_size": 48}, "block size 48: use a power of two, at least 16"),
+        ({"accuracy_level": 7}, "accuracy level 7: choose 0-4"),
+    ],
+)
+def test_bad_knobs_are_refused(knobs: dict[str, int], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        QuantizationConfig(**knobs)
