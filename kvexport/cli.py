@@ -383,10 +383,10 @@ def _render_quality(report: Any) -> None:
     """Quantized exports: quality against PyTorch fp32, per case and over a text."""
     tol = report.tolerances
     click.echo(
-        f"quality vs PyTorch fp32 (tolerance: top-1 agreement >= {tol['min_top1_agreement']}, "
-        f"mean KL <= {tol['max_mean_kl']}, perplexity delta <= {tol['max_perplexity_delta_pct']}%)"
+        f"quality vs PyTorch fp32 (tolerance: mean KL <= {tol['max_mean_kl']}; over --text also top-1 "
+        f"agreement >= {tol['min_top1_agreement']}, perplexity increase <= {tol['max_perplexity_delta_pct']}%)"
     )
-    click.echo(f"{'case':<20} {'steps':>6} {'top-1 agree':>12} {'mean KL':>10} {'max logit err':>14}")
+    click.echo(f"{'case':<20} {'steps':>6} {'greedy agree':>12} {'mean KL':>10} {'max logit err':>14}")
     for case in dict.fromkeys(q.case for q in report.quality):
         checks = [q for q in report.quality if q.case == case]
         agree = sum(q.top1_agreement for q in checks) / len(checks)

@@ -79,8 +79,8 @@ QUANTIZATION_SCHEMES: dict[str, QuantizationConfig] = {
 # What verify holds a quantized export to against PyTorch fp32, per scheme, set from the
 # trained test model's measured quality with headroom (tests/data/tiny-trained).
 QUANTIZATION_TOLERANCES: dict[str, dict[str, float]] = {
-    "int8": {"min_top1_agreement": 0.95, "max_mean_kl": 0.01, "max_perplexity_delta_pct": 1.0},
-    "int4": {"min_top1_agreement": 0.85, "max_mean_kl": 0.05, "max_perplexity_delta_pct": 5.0},
+    "int8": {"min_top1_agreement": 0.95, "max_mean_kl": 0.002, "max_perplexity_delta_pct": 0.5},
+    "int4": {"min_top1_agreement": 0.85, "max_mean_kl": 0.03, "max_perplexity_delta_pct": 1.0},
 }
 
 # Sample sizes for tracing. Every dynamic dim gets a distinct value >= 2, or the

@@ -8,16 +8,18 @@ tensor are compared (cache entries at padded positions are excluded: they are ma
 out and never read), and the greedy tokens must agree.
 
 A quantized export (the manifest's ``quantization``) cannot meet fp32 tolerances; it is
-judged by quality against PyTorch fp32 instead: at every step, top-1 agreement of the
-next token (both sides continue on PyTorch's choice, so this is teacher-forced), the KL
-divergence of ONNX's next-token distribution from PyTorch's, and the largest logit error.
-Overall agreement and mean KL must be within the scheme's tolerances in the manifest.
+judged by quality against PyTorch fp32 instead: at every step, greedy agreement of the
+next token (both sides continue on PyTorch's choice), the KL divergence of ONNX's
+next-token distribution from PyTorch's, and the largest logit error. The mean KL must be
+within the scheme's tolerance in the manifest; greedy agreement over random prompts is
+reported only (random ids leave near-ties that any rounding flips).
 
 ``text=`` adds perplexity on a text file (any export): the text is tokenized with the
 export's tokenizer, cut into windows, and each window runs through prefill and then one
 decode step per token, teacher-forced, beside one PyTorch forward of the window. It
 reports both perplexities, their difference in percent, top-1 agreement, mean KL and
-the largest logit error; a quantized export must keep the difference within tolerance.
+the largest logit error; a quantized export must keep the perplexity increase, the mean
+KL and the top-1 agreement within its scheme's tolerances.
 """
 
 from __future__ import annotations
@@ -133,28 +135,33 @@ class VerifyReport:
         }
 
     def _quality_failures(self) -> list[str]:
+        """Quantized exports: the steps' mean KL, and over a text KL, top-1 and perplexity.
+
+        Greedy agreement over the random prompts is reported, not judged: random token ids
+        (and random weights) leave near-ties in the logits that any rounding flips.
+        """
         if self.tolerances is None:
             return []
-        lines = []
         tol = self.tolerances
-        results = [("steps", self.overall_quality())]
-        if self.text is not None:
-            results.append(("text", asdict(self.text)))
-        for where, measured in results:
-            if not measured:
-                lines.append(f"{where}: nothing was compared")
-                continue
-            if measured["top1_agreement"] < tol["min_top1_agreement"]:
+        steps = self.overall_quality()
+        if not steps:
+            return ["steps: nothing was compared"]
+        lines = []
+        if steps["mean_kl"] > tol["max_mean_kl"]:
+            lines.append(f"steps: mean KL {steps['mean_kl']:.4g} over {tol['max_mean_kl']}")
+        text = self.text
+        if text is not None:
+            if text.mean_kl > tol["max_mean_kl"]:
+                lines.append(f"text: mean KL {text.mean_kl:.4g} over {tol['max_mean_kl']}")
+            if text.top1_agreement < tol["min_top1_agreement"]:
                 lines.append(
-                    f"{where}: top-1 agreement {measured['top1_agreement']:.3f} under {tol['min_top1_agreement']}"
+                    f"text: top-1 agreement {text.top1_agreement:.3f} under {tol['min_top1_agreement']}"
                 )
-            if measured["mean_kl"] > tol["max_mean_kl"]:
-                lines.append(f"{where}: mean KL {measured['mean_kl']:.4g} over {tol['max_mean_kl']}")
-        if self.text is not None and self.text.perplexity_delta_pct > tol["max_perplexity_delta_pct"]:
-            lines.append(
-                f"text: perplexity {self.text.perplexity_delta_pct:+.2f}% over PyTorch's, more than "
-                f"{tol['max_perplexity_delta_pct']}%"
-            )
+            if text.perplexity_delta_pct > tol["max_perplexity_delta_pct"]:
+                lines.append(
+                    f"text: perplexity {text.perplexity_delta_pct:+.2f}% over PyTorch's, more than "
+                    f"{tol['max_perplexity_delta_pct']}%"
+                )
         return lines
 
     @property
@@ -571,6 +578,13 @@ def verify(
     path = Path(directory)
     manifest = read_manifest(path)
     resolved = resolve_provider(provider)
+    if text_tokens < 1:
+        raise KvexportError(f"--text-tokens {text_tokens}: must be at least 1")
+    text_content = None if text is None else _read_text(Path(text))
+    if text is not None and not manifest.tokenizer.get("file"):
+        raise KvexportError(
+            f"--text: {path} has no tokenizer.json to tokenize the text with; export a model that has one"
+        )
     say = progress or (lambda message: None)
     say(f"verifying {path}: {manifest.source.describe()}, {steps} decode steps on {resolved}")
     report = VerifyReport(
@@ -580,13 +594,6 @@ def verify(
         dtype=manifest.dtype,
         tolerances=manifest.quantization["tolerances"] if manifest.quantization else None,
     )
-    if text_tokens < 1:
-        raise KvexportError(f"--text-tokens {text_tokens}: must be at least 1")
-    text_content = None if text is None else _read_text(Path(text))
-    if text is not None and not manifest.tokenizer.get("file"):
-        raise KvexportError(
-            f"--text: {path} has no tokenizer.json to tokenize the text with; export a model that has one"
-        )
     if manifest.dtype not in TOLERANCES:
         raise KvexportError(
             f"manifest dtype {manifest.dtype!r} is not one verify knows (fp32, fp16)"

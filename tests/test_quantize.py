@@ -1,0 +1,208 @@
+"""Quantized exports on a trained model: quality within each scheme's tolerances, knobs, bytes.
+
+The checkpoint is ``tests/data/tiny-trained`` (``scripts/train_tiny_gpt2.py``): random
+weights have no logit margins and say nothing about quantization error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from click.testing import CliRunner
+
+from kvexport import export_gpt2, verify
+from kvexport.cli import main
+from kvexport.export import QUANTIZATION_SCHEMES, QUANTIZATION_TOLERANCES
+from kvexport.runtime import Generator
+from kvexport.testing import export_foreign
+
+TRAINED = Path(__file__).parent / "data" / "tiny-trained"
+HELDOUT = TRAINED / "heldout.txt"
+
+
+@pytest.fixture(scope="module")
+def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The trained model as ort-cpu exports: float, int8 and int4 (read-only)."""
+    root = tmp_path_factory.mktemp("quantized")
+    return {
+        scheme: export_gpt2(root / scheme, str(TRAINED), target="ort-cpu", quantize=scheme).out_dir  # type: ignore[arg-type]
+        for scheme in ("none", "int8", "int4")
+    }
+
+
+def _export_bytes(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quality_within_the_scheme_tolerances(trained_exports: dict[str, Path], scheme: str) -> None:
+    report = verify(trained_exports[scheme], steps=8, text=HELDOUT, text_tokens=1500, record=False)
+    assert report.ok, report.failures()
+    assert report.quantized and not report.tensors  # judged by quality, not fp32 parity
+    assert len(report.quality) == 2 * 9  # two cases, prefill and 8 decode steps
+    tolerances = QUANTIZATION_TOLERANCES[scheme]
+    assert report.tolerances == tolerances
+    text = report.text
+    assert text is not None and text.tokens == 1500
+    assert abs(text.perplexity_delta_pct) <= tolerances["max_perplexity_delta_pct"]
+    assert text.top1_agreement >= tolerances["min_top1_agreement"]
+    assert 0 < text.mean_kl <= tolerances["max_mean_kl"]  # quantized: not bit-identical
+    if scheme == "int8":  # int8 keeps PyTorch fp32's greedy tokens over verify's steps
+        assert all(check.ok for check in report.tokens)
+
+
+def test_float_export_perplexity_matches_pytorch(trained_exports: dict[str, Path]) -> None:
+    report = verify(trained_exports["none"], steps=1, text=HELDOUT, text_tokens=300, record=False)
+    assert report.ok and report.tensors and not report.quality
+    assert report.text is not None
+    assert report.text.top1_agreement == 1.0
+    assert abs(report.text.perplexity_delta_pct) < 1e-3
+    # an independent perplexity: PyTorch's own loss over the same windows
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import GPT2LMHeadModel
+
+    ids = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode(HELDOUT.read_text()).ids[:301]
+    model = GPT2LMHeadModel.from_pretrained(TRAINED).eval()
+    with torch.no_grad():
+        loss = model(torch.tensor([ids[:256]]), labels=torch.tensor([ids[:256]])).loss * 255
+        loss += model(torch.tensor([ids[255:301]]), labels=torch.tensor([ids[255:301]])).loss * 45
+    assert report.text.perplexity_torch == pytest.approx(float(torch.exp(loss / 300)), rel=1e-4)
+
+
+@pytest.mark.parametrize(("scheme", "ratio"), [("int8", 0.40), ("int4", 0.25)])
+def test_bytes_on_disk(trained_exports: dict[str, Path], scheme: str, ratio: float) -> None:
+    assert _export_bytes(trained_exports[scheme]) <= ratio * _export_bytes(trained_exports["none"])
+
+
+def test_manifest_records_the_scheme_and_every_knob(trained_exports: dict[str, Path]) -> None:
+    manifest = json.loads((trained_exports["int4"] / "kvexport.json").read_text())
+    assert manifest["quantization"] == {
+        "scheme": "int4",
+        **QUANTIZATION_SCHEMES["int4"].to_json(),
+        "tolerances": QUANTIZATION_TOLERANCES["int4"],
+    }
+    assert manifest["quantization"]["head_bits"] == 8 and manifest["quantization"]["bits"] == 4
+    passes = [p for p in manifest["passes"] if p["name"] == "quantize_weights"]
+    assert {p["graph"] for p in passes} == {"prefill", "decode"}
+    assert all(p["counts"]["lm_head"] == 1 and p["counts"]["gather_shared"] == 1 for p in passes)
+    float_manifest = json.loads((trained_exports["none"] / "kvexport.json").read_text())
+    assert float_manifest["quantization"] is None
+
+
+def test_tied_embedding_and_head_share_one_region_of_the_weights_file(trained_exports: dict[str, Path]) -> None:
+    proto = onnx.load(str(trained_exports["int4"] / "decode.onnx"), load_external_data=False)
+    locations = {
+        t.name: {e.key: e.value for e in t.external_data} for t in proto.graph.initializer if t.external_data
+    }
+    nodes = {n.op_type: n for n in proto.graph.node if n.op_type in ("GatherBlockQuantized", "MatMulNBits")}
+    head = [n for n in proto.graph.node if n.op_type == "MatMulNBits"][-1]
+    token_gather = next(
+        n for n in proto.graph.node if n.op_type == "GatherBlockQuantized" and n.input[1] == "input_ids"
+    )
+    assert nodes and head.input[2] == token_gather.input[2]  # one scales tensor
+    head_data, table = locations[head.input[1]], locations[token_gather.input[0]]
+    assert (head_data["offset"], head_data["length"]) == (table["offset"], table["length"])
+
+
+def test_generator_runs_a_quantized_export(trained_exports: dict[str, Path]) -> None:
+    prompt = [[17, 99, 5, 300]]
+    quantized = Generator(trained_exports["int8"]).generate(prompt, 12, eos_token_id=-1)
+    reference = Generator(trained_exports["none"]).generate(prompt, 12, eos_token_id=-1)
+    assert quantized.shape == reference.shape
+    assert (quantized[0, :4] == reference[0, :4]).all()  # the trained model's first picks agree
+
+
+def test_tolerances_come_from_the_manifest(trained_exports: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    strict = shutil.copytree(trained_exports["int4"], tmp_path / "strict")
+    manifest = json.loads((strict / "kvexport.json").read_text())
+    manifest["quantization"]["tolerances"]["max_mean_kl"] = 1e-9
+    (strict / "kvexport.json").write_text(json.dumps(manifest))
+    result = CliRunner().invoke(main, ["verify", str(strict), "--steps", "2"])
+    assert result.exit_code == 1
+    assert "FAIL steps: mean KL" in result.stdout and "over 1e-09" in result.stdout
+    assert result.stdout.strip().splitlines()[-1].startswith("FAIL: cpu")
+
+
+def test_verify_text_on_the_command_line(trained_exports: dict[str, Path]) -> None:
+    result = CliRunner().invoke(
+        main, ["verify", str(trained_exports["int8"]), "--steps", "2", "--text", str(HELDOUT), "--text-tokens", "200"]
+    )
+    assert result.exit_code == 0, result.output
+    assert f"text {HELDOUT}: 200 tokens, perplexity" in result.stdout
+    assert "quality vs PyTorch fp32" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--quantize", "int4"],
+            "Error: --quantize int4 --attention unfused: the quantized weights use ONNX Runtime's operators; "
+            "use --target ort-cpu or ort-cuda",
+        ),
+        (
+            ["--target", "ort-cpu", "--quantize", "int8", "--block-size", "48"],
+            "Error: --quantize int8: block size 48: use a power of two, at least 16",
+        ),
+        (
+            ["--target", "ort-cpu", "--head-bits", "4"],
+            "Error: quantization options given without --quantize; add --quantize int8 or int4",
+        ),
+    ],
+)
+def test_bad_quantization_options_get_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["gpt2", "--out", str(tmp_path / "o"), "--model", str(TRAINED), *args])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == message
+    assert not (tmp_path / "o").exists()
+
+
+def test_verify_text_needs_a_tokenizer_and_a_file(trained_exports: dict[str, Path], tmp_path: Path) -> None:
+    missing = CliRunner().invoke(main, ["verify", str(trained_exports["int8"]), "--text", str(tmp_path / "nope.txt")])
+    assert missing.exit_code == 2
+    assert missing.stderr.strip() == f"Error: --text {tmp_path / 'nope.txt'}: no such file; pass a UTF-8 text file"
+
+
+def test_quantized_rewrite_of_a_foreign_fused_graph(tmp_path: Path, tiny_config: Path) -> None:
+    """An Optimum-named TorchScript graph: renamed, fused and quantized by ``kvexport rewrite``."""
+    foreign = export_foreign(tmp_path / "foreign", tiny_config, seed=1, style="optimum")
+    runner = CliRunner()
+    outputs = {}
+    for scheme in ("none", "int8"):
+        output = tmp_path / f"decode-{scheme}.onnx"
+        result = runner.invoke(
+            main,
+            ["rewrite", str(foreign / "decode.onnx"), str(output), "--attention", "ort", "--json"]
+            + (["--quantize", scheme, "--block-size", "16"] if scheme != "none" else []),
+        )
+        assert result.exit_code == 0, result.output
+        outputs[scheme] = output
+    report = {p["name"]: p for p in json.loads(result.stdout)["passes"]}
+    assert report["quantize_weights"]["counts"]["lm_head"] == 1
+    ops = [n.op_type for n in ir.load(outputs["int8"]).graph]
+    n_layer = 2
+    assert ops.count("MatMulNBits") == 4 * n_layer + 1 and "MatMul" not in ops and "Gemm" not in ops
+    assert ops.count("GatherBlockQuantized") == 2  # rows of 48: a multiple of the 16-wide blocks
+
+    rng = np.random.default_rng(0)
+    feeds: dict[str, np.ndarray] = {
+        "input_ids": np.array([[5], [7]], dtype=np.int64),
+        "attention_mask": np.array([[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]], dtype=np.int64),
+        "position_ids": np.array([[3], [4]], dtype=np.int64),
+    }
+    session = ort.InferenceSession(str(outputs["none"]), providers=["CPUExecutionProvider"])
+    for value in session.get_inputs():
+        if value.name.startswith("past"):
+            feeds[value.name] = rng.standard_normal((2, 3, 4, 16)).astype(np.float32)
+    want = session.run(["logits"], feeds)[0]
+    got = ort.InferenceSession(str(outputs["int8"]), providers=["CPUExecutionProvider"]).run(["logits"], feeds)[0]
+    assert np.abs(got - want).max() < 0.02 * np.abs(want).max()
