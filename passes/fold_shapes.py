@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes import InPlacePass, PassResult
+from onnx_ir.passes import InPlacePass, PassManager, PassResult
 from onnx_ir.passes.common import (
     IdentityEliminationPass,
     LiftConstantsToInitializersPass,
@@ -50,15 +50,10 @@ from onnx_ir.passes.common import (
 from onnxscript import optimizer
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes._common import (
-    annotate_symbolic_shapes,
-    apply_rules,
-    const_ints,
-    dims_of,
-    is_mask_where,
-    is_padding_condition,
-    padding_condition,
-)
+from passes._masks import is_mask_where, is_padding_condition, padding_condition
+from passes._rules import apply_rules
+from passes._shapes import annotate_symbolic_shapes
+from passes._values import const_ints, dims_of
 
 _MAX_ROUNDS = 6
 
@@ -325,27 +320,17 @@ def count_ops(model: ir.Model, op_type: str) -> int:
     return sum(1 for node in model.graph if node.op_type == op_type)
 
 
-class FoldShapesPass(InPlacePass):
-    """Fold shape computations into constant Reshape targets; ``counts`` per rule, plus Shape nodes removed."""
+class _FoldRound(InPlacePass):
+    """One round: constant folding, shape inference, :data:`RULES` and the decode-mask step.
 
-    def __init__(self) -> None:
+    Adds what fired to the shared ``counts``; modified when any rule fired.
+    """
+
+    def __init__(self, counts: dict[str, int]) -> None:
         super().__init__()
-        self.counts: dict[str, int] = {}
+        self.counts = counts
 
     def call(self, model: ir.Model) -> PassResult:
-        """Fold to a fixed point."""
-        shapes_before = count_ops(model, "Shape")
-        nodes_before = len(model.graph)
-        counts = fold_to_fixed_point(model)
-        counts["shape_nodes_removed"] = shapes_before - count_ops(model, "Shape")
-        self.counts = counts
-        return PassResult(model, modified=len(model.graph) != nodes_before or any(counts.values()))
-
-
-def fold_to_fixed_point(model: ir.Model) -> dict[str, int]:
-    """Constant folding, shape inference and :data:`RULES`, repeated until nothing fires."""
-    counts: dict[str, int] = {"DecodeMaskFromAttentionMask": 0}
-    for _ in range(_MAX_ROUNDS):
         optimizer.fold_constants(model)
         # Constant nodes become initializers: one form of constant for the rules and
         # for the shape inference (which reads only ``value`` attributes).
@@ -354,12 +339,32 @@ def fold_to_fixed_point(model: ir.Model) -> dict[str, int]:
         fired = apply_rules(model, RULES)
         fired["DecodeMaskFromAttentionMask"] = decode_mask_from_attention_mask(model)
         for name, n in fired.items():
-            counts[name] = counts.get(name, 0) + n
+            self.counts[name] = self.counts.get(name, 0) + n
         RemoveUnusedNodesPass()(model)
         IdentityEliminationPass()(model)  # what ReshapeIdentity left
-        if not any(fired.values()):
-            break
-    return counts
+        return PassResult(model, modified=any(fired.values()))
+
+
+class FoldShapesPass(InPlacePass):
+    """Fold shape computations into constant Reshape targets; ``counts`` per rule, plus Shape nodes removed.
+
+    Rounds of :class:`_FoldRound` run under an ``onnx_ir`` ``PassManager`` with
+    ``early_stop``: until a round fires nothing (at most ``_MAX_ROUNDS``).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Fold until a round changes nothing."""
+        shapes_before = count_ops(model, "Shape")
+        nodes_before = len(model.graph)
+        counts: dict[str, int] = {"DecodeMaskFromAttentionMask": 0}
+        PassManager([_FoldRound(counts)], steps=_MAX_ROUNDS, early_stop=True)(model)
+        counts["shape_nodes_removed"] = shapes_before - count_ops(model, "Shape")
+        self.counts = counts
+        return PassResult(model, modified=len(model.graph) != nodes_before or any(counts.values()))
 
 
 __all__ = ["FoldShapesPass", "count_ops"]

@@ -36,8 +36,8 @@ from onnx_ir.passes import InPlacePass, PassResult
 from onnxscript import version_converter
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 
-from passes._common import apply_rules, const_float, const_ints, dims_of
-from passes.fold_shapes import fold_to_fixed_point
+from passes._rules import apply_rules
+from passes._values import const_float, const_ints, dims_of
 
 AttentionTarget = Literal["onnx", "ort"]
 ONNX_ATTENTION_OPSET = 23
@@ -226,7 +226,5 @@ class FuseAttentionPass(InPlacePass):
             version_converter.convert_version(model, ONNX_ATTENTION_OPSET)
         if self.target == "ort":
             model.opset_imports.setdefault("com.microsoft", 1)
-        counts = apply_rules(model, [InfiniteMaskToLowest.rule(), *attention_rules(self.target)])
-        counts["fold_shapes_after"] = sum(fold_to_fixed_point(model).values())
-        self.counts = counts
-        return PassResult(model, modified=any(counts.values()))
+        self.counts = apply_rules(model, [InfiniteMaskToLowest.rule(), *attention_rules(self.target)])
+        return PassResult(model, modified=any(self.counts.values()))

@@ -8,7 +8,7 @@ after, plus the pass's own counts).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -25,16 +25,6 @@ from passes.shared_buffer_cache import SharedBufferCachePass
 from passes.transposed_weight_gemm import TransposedWeightGemmPass
 
 AttentionChoice = Literal["unfused", "onnx", "ort"]
-PASS_NAMES = (
-    "rename_cache",
-    "transposed_weight_gemm",
-    "fold_shapes",
-    "fuse_attention",
-    "fuse_ort_block",
-    "shared_buffer_cache",
-    "quantize_weights",
-    "cleanup",
-)
 DEFAULT_REWRITE_PASSES = ("rename_cache", "fold_shapes", "cleanup")
 
 
@@ -85,66 +75,120 @@ class _Measured(InPlacePass):
         return PassResult(result.model, modified=result.modified)
 
 
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the passes are built for: the attention target and the optional rewrites."""
+
+    attention: AttentionChoice = "unfused"
+    shared_buffer: bool = False
+    quantization: QuantizationConfig | None = None
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    """One entry of the registry: a pass, when it runs, and what it needs.
+
+    ``default``: in the pipeline when no passes are named. ``implied``: in the pipeline
+    whatever is named (the options ask for it). ``attention``: the attention targets it
+    works with; naming it for another is refused with ``requirement``. What a pass needs
+    of the *graph* is its own ``requires()``.
+    """
+
+    name: str
+    make: Callable[[PipelineOptions], InPlacePass]
+    default: Callable[[PipelineOptions], bool] = lambda options: True
+    implied: Callable[[PipelineOptions], bool] = lambda options: False
+    attention: frozenset[str] = frozenset({"unfused", "onnx", "ort"})
+    requirement: str = ""
+
+
+_FUSED = frozenset({"onnx", "ort"})
+_ORT = frozenset({"ort"})
+
+# The registry, in pipeline order. fold_shapes runs again after fusion (the fused ops
+# leave shape chains whose inputs are now constants); that is the pipeline's doing, not
+# fuse_attention's.
+REGISTRY: tuple[PassSpec, ...] = (
+    PassSpec("rename_cache", lambda o: RenameCachePass()),
+    PassSpec("transposed_weight_gemm", lambda o: TransposedWeightGemmPass()),
+    PassSpec("fold_shapes", lambda o: FoldShapesPass()),
+    PassSpec(
+        "fuse_attention",
+        lambda o: FuseAttentionPass("onnx" if o.attention == "onnx" else "ort"),
+        default=lambda o: o.attention != "unfused",
+        implied=lambda o: o.attention != "unfused",
+        attention=_FUSED,
+        requirement="fuse_attention / fuse_ort_block need --attention onnx or ort",
+    ),
+    PassSpec(
+        "fuse_ort_block",
+        lambda o: FuseOrtBlockPass(),
+        default=lambda o: o.attention == "ort",
+        implied=lambda o: o.attention == "ort",
+        attention=_ORT,
+        requirement="fuse_ort_block emits ONNX Runtime ops; use it with --attention ort",
+    ),
+    PassSpec(
+        "shared_buffer_cache",
+        lambda o: SharedBufferCachePass(),
+        default=lambda o: o.shared_buffer,
+        implied=lambda o: o.shared_buffer,
+        attention=_ORT,
+        requirement="shared_buffer_cache rewrites ONNX Runtime attention; use it with --attention ort",
+    ),
+    PassSpec(
+        "quantize_weights",
+        lambda o: QuantizeWeightsPass(o.quantization),
+        default=lambda o: o.quantization is not None,
+        implied=lambda o: o.quantization is not None,
+        attention=_ORT,
+        requirement="quantize_weights emits ONNX Runtime ops; use it with --attention ort",
+    ),
+    PassSpec("cleanup", lambda o: CleanupPass()),
+)
+PASS_NAMES = tuple(spec.name for spec in REGISTRY)
+
+
 def build_pipeline(
     attention: AttentionChoice = "unfused",
     passes: Sequence[str] | None = None,
     shared_buffer: bool = False,
     quantization: QuantizationConfig | None = None,
 ) -> list[tuple[str, InPlacePass]]:
-    """The named passes to run, in pipeline order.
+    """The named passes to run, in pipeline order (see :data:`REGISTRY`).
 
     Args:
         attention: ``unfused`` leaves attention decomposed; ``onnx`` / ``ort`` add
             ``fuse_attention`` for that target (and ``fuse_ort_block`` for ``ort``).
         passes: the passes to run (any order; they run in pipeline order). None means
-            everything that ``attention`` calls for.
+            everything that the options call for.
         shared_buffer: add ``shared_buffer_cache`` (needs ``attention="ort"``); it
             changes the graphs' cache IO (see :mod:`passes.shared_buffer_cache`).
         quantization: add ``quantize_weights`` with these knobs (needs ``attention="ort"``:
             its operators are ONNX Runtime's).
 
     Raises:
-        ValueError: an unknown pass name, or a pass whose prerequisite is not chosen.
+        ValueError: an unknown pass name, or a pass that the attention choice can't serve.
 
     """
-    wanted = set(PASS_NAMES if passes is None else passes)
-    if passes is None and not shared_buffer:
-        wanted.discard("shared_buffer_cache")
-    if passes is None and quantization is None:
-        wanted.discard("quantize_weights")
-    if shared_buffer:
-        wanted.add("shared_buffer_cache")
-    if quantization is not None:
-        wanted.add("quantize_weights")
-    if "quantize_weights" in wanted and attention != "ort":
-        raise ValueError("quantize_weights emits ONNX Runtime ops; use it with --attention ort")
-    if "shared_buffer_cache" in wanted and attention != "ort":
-        raise ValueError("shared_buffer_cache rewrites ONNX Runtime attention; use it with --attention ort")
-    unknown = wanted.difference(PASS_NAMES)
+    options = PipelineOptions(attention, shared_buffer, quantization)
+    unknown = set(passes or ()).difference(PASS_NAMES)
     if unknown:
         raise ValueError(f"unknown pass {sorted(unknown)}; choose from {', '.join(PASS_NAMES)}")
-    if attention == "unfused":
-        if passes is not None and wanted & {"fuse_attention", "fuse_ort_block"}:
-            raise ValueError("fuse_attention / fuse_ort_block need --attention onnx or ort")
-        wanted -= {"fuse_attention", "fuse_ort_block"}
-    elif attention == "onnx":
-        if passes is not None and "fuse_ort_block" in wanted:
-            raise ValueError("fuse_ort_block emits ONNX Runtime ops; use it with --attention ort")
-        wanted.discard("fuse_ort_block")
-        wanted.add("fuse_attention")
-    else:
-        wanted |= {"fuse_attention", "fuse_ort_block"}
-    factories: dict[str, Any] = {
-        "rename_cache": RenameCachePass,
-        "transposed_weight_gemm": TransposedWeightGemmPass,
-        "fold_shapes": FoldShapesPass,
-        "fuse_attention": lambda: FuseAttentionPass("onnx" if attention == "onnx" else "ort"),
-        "fuse_ort_block": FuseOrtBlockPass,
-        "shared_buffer_cache": SharedBufferCachePass,
-        "quantize_weights": lambda: QuantizeWeightsPass(quantization),
-        "cleanup": CleanupPass,
-    }
-    return [(name, factories[name]()) for name in PASS_NAMES if name in wanted]
+    wanted = [
+        spec
+        for spec in REGISTRY
+        if spec.implied(options) or (spec.default(options) if passes is None else spec.name in passes)
+    ]
+    for spec in wanted:
+        if attention not in spec.attention:
+            raise ValueError(spec.requirement)
+    pipeline = []
+    for spec in wanted:
+        pipeline.append((spec.name, spec.make(options)))
+        if spec.name == "fuse_attention":
+            pipeline.append(("fold_shapes", FoldShapesPass()))
+    return pipeline
 
 
 def run_pipeline(model: ir.Model, pipeline: Sequence[tuple[str, InPlacePass]]) -> list[PassReport]:

@@ -34,6 +34,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from passes._values import initializer
+
 MS_DOMAIN = "com.microsoft"
 _SHAPE_ONLY = {"Reshape", "Identity", "Squeeze", "Unsqueeze", "Cast", "Add"}
 
@@ -179,7 +181,7 @@ class QuantizeWeightsPass(InPlacePass):
                 graph, table, array, self.config.embedding_bits, transposed=True, cache=cache
             )
             self.counts["gather"] += 1
-        flat = _initializer(
+        flat = initializer(
             graph,
             f"{table.name}_q{packed.bits}_rows",
             packed.data.const_value.numpy().reshape(rows, -1),  # type: ignore[union-attr]
@@ -231,11 +233,11 @@ class QuantizeWeightsPass(InPlacePass):
         scales = scales.astype(array.dtype)
         name = weight.name or "weight"
         packed = _Packed(
-            data=_initializer(graph, f"{name}_q{bits}", data),
-            scales=_initializer(graph, f"{name}_q{bits}_scales", scales),
+            data=initializer(graph, f"{name}_q{bits}", data),
+            scales=initializer(graph, f"{name}_q{bits}_scales", scales),
             zero_points=None
             if self.config.symmetric
-            else _initializer(graph, f"{name}_q{bits}_zero_points", zero_points),
+            else initializer(graph, f"{name}_q{bits}_zero_points", zero_points),
             bits=bits,
             k=k_by_n.shape[0],
             n=k_by_n.shape[1],
@@ -307,13 +309,6 @@ def _float_matrix(value: ir.Value | None) -> np.ndarray | None:
     if len(value.const_value.shape) != 2:
         return None
     return value.const_value.numpy()
-
-
-def _initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
-    tensor = ir.Tensor(array, name=name)
-    value = ir.Value(name=name, const_value=tensor, shape=tensor.shape, type=ir.TensorType(tensor.dtype))
-    graph.register_initializer(value)
-    return value
 
 
 def _swap(graph: ir.Graph, old: ir.Node, new: ir.Node) -> None:

@@ -35,7 +35,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
-from passes._common import initializer
+from passes._values import initializer
 
 Kind = Literal["key", "value"]
 Style = Literal["canonical", "optimum"]

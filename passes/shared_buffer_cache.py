@@ -37,17 +37,18 @@ import re
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes import InPlacePass, PassResult
+from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
 from onnx_ir.passes.common import TopologicalSortPass
 
-from passes._common import initializer, is_mask_where, padding_condition
+from passes._masks import is_mask_where, padding_condition
+from passes._values import initializer
 
 CAPACITY_DIM = "max_sequence"
 _MS = "com.microsoft"
 _PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
 
 
-class SharedBufferCacheError(ValueError):
+class SharedBufferCacheError(PreconditionError, ValueError):
     """The graph can't be given a shared-buffer cache (no attention_mask, unexpected MHA inputs)."""
 
 
@@ -147,6 +148,14 @@ def _padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dty
     return result
 
 
+def _attention_nodes(graph: ir.Graph) -> list[ir.Node]:
+    return [n for n in graph if n.op_type == "MultiHeadAttention" and n.domain == _MS]
+
+
+def _input(graph: ir.Graph, name: str) -> ir.Value | None:
+    return next((v for v in graph.inputs if v.name == name), None)
+
+
 class SharedBufferCachePass(InPlacePass):
     """MultiHeadAttention with a cache -> GroupQueryAttention over shared past/present buffers.
 
@@ -158,15 +167,16 @@ class SharedBufferCachePass(InPlacePass):
         super().__init__()
         self.counts: dict[str, int] = {}
 
-    def call(self, model: ir.Model) -> PassResult:
-        """Rewrite in place; raises :class:`SharedBufferCacheError` on graphs it can't serve."""
-        graph = model.graph
-        attention = [n for n in graph if n.op_type == "MultiHeadAttention" and n.domain == _MS]
-        self.counts = {"attention_converted": 0}
+    def requires(self, model: ir.Model) -> None:
+        """What the rewrite needs of the graph; raises :class:`SharedBufferCacheError` otherwise.
+
+        An ``attention_mask`` input, and each MultiHeadAttention without bias /
+        key_padding_mask inputs and with canonical ``present.<l>.key|value`` outputs.
+        """
+        attention = _attention_nodes(model.graph)
         if not attention:
-            return PassResult(model, modified=False)
-        mask = next((v for v in graph.inputs if v.name == "attention_mask"), None)
-        if mask is None:
+            return
+        if _input(model.graph, "attention_mask") is None:
             raise SharedBufferCacheError("the graph has no attention_mask input to take lengths from")
         for node in attention:
             if any(v is not None for v in node.inputs[3:5]) or len(node.inputs) > 8:
@@ -175,8 +185,17 @@ class SharedBufferCachePass(InPlacePass):
                 )
             if len(node.outputs) < 3 or not all(_PRESENT.match(o.name or "") for o in node.outputs[1:3]):
                 raise SharedBufferCacheError(f"{node.name}: its presents are not present.<l>.key|value outputs")
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Rewrite in place (what :meth:`requires` checked holds)."""
+        graph = model.graph
+        attention = _attention_nodes(graph)
+        self.counts = {"attention_converted": 0}
+        mask = _input(graph, "attention_mask")
+        if not attention or mask is None:
+            return PassResult(model, modified=False)
         seqlens, total = _lengths(graph, mask)
-        queries = next((v for v in graph.inputs if v.name == "input_ids"), None)
+        queries = _input(graph, "input_ids")
         padding: dict[ir.DataType, ir.Value] = {}
         self.counts["bias_replaced"] = 0
         new_inputs: list[ir.Value] = []

@@ -17,7 +17,7 @@ from typing import Any
 import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRule
 
-from passes._common import RulePass
+from passes._rules import RulePass
 
 
 def _pattern(op: Any, x: ir.Value, weight: ir.Value) -> ir.Value:

@@ -74,7 +74,11 @@ def test_unmatched_graph_is_left_alone(tiny_export: Path) -> None:
     for node in model.graph:
         if node.op_type == "Softmax":
             node.attributes["axis"] = ir.AttrInt64("axis", 1)  # no longer attention's softmax
+    nodes = len(model.graph)
     fuse = FuseAttentionPass("ort")
-    fuse(model)
+    result = fuse(model)
+    assert fuse.counts["OrtAttention"] == 0 and fuse.counts["OrtAttentionWithPast"] == 0
+    assert fuse.counts["InfiniteMaskToLowest"] == 0  # the export's masks use lowest already
+    assert not result.modified and len(model.graph) == nodes
     assert count_attention_ops(model) == 0
     assert count_ops(model, "Softmax") == TINY["n_layer"]
