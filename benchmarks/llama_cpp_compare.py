@@ -21,7 +21,8 @@ Outside CI (it builds llama.cpp, minutes on 2 cores). Steps:
     .venv/bin/python benchmarks/llama_cpp_compare.py --model tests/data/tiny-trained \\
         --text tests/data/tiny-trained/heldout.txt --work /tmp/llama
 
-Prints one table and writes ``compare.json`` under ``--work``.
+Prints one table (medians over the interleaved rounds) and writes ``compare.json`` under
+``--work``. ``--int4-blocks 32,128`` adds int4 exports at other block sizes.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ import numpy as np
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 SCHEMES = (("none", "F32"), ("int8", "Q8_0"), ("int4", "Q4_0"))
+# AVX-512 (VNNI, BF16, VBMI) and AVX-VNNI, named rather than -march=native: native also turns
+# on AMX, whose tile instructions die with SIGILL where the kernel grants no AMX state.
+_ISA_FLAGS = [
+    "-DGGML_NATIVE=OFF",
+    *(f"-DGGML_{isa}=ON" for isa in ("AVX", "AVX2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI")),
+]
 
 
 def _run(command: list[str], **kwargs: Any) -> str:
@@ -59,7 +66,7 @@ def build_llama_cpp(work: Path) -> Path:
         source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
     build = source / "build"
     if not (build / "bin" / "llama-bench").exists():
-        _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", "-DLLAMA_BUILD_TESTS=OFF"])
+        _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *_ISA_FLAGS, "-DLLAMA_BUILD_TESTS=OFF"])
         _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-bench", "llama-quantize", "llama-perplexity"])
     return source
 
@@ -140,15 +147,23 @@ def llama_perplexity(source: Path, gguf: Path, text: Path, context: int, threads
     return float(found[-1])
 
 
-def kvexport_exports(model: str, random_init: bool, work: Path) -> dict[str, Path]:
-    from kvexport import export_gpt2
+def kvexport_exports(model: str, random_init: bool, work: Path, int4_blocks: list[int]) -> dict[str, Path]:
+    """ort-cpu exports by row label: none, int8, int4 (defaults) and int4 at other block sizes."""
+    import dataclasses
 
+    from kvexport import export_gpt2
+    from kvexport.export import QUANTIZATION_SCHEMES
+
+    wanted: dict[str, tuple[str, Any]] = {scheme: (scheme, None) for scheme, _ in SCHEMES}
+    for block in int4_blocks:
+        if block != QUANTIZATION_SCHEMES["int4"].block_size:
+            wanted[f"int4 b{block}"] = ("int4", dataclasses.replace(QUANTIZATION_SCHEMES["int4"], block_size=block))
     exports = {}
-    for scheme, _ in SCHEMES:
-        out = work / f"kvexport-{scheme}"
+    for label, (scheme, knobs) in wanted.items():
+        out = work / f"kvexport-{label.replace(' ', '-')}"
         if not (out / "kvexport.json").exists():
-            export_gpt2(out, model, random_init=random_init, seed=0, target="ort-cpu", quantize=scheme, force=True)  # type: ignore[arg-type]
-        exports[scheme] = out
+            export_gpt2(out, model, random_init=random_init, seed=0, target="ort-cpu", quantize=scheme, quantization=knobs, force=True)  # type: ignore[arg-type]
+        exports[label] = out
     return exports
 
 
@@ -171,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="Interleaved timing rounds.")
+    parser.add_argument("--int4-blocks", default="32", help="int4 block sizes to time (comma-separated).")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -179,30 +195,34 @@ def main(argv: list[str] | None = None) -> int:
     name = Path(args.model).name
     hf_dir = hf_directory(args.model, args.random_init, args.work / f"hf-{name}")
     ggufs = gguf_files(source, hf_dir, args.work / f"hf-{name}")
-    exports = kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}")
+    blocks = [int(b) for b in args.int4_blocks.split(",")]
+    exports = kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", blocks)
     rows: dict[str, dict[str, Any]] = {}
     timings: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.rounds):  # interleaved: a drifting host treats both sides alike
         for scheme, kind in SCHEMES:
-            timings.setdefault(f"kvexport {scheme}", []).append(kvexport_speed(exports[scheme], args.prompt))
+            for label in [label for label in exports if label.split()[0] == scheme]:
+                timings.setdefault(f"kvexport {label}", []).append(kvexport_speed(exports[label], args.prompt))
             timings.setdefault(f"llama.cpp {kind}", []).append(llama_bench(source, ggufs[kind], args.prompt, args.threads))
     for system, samples in timings.items():
-        rows[system] = {key: float(np.min([s[key] for s in samples])) for key in samples[0]}
-    for scheme, kind in SCHEMES:
-        rows[f"kvexport {scheme}"]["disk_mb"] = sum(f.stat().st_size for f in exports[scheme].iterdir() if f.is_file()) / 1e6
+        rows[system] = {key: float(np.median([s[key] for s in samples])) for key in samples[0]}
+    for label, export in exports.items():
+        rows[f"kvexport {label}"]["disk_mb"] = sum(f.stat().st_size for f in export.iterdir() if f.is_file()) / 1e6
+    for _, kind in SCHEMES:
         rows[f"llama.cpp {kind}"]["disk_mb"] = ggufs[kind].stat().st_size / 1e6
     if args.text is not None:
         from kvexport import verify
 
-        for scheme, kind in SCHEMES:
-            report = verify(exports[scheme], steps=2, text=args.text, text_tokens=100_000, record=False)
+        for label, export in exports.items():
+            report = verify(export, steps=2, text=args.text, text_tokens=100_000, record=False)
             assert report.text is not None
-            rows[f"kvexport {scheme}"].update(
+            rows[f"kvexport {label}"].update(
                 perplexity=report.text.perplexity_onnx,
                 perplexity_delta_pct=report.text.perplexity_delta_pct,
                 top1_agreement=report.text.top1_agreement,
                 reference="PyTorch fp32",
             )
+        for _, kind in SCHEMES:
             rows[f"llama.cpp {kind}"]["perplexity"] = llama_perplexity(source, ggufs[kind], args.text, 256, args.threads)
         base = rows["llama.cpp F32"]["perplexity"]
         for _, kind in SCHEMES:

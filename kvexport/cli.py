@@ -103,7 +103,7 @@ def quantization_options(function: F) -> F:
                 "--block-size",
                 type=int,
                 default=None,
-                help="Weights per scale, a power of two >= 16 [default: the scheme's, 32].",
+                help="Weights per scale, a power of two >= 16 [default: int8 32, int4 128].",
             ),
             click.option(
                 "--asymmetric", is_flag=True, help="Add zero points (default: symmetric blocks)."
@@ -677,6 +677,9 @@ def _echo_pass_table(entries: list[dict[str, Any]]) -> None:
     help="Cache names to write: past.<l>.key or Optimum's past_key_values.<l>.key.",
 )
 @click.option("--force", is_flag=True, help="Replace an existing OUTPUT.")
+@click.option(
+    "--explain", is_flag=True, help="Say why each fusion rule that matched 0 times did not match."
+)
 @json_option
 def rewrite_command(
     source: Path,
@@ -690,6 +693,7 @@ def rewrite_command(
     head_bits: str | None,
     names: str,
     force: bool,
+    explain: bool,
     as_json: bool,
 ) -> None:
     """Run the rewrite passes on any decoder graph SOURCE.onnx and write OUTPUT.onnx."""
@@ -706,6 +710,7 @@ def rewrite_command(
             quantization=knobs,
             names=names,  # type: ignore[arg-type]
             force=force,
+            explain=explain,
         )
     )
     entries = [r.to_json() for r in result.reports]
@@ -713,6 +718,9 @@ def rewrite_command(
         click.echo(json.dumps({"output": str(result.output), "passes": entries}, indent=2))
         return
     _echo_pass_table(entries)
+    for entry in entries:
+        for rule, why in entry.get("explanations", {}).items():
+            click.echo(f"{entry['name']}: {rule} matched 0 times: {why}")
     data = f" (weights in {result.data_file.name})" if result.data_file else ""
     click.echo(f"wrote {result.output}{data}")
 

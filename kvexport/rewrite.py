@@ -69,6 +69,7 @@ def rewrite_graph(
     quantization: QuantizationConfig | None = None,
     names: Style = "canonical",
     force: bool = False,
+    explain: bool = False,
 ) -> RewriteResult:
     """Run the passes on the graph at ``source`` and write the result to ``output``.
 
@@ -81,6 +82,7 @@ def rewrite_graph(
         quantization: add ``quantize_weights`` with these knobs (needs ``ort``).
         names: ``canonical`` (``past.<l>.key``) or ``optimum`` (``past_key_values.<l>.key``).
         force: replace an existing ``output``.
+        explain: each report says why a fusion rule that fired 0 times did not match.
 
     Raises:
         KvexportError: bad paths, an unreadable graph, a graph with no KV cache, or
@@ -95,7 +97,7 @@ def rewrite_graph(
     check_parent_path(output)
     try:
         chosen = DEFAULT_REWRITE_PASSES if passes is None else passes
-        pipeline = build_pipeline(attention, chosen, quantization=quantization)
+        pipeline = build_pipeline(attention, chosen, quantization=quantization, explain=explain)
     except ValueError as exc:
         raise KvexportError(f"--passes: {exc}") from exc
     model = _load(source)

@@ -212,13 +212,16 @@ class FuseAttentionPass(InPlacePass):
 
     ``target="onnx"`` converts the model to opset 23 first (the ``Attention`` op's
     opset). Subgraphs that don't match are left as they are; ``counts`` and the
-    remaining ``Softmax`` nodes show what was not fused.
+    remaining ``Softmax`` nodes show what was not fused, and with ``explain``,
+    ``explanations`` says why each fusion rule that fired 0 times did not match.
     """
 
-    def __init__(self, target: AttentionTarget) -> None:
+    def __init__(self, target: AttentionTarget, explain: bool = False) -> None:
         super().__init__()
         self.target: AttentionTarget = target
         self.counts: dict[str, int] = {}
+        self.explain = explain
+        self.explanations: dict[str, str] = {}
 
     def call(self, model: ir.Model) -> PassResult:
         """Fuse in place."""
@@ -226,5 +229,9 @@ class FuseAttentionPass(InPlacePass):
             version_converter.convert_version(model, ONNX_ATTENTION_OPSET)
         if self.target == "ort":
             model.opset_imports.setdefault("com.microsoft", 1)
-        self.counts = apply_rules(model, [InfiniteMaskToLowest.rule(), *attention_rules(self.target)])
+        self.explanations = {}
+        self.counts = apply_rules(model, [InfiniteMaskToLowest.rule()])
+        self.counts.update(
+            apply_rules(model, attention_rules(self.target), self.explanations if self.explain else None)
+        )
         return PassResult(model, modified=any(self.counts.values()))

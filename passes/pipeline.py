@@ -41,6 +41,8 @@ class PassReport:
     fused_attention_after: int
     softmax_after: int
     counts: dict[str, int] = field(default_factory=dict)
+    # with explain: rule -> why it matched 0 times (its closest match's failure)
+    explanations: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """A plain dict for the manifest."""
@@ -70,6 +72,7 @@ class _Measured(InPlacePass):
                 fused_attention_after=count_attention_ops(model),
                 softmax_after=count_ops(model, "Softmax"),
                 counts=dict(getattr(self.inner, "counts", {})),
+                explanations=dict(getattr(self.inner, "explanations", {})),
             )
         )
         return PassResult(result.model, modified=result.modified)
@@ -82,6 +85,7 @@ class PipelineOptions:
     attention: AttentionChoice = "unfused"
     shared_buffer: bool = False
     quantization: QuantizationConfig | None = None
+    explain: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,11 +114,11 @@ _ORT = frozenset({"ort"})
 # fuse_attention's.
 REGISTRY: tuple[PassSpec, ...] = (
     PassSpec("rename_cache", lambda o: RenameCachePass()),
-    PassSpec("transposed_weight_gemm", lambda o: TransposedWeightGemmPass()),
+    PassSpec("transposed_weight_gemm", lambda o: TransposedWeightGemmPass(o.explain)),
     PassSpec("fold_shapes", lambda o: FoldShapesPass()),
     PassSpec(
         "fuse_attention",
-        lambda o: FuseAttentionPass("onnx" if o.attention == "onnx" else "ort"),
+        lambda o: FuseAttentionPass("onnx" if o.attention == "onnx" else "ort", o.explain),
         default=lambda o: o.attention != "unfused",
         implied=lambda o: o.attention != "unfused",
         attention=_FUSED,
@@ -122,7 +126,7 @@ REGISTRY: tuple[PassSpec, ...] = (
     ),
     PassSpec(
         "fuse_ort_block",
-        lambda o: FuseOrtBlockPass(),
+        lambda o: FuseOrtBlockPass(o.explain),
         default=lambda o: o.attention == "ort",
         implied=lambda o: o.attention == "ort",
         attention=_ORT,
@@ -154,6 +158,7 @@ def build_pipeline(
     passes: Sequence[str] | None = None,
     shared_buffer: bool = False,
     quantization: QuantizationConfig | None = None,
+    explain: bool = False,
 ) -> list[tuple[str, InPlacePass]]:
     """The named passes to run, in pipeline order (see :data:`REGISTRY`).
 
@@ -166,12 +171,14 @@ def build_pipeline(
             changes the graphs' cache IO (see :mod:`passes.shared_buffer_cache`).
         quantization: add ``quantize_weights`` with these knobs (needs ``attention="ort"``:
             its operators are ONNX Runtime's).
+        explain: the rule passes record, for each rule that fired 0 times, why its
+            closest match failed (onnxscript's ``MatchingTracer``); see ``PassReport``.
 
     Raises:
         ValueError: an unknown pass name, or a pass that the attention choice can't serve.
 
     """
-    options = PipelineOptions(attention, shared_buffer, quantization)
+    options = PipelineOptions(attention, shared_buffer, quantization, explain)
     unknown = set(passes or ()).difference(PASS_NAMES)
     if unknown:
         raise ValueError(f"unknown pass {sorted(unknown)}; choose from {', '.join(PASS_NAMES)}")

@@ -19,8 +19,9 @@ weight under a second, flat 2-D shape; ``kvexport``'s storage writes identical b
 once). The head and every embedding table use ``head_bits`` (8 by default in an int4
 export: the head is the quantization error that shows, measured on a trained model).
 
-A ``Gather`` whose row length is not a multiple of the block size stays in float, and
-so does any weight whose ``K`` is under 16 (the operators' smallest block).
+Rows whose length is not a multiple of the block size get the largest power-of-two block
+under it that divides them; a ``Gather`` whose rows no block of 16 or more divides stays
+in float, and so does any weight whose ``K`` is under 16 (the operators' smallest block).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ class _Packed:
     bits: int
     k: int
     n: int
+    block_size: int
 
 
 class QuantizeWeightsPass(InPlacePass):
@@ -169,7 +171,7 @@ class QuantizeWeightsPass(InPlacePass):
         if table is None or indices is None or array is None or axis != 0:
             return
         rows, k = array.shape
-        if k % self.config.block_size or k < 16:
+        if _block_for(k, self.config.block_size) is None:
             self.counts["left_float"] += 1
             return
         shared = cache.get(id(table))
@@ -195,7 +197,7 @@ class QuantizeWeightsPass(InPlacePass):
             attributes={
                 "gather_axis": 0,
                 "quantize_axis": 1,
-                "block_size": self.config.block_size,
+                "block_size": packed.block_size,
                 "bits": packed.bits,
             },
             domain=MS_DOMAIN,
@@ -221,9 +223,10 @@ class QuantizeWeightsPass(InPlacePass):
             return known
         config_class, quantizer_class = _ort_block_quantizer()
         k_by_n = np.ascontiguousarray(array.T if transposed else array)
+        block_size = _block_for(k_by_n.shape[0], self.config.block_size) or self.config.block_size
         quantizer = quantizer_class(
             config_class(
-                block_size=self.config.block_size,
+                block_size=block_size,
                 is_symmetric=self.config.symmetric,
                 accuracy_level=self.config.accuracy_level or None,
                 bits=bits,
@@ -241,6 +244,7 @@ class QuantizeWeightsPass(InPlacePass):
             bits=bits,
             k=k_by_n.shape[0],
             n=k_by_n.shape[1],
+            block_size=block_size,
         )
         cache[id(weight)] = packed
         return packed
@@ -260,7 +264,7 @@ class QuantizeWeightsPass(InPlacePass):
             "K": packed.k,
             "N": packed.n,
             "bits": packed.bits,
-            "block_size": self.config.block_size,
+            "block_size": packed.block_size,
         }
         if self.config.accuracy_level:
             attributes["accuracy_level"] = self.config.accuracy_level
@@ -273,6 +277,23 @@ class QuantizeWeightsPass(InPlacePass):
         add = ir.node("Add", [matmul.outputs[0], bias], name=_derived_name(node, "bias"))
         graph.insert_before(node, matmul)
         _swap(graph, node, add)
+
+
+def _block_for(k: int, block_size: int) -> int | None:
+    """The block size for rows of ``k``: ``block_size``, else the largest that divides ``k``.
+
+    The fallback is the largest power of two >= 16 under ``block_size`` dividing ``k``
+    (gpt2-xl's 1600 gets 64 where 128 was asked), else None.
+
+    ``MatMulNBits`` pads a last partial block, so a matmul quantizes either way; an
+    embedding table read by ``GatherBlockQuantized`` needs whole blocks.
+    """
+    block = block_size
+    while block >= 16:
+        if k % block == 0:
+            return block
+        block //= 2
+    return None
 
 
 def _ort_block_quantizer() -> tuple[Any, Any]:

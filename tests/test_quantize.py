@@ -42,14 +42,14 @@ def _export_bytes(directory: Path) -> int:
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quality_within_the_scheme_tolerances(trained_exports: dict[str, Path], scheme: str) -> None:
-    report = verify(trained_exports[scheme], steps=8, text=HELDOUT, text_tokens=1500, record=False)
+    report = verify(trained_exports[scheme], steps=8, text=HELDOUT, text_tokens=100_000, record=False)
     assert report.ok, report.failures()
     assert report.quantized and not report.tensors  # judged by quality, not fp32 parity
     assert len(report.quality) == 2 * 9  # two cases, prefill and 8 decode steps
     tolerances = QUANTIZATION_TOLERANCES[scheme]
     assert report.tolerances == tolerances
     text = report.text
-    assert text is not None and text.tokens == 1500
+    assert text is not None and text.tokens > 10_000  # the whole held-out text
     assert abs(text.perplexity_delta_pct) <= tolerances["max_perplexity_delta_pct"]
     assert text.top1_agreement >= tolerances["min_top1_agreement"]
     assert 0 < text.mean_kl <= tolerances["max_mean_kl"]  # quantized: not bit-identical

@@ -127,3 +127,26 @@ def test_corrupt_graph_is_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert result.stderr.strip().startswith(f"Error: {source}: not a readable ONNX graph")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_explain_says_why_attention_did_not_fuse(foreign_graphs: dict[str, Path], tmp_path: Path) -> None:
+    model = ir.load(foreign_graphs["optimum"] / "decode.onnx")
+    for node in model.graph:
+        if node.op_type == "Softmax":
+            node.attributes["axis"] = ir.AttrInt64("axis", 1)  # no longer attention's softmax
+    source = tmp_path / "odd.onnx"
+    ir.save(model, source, external_data="odd.onnx.data")
+    output = tmp_path / "out.onnx"
+    result = CliRunner().invoke(main, ["rewrite", str(source), str(output), "--attention", "ort", "--explain"])
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.stdout.splitlines() if line.startswith("fuse_attention: ")]
+    assert [line.split(" matched 0 times: ")[0] for line in lines] == [
+        "fuse_attention: OrtAttentionWithPast",
+        "fuse_attention: OrtAttention",
+    ]
+    assert all(" nodes matched)" in line for line in lines)
+    as_json = _rewrite(source, tmp_path / "again.onnx", "--attention", "ort", "--explain")
+    report = next(p for p in as_json["passes"] if p["name"] == "fuse_attention")  # type: ignore[index, union-attr]
+    assert set(report["explanations"]) == {"OrtAttentionWithPast", "OrtAttention"}
+    plain = _rewrite(source, tmp_path / "plain.onnx", "--attention", "ort")
+    assert all(not p["explanations"] for p in plain["passes"])  # type: ignore[index, union-attr]

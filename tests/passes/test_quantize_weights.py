@@ -103,14 +103,44 @@ def test_asymmetric_blocks_carry_zero_points_and_stay_close() -> None:
     assert np.abs(_run(model, ids) - expected).max() < 0.05 * np.abs(expected).max()
 
 
-def test_rows_not_a_multiple_of_the_block_stay_float() -> None:
-    proto, _ = _tied_decoder()
+def test_rows_not_a_multiple_of_the_block_get_a_smaller_block() -> None:
+    proto, weights = _tied_decoder()
+    ids = np.array([1, 2], dtype=np.int64)
     model = ir.from_proto(proto)
     graph_pass = QuantizeWeightsPass(QuantizationConfig(bits=8, block_size=128, accuracy_level=0))
     graph_pass(model)
-    # C = 64 is not a multiple of 128: the embedding table stays a float Gather
-    assert next(node.op_type for node in model.graph) == "Gather"
-    assert graph_pass.counts["left_float"] == 1 and graph_pass.counts["lm_head"] == 1
+    # C = 64 rows: blocks of 64; the hidden 128: the asked 128
+    blocks = [(node.op_type, node.attributes.get_int("block_size")) for node in model.graph]
+    assert blocks == [
+        ("GatherBlockQuantized", 64),
+        ("MatMulNBits", 64),
+        ("MatMulNBits", 128),
+        ("MatMulNBits", 64),
+    ]
+    assert graph_pass.counts["left_float"] == 0
+    table = _block_dequantized(weights["E"].T, 8, 64).T
+    expected = table[ids] @ _block_dequantized(weights["W1"], 8, 64) @ _block_dequantized(weights["W2"], 8, 128) @ table.T
+    np.testing.assert_allclose(_run(model, ids), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_rows_no_block_divides_stay_float() -> None:
+    rng = np.random.default_rng(1)
+    table = rng.standard_normal((11, 40)).astype(np.float32)  # 40: no block of 16+ divides it
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Gather", ["E", "ids"], ["x"]), onnx.helper.make_node("Gemm", ["x", "E"], ["y"], transB=1)],
+        "g",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["n"])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["n", 11])],
+        [onnx.numpy_helper.from_array(table, "E")],
+    )
+    model = ir.from_proto(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10))
+    graph_pass = QuantizeWeightsPass(QuantizationConfig(bits=8, block_size=32, accuracy_level=0))
+    graph_pass(model)
+    # the head pads its last block (MatMulNBits allows that); the table stays a float Gather
+    assert [node.op_type for node in model.graph] == ["Gather", "MatMulNBits"]
+    assert graph_pass.counts == {"matmul": 0, "lm_head": 1, "gather_shared": 0, "gather": 0, "left_float": 1}
+    ids = np.array([0, 10], dtype=np.int64)
+    assert np.abs(_run(model, ids) - table[ids] @ table.T).max() < 0.05 * np.abs(table[ids] @ table.T).max()
 
 
 def test_graph_without_weights_is_left_alone() -> None:
