@@ -5,18 +5,58 @@ Library entry points:
 - :func:`export_gpt2` writes ``prefill.onnx``, ``decode.onnx``, shared weights, the
   manifest and the tokenizer to a directory.
 - :func:`verify` proves an export directory matches PyTorch and returns a report.
+- :class:`Generator` runs an export with ONNX Runtime (the cache stays on the device).
+
+``import kvexport`` is cheap and imports neither torch nor transformers: each name is
+loaded on first use, and only export and verify need torch. A serving image that runs
+exports with the Generator needs onnxruntime, onnx, numpy and tokenizers alone.
 """
 
-__version__ = "0.1.0"
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
 
 from kvexport.errors import ExportError, KvexportError, ManifestError, ProviderError
-from kvexport.export import ExportResult, export_gpt2
-from kvexport.manifest import Manifest, read_manifest
-from kvexport.verify import VerifyReport, verify
+
+try:
+    __version__ = version("kvexport")
+except PackageNotFoundError:  # pragma: no cover - running from a tree that was never installed
+    __version__ = "0+unknown"
+
+if TYPE_CHECKING:
+    from kvexport.export import ExportOptions, ExportResult, export_gpt2
+    from kvexport.manifest import Manifest, read_manifest
+    from kvexport.runtime.generator import Generator
+    from kvexport.verify import VerifyReport, verify
+
+# public name -> the module that defines it (imported on first use)
+_LAZY = {
+    "ExportOptions": "kvexport.export",
+    "ExportResult": "kvexport.export",
+    "export_gpt2": "kvexport.export",
+    "Generator": "kvexport.runtime.generator",
+    "Manifest": "kvexport.manifest",
+    "read_manifest": "kvexport.manifest",
+    "VerifyReport": "kvexport.verify",
+    "verify": "kvexport.verify",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kvexport' has no attribute {name!r}")
+
 
 __all__ = [
     "ExportError",
+    "ExportOptions",
     "ExportResult",
+    "Generator",
     "KvexportError",
     "Manifest",
     "ManifestError",

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import onnx
 
 from kvexport.errors import ManifestError
-from kvexport.models.gpt2 import ModelDims, ModelSource
+from kvexport.model_info import ModelDims, ModelSource
 from kvexport.storage import file_mode
 
 MANIFEST_FILE = "kvexport.json"

@@ -10,11 +10,14 @@ import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
-import onnx_ir as ir
 
 from kvexport.errors import KvexportError, ManifestError
+
+if TYPE_CHECKING:  # the runtime reads graphs with onnx alone; onnx_ir is the exporter's
+    import onnx_ir as ir
 
 WEIGHTS_FILE = "weights.onnx.data"
 # Tensors smaller than this stay inside the graph (shape constants and the like).
@@ -142,6 +145,8 @@ def save_with_shared_weights(graphs: Mapping[str, ir.Model], out_dir: Path) -> W
     offset, each with its own dtype and shape.
     Works for models past protobuf's 2 GB limit, since no tensor bytes enter a proto.
     """
+    import onnx_ir as ir
+
     weights_path = out_dir / WEIGHTS_FILE
     stored: dict[str, tuple[int, int]] = {}
     references = 0

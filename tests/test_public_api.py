@@ -9,7 +9,9 @@ import passes
 def test_kvexport_public_names() -> None:
     assert set(kvexport.__all__) == {
         "ExportError",
+        "ExportOptions",
         "ExportResult",
+        "Generator",
         "KvexportError",
         "Manifest",
         "ManifestError",

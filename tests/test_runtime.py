@@ -17,7 +17,6 @@ from kvexport.cli import main
 from kvexport.models.gpt2 import load_gpt2
 from kvexport.runtime import Generator, SamplingConfig, choose_tokens
 from kvexport.runtime.prepacked import CACHE_DIR, DATA_FILE
-from kvexport.runtime.session import session_providers
 from tests.conftest import TINY
 
 
@@ -141,12 +140,15 @@ def test_each_row_stops_at_its_eos(generator: Generator) -> None:
     assert len(steps) == k + 1 and int(steps[-1][0]) == eos
 
 
-def test_text_streaming_matches_generate_text(generator: Generator) -> None:
+def test_streamed_text_is_transformers_greedy_text(generator: Generator) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(generator.directory / "tokenizer.json"))
+    prompt_ids = tokenizer.encode("The sky is").ids
+    assert prompt_ids == [464, 6766, 318]
+    reference = tokenizer.decode(_hf_generate(generator, [prompt_ids], 6)[0].tolist())
     pieces = list(generator.stream_text("The sky is", 6, eos_token_id=-1))
-    assert len(pieces) >= 1
-    assert generator.generate_text("The sky is", 6, eos_token_id=-1) == "The sky is" + "".join(
-        pieces
-    )
+    assert "".join(pieces) == reference
     assert generator.last_stats.new_tokens == 6 and generator.last_stats.ttft_s > 0
 
 
@@ -348,7 +350,33 @@ def test_prepacked_refusals(tiny_export: Path, tmp_path: Path) -> None:
     assert refused.stderr.strip().endswith("; pass another cache directory")
 
 
-def test_cuda_sessions_ask_for_fp32_without_tf32() -> None:
-    # ORT's CUDA provider defaults to TF32 matmuls, which failed fp32 verify on an H200
-    assert session_providers("cuda") == [("CUDAExecutionProvider", {"use_tf32": "0"}), "CPUExecutionProvider"]
-    assert session_providers("cpu") == ["CPUExecutionProvider"]
+_WITHOUT_TORCH = """
+import importlib.abc, json, sys, time
+
+class Refuse(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in ("torch", "transformers", "onnxscript", "onnx_ir"):
+            raise ImportError(f"{name} is not installed in this serving image")
+        return None
+
+sys.meta_path.insert(0, Refuse())
+started = time.perf_counter()
+import kvexport
+generator = kvexport.Generator(sys.argv[1])
+tokens = generator.generate([[464, 6766, 318]], 5, eos_token_id=-1)
+print(json.dumps({"tokens": tokens.tolist(), "text": generator.generate_text("The sky is", 5, eos_token_id=-1)}))
+"""
+
+
+def test_generation_needs_neither_torch_nor_transformers(generator: Generator, tiny_export: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WITHOUT_TORCH, str(tiny_export)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    expected = generator.generate([[464, 6766, 318]], 5, eos_token_id=-1)
+    assert result["tokens"] == expected.tolist()
+    assert result["text"] == generator.generate_text("The sky is", 5, eos_token_id=-1)

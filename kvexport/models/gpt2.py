@@ -11,17 +11,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import DynamicCache, GPT2Config, GPT2LMHeadModel
 
 from kvexport.errors import KvexportError, first_line
+from kvexport.model_info import Dtype, ModelDims, ModelSource
 
-SourceKind = Literal["random-init", "local", "hub"]
-Dtype = Literal["fp32", "fp16"]
+__all__ = [
+    "PRESETS",
+    "DecodeModule",
+    "Dtype",
+    "ModelDims",
+    "ModelSource",
+    "PrefillModule",
+    "load_gpt2",
+    "resolve_source",
+    "weights_fingerprint",
+]
+
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16}
 
@@ -34,70 +44,6 @@ PRESETS: dict[str, dict[str, int]] = {
     "gpt2-xl": {"n_layer": 48, "n_head": 25, "n_embd": 1600},
 }
 _PRESET_COMMON = {"vocab_size": 50257, "n_positions": 1024}
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    """The numbers of a GPT-2 architecture that the graphs and the runner depend on."""
-
-    n_layer: int
-    n_head: int
-    head_dim: int
-    n_embd: int
-    vocab_size: int
-    n_positions: int
-
-    @classmethod
-    def from_config(cls, config: GPT2Config) -> ModelDims:
-        """Read the dims from a Hugging Face ``GPT2Config``."""
-        return cls(
-            n_layer=config.n_layer,
-            n_head=config.n_head,
-            head_dim=config.n_embd // config.n_head,
-            n_embd=config.n_embd,
-            vocab_size=config.vocab_size,
-            n_positions=config.n_positions,
-        )
-
-    def to_dict(self) -> dict[str, int]:
-        """Plain-dict form for the manifest."""
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where the weights come from; recorded in the manifest so verify can rebuild them.
-
-    ``kind`` is ``random-init`` (``name`` is a preset or a config path, weights are
-    seeded random), ``local`` (``name`` is a Hugging Face model directory) or ``hub``
-    (``name`` is a hub id). For random init, ``config`` holds the full config so the
-    reference can be rebuilt without the original file.
-    """
-
-    kind: SourceKind
-    name: str
-    seed: int | None = None
-    config: dict[str, Any] | None = field(default=None, compare=False)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain-dict form for the manifest."""
-        return {"kind": self.kind, "name": self.name, "seed": self.seed, "config": self.config}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelSource:
-        """Inverse of :meth:`to_dict`."""
-        kind = data.get("kind")
-        if kind not in ("random-init", "local", "hub"):
-            raise KvexportError(f"manifest model source has unknown kind {kind!r}")
-        return cls(
-            kind=kind, name=str(data["name"]), seed=data.get("seed"), config=data.get("config")
-        )
-
-    def describe(self) -> str:
-        """One-line human description."""
-        if self.kind == "random-init":
-            return f"{self.name} (random init, seed {self.seed})"
-        return f"{self.name} ({self.kind})"
 
 
 def resolve_source(model: str, *, random_init: bool, seed: int = 0) -> ModelSource:
