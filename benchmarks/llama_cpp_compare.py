@@ -140,7 +140,13 @@ def llama_bench(source: Path, gguf: Path, prompt: int, threads: int) -> dict[str
 
 
 def llama_perplexity(source: Path, gguf: Path, text: Path, context: int, threads: int) -> float:
-    output = _run([str(source / "build/bin/llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(context), "-t", str(threads), "-b", str(context)])
+    # to a file, not a pipe: through a pipe its log thread lost the last lines at exit
+    log = gguf.with_suffix(".perplexity.log")
+    command = [str(source / "build/bin/llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(context), "-t", str(threads), "-b", str(context)]
+    print("+", " ".join(command), file=sys.stderr, flush=True)
+    with open(log, "w") as handle:
+        subprocess.run(command, check=True, stdout=handle, stderr=subprocess.STDOUT)
+    output = log.read_text()
     found = re.findall(r"Final estimate: PPL = ([0-9.]+)", output)
     if not found:
         raise RuntimeError(f"llama-perplexity printed no estimate: {output[-500:]}")

@@ -344,6 +344,29 @@ def verify_command(
         sys.exit(EXIT_FAILED_CHECKS)
 
 
+@main.command("check")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--steps", default=4, show_default=True, type=int, help="Greedy decode steps to run.")
+@provider_option
+@json_option
+def check_command(directory: Path, steps: int, provider: str, as_json: bool) -> None:
+    """Check DIRECTORY without torch: manifest, file hashes, graph IO, external data, a few steps.
+
+    Exit 0 when every check holds, 1 when one fails, 2 when there is nothing to check.
+    """
+    from kvexport.integrity import check
+
+    report = _run(lambda: check(directory, steps=steps, provider=provider, progress=_progress))
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        for item in report.checks:
+            click.echo(f"{'ok  ' if item.ok else 'FAIL'} {item.name:<22} {item.detail}")
+        click.echo(f"{'PASS' if report.ok else 'FAIL'}: {report.directory}, {report.seconds:.1f} s")
+    if not report.ok:
+        sys.exit(EXIT_FAILED_CHECKS)
+
+
 def _render_verify(report: Any) -> None:
     rows: dict[tuple[str, str], list[Any]] = {}
     for check in report.tensors:
@@ -613,7 +636,7 @@ def bench_command(
 @json_option
 def inspect_command(path: Path, as_json: bool) -> None:
     """Show the IO signature, op histogram and pass report of an export directory or .onnx file."""
-    from kvexport.inspection import inspect_path
+    from kvexport.inspection import folded_tensors, inspect_path
 
     report = _run(lambda: inspect_path(path))
     if as_json:
@@ -628,19 +651,41 @@ def inspect_command(path: Path, as_json: bool) -> None:
         click.echo(
             f"  weights {m['weights']['bytes'] / 1e6:.1f} MB in {m['weights']['file']}; tokenizer: {m['tokenizer']['file'] or 'none'}"
         )
+        if m.get("quantization"):
+            q = m["quantization"]
+            click.echo(
+                f"  quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings {q['head_bits']}-bit"
+            )
         if m["verify"]:
-            click.echo(f"  last verify: {'PASS' if m['verify']['ok'] else 'FAIL'} ({m['verify']})")
+            click.echo(f"  last verify: {_verify_sentence(m['verify'])}")
     for name, graph in report.graphs.items():
         click.echo(f"\n[{name}] {graph.file}: {graph.nodes} nodes, opset {graph.opset}")
+        for warning in graph.warnings:
+            click.echo(f"  warning: {warning}")
         for direction, tensors in (("in ", graph.inputs), ("out", graph.outputs)):
-            for t in tensors:
-                click.echo(
-                    f"  {direction} {t.name:<28} {t.dtype:<8} [{', '.join(map(str, t.shape))}]"
-                )
+            for tensor_name, dtype, shape in folded_tensors(tensors):
+                click.echo(f"  {direction} {tensor_name:<28} {dtype:<8} [{', '.join(map(str, shape))}]")
         click.echo("  ops: " + ", ".join(f"{op} {count}" for op, count in graph.ops.items()))
     if report.passes:
         click.echo("")
         _echo_pass_table(report.passes)
+
+
+def _verify_sentence(summary: dict[str, Any]) -> str:
+    """The manifest's last verify summary as one sentence."""
+    verdict = "PASS" if summary.get("ok") else "FAIL"
+    text = (
+        f"{verdict} on {summary.get('provider', '?')}, {summary.get('steps', '?')} decode steps, "
+        f"{summary.get('failed', 0)} of {summary.get('checks', '?')} checks failed"
+    )
+    if summary.get("max_abs_diff_logits") is not None:
+        text += f", logits within {summary['max_abs_diff_logits']:.2g} of PyTorch"
+    quality = summary.get("quality")
+    if quality:
+        text += f", mean KL {quality['mean_kl']:.2g} against PyTorch fp32"
+    if summary.get("text"):
+        text += f", perplexity {summary['text']['perplexity_delta_pct']:+.2f}% on {Path(summary['text']['file']).name}"
+    return text + f" ({summary.get('seconds', 0):.1f} s)"
 
 
 def _echo_pass_table(entries: list[dict[str, Any]]) -> None:

@@ -29,6 +29,8 @@ import torch
 
 from kvexport import __version__
 from kvexport.errors import ExportError, KvexportError, first_line
+from kvexport.genai import write_genai_files
+from kvexport.integrity import record_files
 from kvexport.manifest import GraphSpec, Manifest, cache_names
 from kvexport.models.gpt2 import (
     DecodeModule,
@@ -606,6 +608,11 @@ def export_gpt2(
             name: GraphSpec.from_proto(f"{name}.onnx", load_graph_structure(tmp / f"{name}.onnx"))
             for name in ("prefill", "decode")
         }
+        genai = write_genai_files(tmp, dims, options.target.value, options.cache.value, tokenizer_info)
+        if not genai["written"]:
+            report(f"no genai_config.json: {genai['why']}")
+        report("hashing the files for the manifest")
+        files = record_files(tmp)
         manifest = Manifest(
             source=source,
             dims=dims,
@@ -625,6 +632,8 @@ def export_gpt2(
             tokenizer=tokenizer_info,
             passes=pass_reports,
             versions=_versions(),
+            files=files,
+            genai=genai,
             cache={"layout": options.cache.value, "description": CACHE_DESCRIPTIONS[options.cache.value]},
             quantization=None
             if options.quantization is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,7 @@ import onnx
 
 from kvexport.errors import KvexportError
 from kvexport.manifest import GRAPH_NAMES, MANIFEST_FILE, read_manifest
-from kvexport.storage import load_graph_structure
+from kvexport.storage import check_external_data, load_graph_structure
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,8 @@ class GraphInfo:
     outputs: list[TensorInfo]
     ops: dict[str, int]
     initializer_bytes_external: int = 0
+    # e.g. external data pointing outside the graph's directory (which kvexport refuses to load)
+    warnings: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -71,6 +74,11 @@ def graph_info(path: Path) -> GraphInfo:
     for tensor in proto.graph.initializer:
         if tensor.data_location == onnx.TensorProto.EXTERNAL:
             external += int(next((e.value for e in tensor.external_data if e.key == "length"), "0"))
+    warnings = []
+    try:
+        check_external_data(path, proto)
+    except KvexportError as exc:
+        warnings.append(str(exc))
     return GraphInfo(
         file=path.name,
         opset=opset,
@@ -79,7 +87,43 @@ def graph_info(path: Path) -> GraphInfo:
         outputs=[_tensor_info(v) for v in proto.graph.output],
         ops=dict(ops.most_common()),
         initializer_bytes_external=external,
+        warnings=warnings,
     )
+
+
+_CACHE_NAME = re.compile(r"^(past|present)\.(\d+)\.(key|value)$")
+
+
+def folded_tensors(tensors: list[TensorInfo]) -> list[tuple[str, str, list[int | str]]]:
+    """``(name, dtype, shape)`` rows with the cache folded: one row per direction, dtype and shape.
+
+    ``present.0.key`` ... ``present.11.value`` of one shape read as
+    ``present.{0..11}.key|value``, in the place of the first; any other tensor is its own row.
+    """
+    groups: dict[tuple[str, str, tuple[int | str, ...]], list[tuple[int, str]]] = {}
+    order: list[TensorInfo | tuple[str, str, tuple[int | str, ...]]] = []
+    for tensor in tensors:
+        match = _CACHE_NAME.match(tensor.name)
+        if match is None:
+            order.append(tensor)
+            continue
+        key = (match.group(1), tensor.dtype, tuple(tensor.shape))
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append((int(match.group(2)), match.group(3)))
+    rows: list[tuple[str, str, list[int | str]]] = []
+    for item in order:
+        if isinstance(item, TensorInfo):
+            rows.append((item.name, item.dtype, item.shape))
+            continue
+        direction, dtype, shape = item
+        layers = sorted({layer for layer, _ in groups[item]})
+        kinds = "|".join(k for k in ("key", "value") if any(kind == k for _, kind in groups[item]))
+        contiguous = len(layers) > 1 and layers == list(range(layers[0], layers[-1] + 1))
+        span = f"{{{layers[0]}..{layers[-1]}}}" if contiguous else ",".join(map(str, layers))
+        rows.append((f"{direction}.{span}.{kinds}", dtype, list(shape)))
+    return rows
 
 
 def inspect_path(path: str | Path) -> InspectReport:
@@ -104,6 +148,7 @@ def inspect_path(path: str | Path) -> InspectReport:
             "strategy": data["export"].get("strategy"),
             "weights": data["weights"],
             "tokenizer": data["tokenizer"],
+            "quantization": data["quantization"],
             "verify": data["verify"],
         }
         return InspectReport(str(target), graphs, summary, manifest.passes)

@@ -143,6 +143,10 @@ class Manifest:
     # None for float weights; else {"scheme": "int8"|"int4", the QuantizationConfig knobs,
     # "tolerances": what verify holds the export to against PyTorch fp32}.
     quantization: dict[str, Any] | None = None
+    # file name -> {"bytes", "sha256"} of every file the export wrote but this one
+    files: dict[str, dict[str, Any]] | None = None
+    # onnxruntime-genai: {"written": True, "files": [...]} or {"written": False, "why": ...}
+    genai: dict[str, Any] | None = None
 
     @property
     def cache_layout(self) -> str:
@@ -171,6 +175,8 @@ class Manifest:
             "export": self.export,
             "cache": self.cache,
             "quantization": self.quantization,
+            "files": self.files,
+            "genai": self.genai,
             "passes": self.passes,
             "versions": self.versions,
             "verify": self.verify,
@@ -209,6 +215,8 @@ class Manifest:
                 verify=data.get("verify"),
                 cache=data.get("cache", {"layout": "concat"}),
                 quantization=data.get("quantization"),
+                files=data.get("files"),
+                genai=data.get("genai"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ManifestError(

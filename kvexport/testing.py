@@ -85,4 +85,15 @@ def kvexport_dir_with_graphs(export: Path, graphs: dict[str, Path], out: Path) -
         data = path.parent / f"{path.name}.data"
         if data.exists():
             shutil.copy(data, out / data.name)
+    refresh_file_record(out)
     return out
+
+
+def refresh_file_record(directory: Path) -> None:
+    """Record the directory's files anew in its manifest, after a test replaced some on purpose."""
+    from kvexport.integrity import record_files
+    from kvexport.manifest import read_manifest
+
+    manifest = read_manifest(directory)
+    manifest.files = record_files(directory)
+    manifest.write(directory)

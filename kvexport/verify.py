@@ -35,6 +35,7 @@ import torch
 from transformers import DynamicCache, GPT2LMHeadModel
 
 from kvexport.errors import KvexportError
+from kvexport.integrity import file_problems
 from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
 from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
 from kvexport.runtime.session import open_session, resolve_provider
@@ -110,6 +111,8 @@ class VerifyReport:
     steps: int
     dtype: str
     io_problems: list[str] = field(default_factory=list)
+    # files whose size or sha256 differ from the manifest's record (kvexport.integrity)
+    file_problems: list[str] = field(default_factory=list)
     weights_match: bool = True
     tensors: list[TensorCheck] = field(default_factory=list)
     tokens: list[TokenCheck] = field(default_factory=list)
@@ -167,7 +170,7 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         """True when the IO, the weights and every check hold (quality checks when quantized)."""
-        if self.io_problems or not self.weights_match:
+        if self.io_problems or self.file_problems or not self.weights_match:
             return False
         if self.quantized:
             return bool(self.quality) and not self._quality_failures()
@@ -188,7 +191,7 @@ class VerifyReport:
 
     def failures(self) -> list[str]:
         """One line per failed check."""
-        lines = list(self.io_problems)
+        lines = [*self.file_problems, *self.io_problems]
         if not self.weights_match:
             lines.append(
                 "reference weights rebuilt from the manifest's source differ from the exported ones"
@@ -598,6 +601,12 @@ def verify(
         raise KvexportError(
             f"manifest dtype {manifest.dtype!r} is not one verify knows (fp32, fp16)"
         )
+    if manifest.files:  # exports older than the file record are verified without it
+        say("checking file sizes and hashes")
+        report.file_problems = file_problems(path, manifest)
+    if report.file_problems:
+        report.seconds = time.perf_counter() - started
+        return report
     for graph in GRAPH_NAMES:
         proto = check_external_data(path / manifest.graphs[graph].file)
         report.io_problems += check_graph_io(manifest, graph, proto)

@@ -34,6 +34,7 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from kvexport.errors import KvexportError, ManifestError
+from kvexport.integrity import file_problems
 from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
@@ -134,6 +135,9 @@ class Generator:
             bytes (PSS; RSS counts the file once per session). See
             :mod:`kvexport.runtime.prepacked`.
         prepack_dir: where that cache lives (default: ``<directory>/.ort-prepacked``).
+        check: before loading, compare every file's size and sha256 with the manifest's
+            record (the cheap part of ``kvexport check``); a damaged copy is refused with
+            one line.
 
     """
 
@@ -146,9 +150,14 @@ class Generator:
         share_weights: bool = False,
         prepacked: bool = False,
         prepack_dir: str | Path | None = None,
+        check: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.manifest: Manifest = read_manifest(self.directory)
+        if check:
+            problems = file_problems(self.directory, self.manifest)
+            if problems:
+                raise ManifestError(f"{self.directory}: {problems[0]}")
         self.provider = resolve_provider(provider)
         if prepacked and share_weights:
             raise KvexportError("prepacked and share_weights are two ways to hold the weights; pick one")

@@ -1,0 +1,90 @@
+"""The examples run against both cache layouts; onnxruntime-genai runs an in-place export as it is.
+
+onnxruntime-genai needs the CPU ``onnxruntime`` package, which must not sit beside
+``onnxruntime-gpu``: its test builds (once, then reuses) a separate environment,
+``.venv-genai`` at the repository root, with ``onnxruntime-genai`` alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from kvexport import export_gpt2
+from kvexport.runtime import Generator
+
+ROOT = Path(__file__).parent.parent
+GENAI_VENV = ROOT / ".venv-genai"
+GENAI_PACKAGE = "onnxruntime-genai==0.18.0"
+PROMPT = [464, 6766, 318, 4171]
+
+
+@pytest.fixture(scope="module")
+def ort_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> Path:
+    """The tiny model (seed 1, like ``tiny_export``) with the in-place cache."""
+    out = tmp_path_factory.mktemp("examples") / "tiny-ort"
+    export_gpt2(out, str(tiny_config), random_init=True, seed=1, target="ort-cpu")
+    return out
+
+
+def _example(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("layout", ["concat", "shared-buffer"])
+def test_greedy_example_follows_the_manifest_layout(layout: str, tiny_export: Path, ort_export: Path) -> None:
+    directory = tiny_export if layout == "concat" else ort_export
+    assert json.loads((directory / "kvexport.json").read_text())["cache"]["layout"] == layout
+    tokens = _example("greedy_onnxruntime").generate(str(directory), PROMPT, 10)
+    expected = Generator(directory).generate([PROMPT], 10, eos_token_id=-1)[0, len(PROMPT) :]
+    assert tokens == expected.tolist()
+
+
+def test_genai_files_only_for_the_in_place_layout(tiny_export: Path, ort_export: Path) -> None:
+    written = json.loads((ort_export / "kvexport.json").read_text())["genai"]
+    assert written == {"written": True, "files": ["genai_config.json", "tokenizer_config.json"], "decoder": "prefill.onnx"}
+    config = json.loads((ort_export / "genai_config.json").read_text())
+    assert config["model"]["context_length"] == 64 and config["model"]["eos_token_id"] == 50256
+    assert config["model"]["decoder"]["session_options"]["provider_options"] == []  # ort-cpu
+    assert config["search"]["past_present_share_buffer"] is True
+    concat = json.loads((tiny_export / "kvexport.json").read_text())["genai"]
+    assert concat["written"] is False and "concat cache layout" in concat["why"]
+    assert not (tiny_export / "genai_config.json").exists()
+
+
+def _genai_python() -> Path:
+    python = GENAI_VENV / "bin" / "python"
+    probe = [str(python), "-c", "import onnxruntime_genai"]
+    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(GENAI_VENV)], check=True)
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", GENAI_PACKAGE],
+            check=True,
+            timeout=600,
+        )
+    return python
+
+
+def test_onnxruntime_genai_runs_the_export_as_the_generator_does(ort_export: Path) -> None:
+    python = _genai_python()
+    done = subprocess.run(
+        [str(python), str(ROOT / "examples" / "genai_generate.py"), str(ort_export), "--ids=" + ",".join(map(str, PROMPT)), "12"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    tokens = json.loads(done.stdout)["tokens"]
+    expected = Generator(ort_export).generate([PROMPT], 12, eos_token_id=-1)[0, len(PROMPT) :].tolist()
+    assert tokens and tokens == expected[: len(tokens)]
+    assert len(tokens) == 12 or tokens[-1] == 50256  # onnxruntime-genai stops at EOS
