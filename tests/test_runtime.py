@@ -250,7 +250,9 @@ def test_bench_writes_json_and_plot_with_every_system(
     assert result.exit_code == 0, result.output
     data = json.loads((results / "bench.json").read_text())
     systems = {(m["system"], m["batch"], m["context"]) for m in data["measurements"]}
-    systems_named = ("kvexport", "kvexport-prepacked", "kvexport-shared", "kvexport[ort]", "pytorch", "no-cache", "floor")
+    systems_named = (
+        "kvexport", "kvexport-prepacked", "kvexport-shared", "kvexport[ort]", "pytorch", "no-cache", "floor", "floor[ort]",
+    )
     for system in systems_named:
         for batch in (1, 2):
             for context in (8, 24):
@@ -258,8 +260,21 @@ def test_bench_writes_json_and_plot_with_every_system(
     assert data["bandwidth_gb_s"] > 0 and data["ratios"]["decode_vs_floor_ctx8"] > 0
     assert data["ratios"]["decode_kvexport[ort]_vs_kvexport_ctx8"] > 0
     assert data["ratios"]["decode_kvexport-prepacked_vs_kvexport_ctx8"] > 0
-    assert set(data["variant_memory"]) == {"kvexport-prepacked", "kvexport-shared"}
-    assert data["generator_pss_mb"] > 0 and "generator_pss_vs_weights" in data["ratios"]
+    assert set(data["variant_memory"]) == {"kvexport-prepacked", "kvexport-shared", "kvexport[ort]"}
+    assert data["disk_bytes"]["kvexport[ort]"] == sum(
+        f.stat().st_size for f in shared_buffer_export.iterdir() if f.is_file()
+    )
+    floors = {(m["system"], m["batch"], m["context"]): m["decode_ms_per_token"] for m in data["measurements"]}
+    for floor in ("floor", "floor[ort]"):  # one bandwidth for the run: the floor grows with the cache
+        assert floors[(floor, 1, 8)] < floors[(floor, 1, 24)] < floors[(floor, 2, 24)]
+    weights = json.loads((tiny_export / "kvexport.json").read_text())["weights"]["bytes"]
+    assert floors[("floor", 1, 8)] == pytest.approx(
+        1000 * (weights + 2 * TINY["n_layer"] * 8 * TINY["n_embd"] * 4) / (data["bandwidth_gb_s"] * 1e9), rel=0.01
+    )
+    # PSS counts a page mapped twice in one process once: the tiny weights are mapped by the
+    # variants loaded before, so the default Generator's PSS growth may round to 0 here
+    assert data["generator_rss_mb"] > 0 and "generator_rss_vs_weights" in data["ratios"]
+    assert data["generator_pss_mb"] >= 0 and data["pss_after_load_mb"] > 0
     assert (results / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
