@@ -38,6 +38,7 @@ from kvexport.errors import KvexportError
 from kvexport.integrity import file_problems
 from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
 from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
+from kvexport.runtime.generator import _CacheBanks
 from kvexport.runtime.session import open_session, resolve_provider
 from kvexport.storage import check_external_data
 
@@ -308,7 +309,6 @@ class _StepRunner:
     def __init__(
         self, manifest: Manifest, sessions: dict[str, Any], provider: str, batch: int, capacity: int
     ) -> None:
-        import onnxruntime as ort
 
         self.sessions = sessions
         self.shared = manifest.cache_layout == "shared-buffer"
@@ -316,15 +316,12 @@ class _StepRunner:
         self.past_names = cache_names("past", n_layer)
         self.present_names = cache_names("present", n_layer)
         dtype = np.float16 if manifest.dtype == "fp16" else np.float32
-        device = "cuda" if provider == "cuda" else "cpu"
-        shape = (batch, dims.n_head, capacity, dims.head_dim)
-        self.buffers = (
-            {
-                name: ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, dtype), device, 0)
-                for name in self.past_names
-            }
+        # the Generator's own cache buffers and binding: one bank, past and present alike
+        self.shape = (batch, dims.n_head, capacity, dims.head_dim)
+        self.banks = (
+            _CacheBanks(len(self.past_names), int(np.prod(self.shape)), dtype, "cuda" if provider == "cuda" else "cpu", banks=1)
             if self.shared
-            else {}
+            else None
         )
 
     def run(
@@ -338,20 +335,20 @@ class _StepRunner:
         session = self.sessions[graph]
         if not self.shared:
             return dict(zip(["logits", *self.present_names], session.run(None, feeds), strict=True))
+        assert self.banks is not None
         binding = session.io_binding()
         for name in ("input_ids", "attention_mask", "position_ids"):
             binding.bind_cpu_input(name, feeds[name])
         binding.bind_output("logits", "cpu")
-        for past, present in zip(self.past_names, self.present_names, strict=True):
-            binding.bind_ortvalue_input(past, self.buffers[past])
-            binding.bind_ortvalue_output(present, self.buffers[past])
+        self.banks.bind(binding, self.past_names, 0, self.shape, output=False)
+        self.banks.bind(binding, self.present_names, 0, self.shape, output=True)
         session.run_with_iobinding(binding)
         total = feeds["attention_mask"].shape[1]
         result = {"logits": binding.copy_outputs_to_cpu()[0]}
         if not presents:
             return result
-        for past, present in zip(self.past_names, self.present_names, strict=True):
-            result[present] = self.buffers[past].numpy()[:, :, :total].copy()
+        for index, present in enumerate(self.present_names):
+            result[present] = self.banks.read(0, index, self.shape)[:, :, :total].copy()
         return result
 
 

@@ -50,10 +50,10 @@ def test_cache_stays_in_two_preallocated_banks_and_is_handed_over_by_pointer(
     generator: Generator,
 ) -> None:
     steps = 6
-    list(generator.stream([[5, 6, 7]], steps, eos_token_id=-1))
-    trace = (
-        generator.last_cache_pointers
-    )  # prefill outputs, then (past inputs, present outputs) per decode step
+    traced = Generator(generator.directory, trace_cache=True)
+    list(traced.stream([[5, 6, 7]], steps, eos_token_id=-1))
+    trace = traced.last_stats.cache_pointers  # prefill outputs, then (past, present) per decode step
+    assert generator.last_stats.cache_pointers == []  # untraced by default
     assert len(trace) == 1 + 2 * (steps - 1)
     banks = {frozenset(t.values()) for t in trace}
     assert len(banks) == 2  # exactly two sets of buffers for the whole generation
@@ -77,14 +77,15 @@ def shared_buffer_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: 
 def test_shared_buffer_cache_is_one_buffer_read_and_written_in_place(
     shared_buffer_export: Path, generator: Generator
 ) -> None:
-    shared = Generator(shared_buffer_export)
+    shared = Generator(shared_buffer_export, trace_cache=True)
     assert shared.manifest.cache_layout == "shared-buffer"
     rows = [[464, 6766, 318, 4171, 290], [40, 1101]]
     out = shared.generate(rows, 8, eos_token_id=-1)
     np.testing.assert_array_equal(out, generator.generate(rows, 8, eos_token_id=-1))
     np.testing.assert_array_equal(out[:, 5:], _hf_generate(generator, rows, 8))
-    trace = shared.last_cache_pointers  # prefill past, prefill present, then the same per step
-    assert len(trace) == 2 * 8
+    # prefill past, prefill present, decode past, decode present: decode is bound once for all steps
+    trace = shared.last_stats.cache_pointers
+    assert len(trace) == 4
     assert len({frozenset(t.values()) for t in trace}) == 1  # one buffer set, never another
     for bound in trace:
         assert len(set(bound.values())) == 2 * TINY["n_layer"]  # one buffer per cache tensor

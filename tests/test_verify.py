@@ -10,6 +10,7 @@ import pytest
 
 from kvexport import KvexportError, ManifestError, verify
 from kvexport.storage import WEIGHTS_FILE
+from kvexport.testing import refresh_file_record
 
 from .conftest import copy_with_swapped_graphs
 
@@ -48,8 +49,12 @@ def test_verify_catches_corrupted_weights(tiny_export: Path, tmp_path: Path) -> 
             chunk[i + 3] ^= 0x40  # flip an exponent bit of every float in this page
         handle.seek(4096 * 3)
         handle.write(chunk)
+    hashed = verify(out, steps=2, record=False)
+    assert not hashed.ok and hashed.file_problems and not hashed.tensors  # the hash check stops it
+    # with the file record rewritten to match, the numbers against PyTorch still catch it
+    refresh_file_record(out)
     report = verify(out, steps=2, record=False)
-    assert not report.ok
+    assert not report.ok and not report.file_problems
     assert any(not c.ok for c in report.tensors)
     assert report.failures()
 
@@ -90,11 +95,20 @@ def test_verify_rejects_what_it_cannot_check(tiny_export: Path, tmp_path: Path) 
     missing_graph = tmp_path / "missing-graph"
     shutil.copytree(tiny_export, missing_graph)
     (missing_graph / "decode.onnx").unlink()
-    with pytest.raises(ManifestError, match="decode.onnx: graph file is missing"):
-        verify(missing_graph)
+    report = verify(missing_graph, record=False)  # the file record names what is missing
+    assert not report.ok
+    assert report.failures() == ["decode.onnx: missing; copy the whole export directory again"]
     corrupt_graph = tmp_path / "corrupt-graph"
     shutil.copytree(tiny_export, corrupt_graph)
     (corrupt_graph / "prefill.onnx").write_bytes(b"\x08\xff\xff garbage")
+    assert "(truncated or replaced)" in verify(corrupt_graph, record=False).failures()[0]
+    # an export without a file record (older kvexport) still gets one clear error
+    for directory in (missing_graph, corrupt_graph):
+        data = json.loads((directory / "kvexport.json").read_text())
+        data["files"] = None
+        (directory / "kvexport.json").write_text(json.dumps(data))
+    with pytest.raises(ManifestError, match="decode.onnx: graph file is missing"):
+        verify(missing_graph)
     with pytest.raises(ManifestError, match="prefill.onnx: not a readable ONNX graph"):
         verify(corrupt_graph)
     with pytest.raises(KvexportError, match="--steps 0: must be at least 1"):

@@ -23,6 +23,7 @@ Design:
 from __future__ import annotations
 
 import time
+from collections.abc import Generator as Generator_
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -56,6 +57,9 @@ class GenerationStats:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     step_s: list[float] = field(default_factory=list)
+    # Generator(trace_cache=True) only: the device pointers each binding gave the cache
+    # tensors, by name, in binding order (prefill past, prefill present, then decode's)
+    cache_pointers: list[dict[str, int]] = field(default_factory=list)
 
     @property
     def decode_ms_per_token(self) -> float:
@@ -67,6 +71,17 @@ class GenerationStats:
         """New tokens per second over the whole generation, all rows counted."""
         total = self.ttft_s + self.decode_s
         return self.new_tokens * self.batch / total if total else 0.0
+
+
+@dataclass(frozen=True)
+class _Request:
+    """One generation's inputs, checked and left-padded once (see :meth:`Generator.prepare`)."""
+
+    ids: np.ndarray  # [batch, prompt] int64, padded slots hold the pad id
+    mask: np.ndarray  # [batch, prompt] int64, left padding
+    max_new_tokens: int
+    sampling: SamplingConfig
+    eos_token_id: int | None
 
 
 class _SharedWeights:
@@ -117,6 +132,23 @@ class _CacheBanks:
                     self._owners.append(value)
             self.pointers.append(bank)
 
+    def bind(
+        self, binding: ort.IOBinding, names: list[str], bank: int, shape: tuple[int, ...], *, output: bool
+    ) -> None:
+        """Bind tensor i of ``names`` to the front of buffer i of ``bank``, viewed as ``shape``."""
+        for name, pointer in zip(names, self.pointers[bank], strict=True):
+            if output:
+                binding.bind_output(name, self.device, 0, self.dtype, list(shape), pointer)
+            else:
+                binding.bind_input(name, self.device, 0, self.dtype, list(shape), pointer)
+
+    def read(self, bank: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
+        """A host copy of the front of buffer ``index`` of ``bank``, viewed as ``shape``."""
+        owner = self._owners[bank * len(self.pointers[bank]) + index]
+        count = int(np.prod(shape))
+        flat = owner[:count] if isinstance(owner, np.ndarray) else owner.numpy()[:count]
+        return np.array(flat.reshape(shape))
+
 
 class Generator:
     """Generate from a kvexport directory on ONNX Runtime (CPU or CUDA) with IO binding.
@@ -138,6 +170,8 @@ class Generator:
         check: before loading, compare every file's size and sha256 with the manifest's
             record (the cheap part of ``kvexport check``); a damaged copy is refused with
             one line.
+        trace_cache: record in ``last_stats.cache_pointers`` the device pointers each
+            binding gives the cache (for tests and ``gpu_check``; off in serving).
 
     """
 
@@ -151,6 +185,7 @@ class Generator:
         prepacked: bool = False,
         prepack_dir: str | Path | None = None,
         check: bool = False,
+        trace_cache: bool = False,
     ) -> None:
         self.directory = Path(directory)
         self.manifest: Manifest = read_manifest(self.directory)
@@ -200,8 +235,8 @@ class Generator:
         if tokenizer_file:
             self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file))
         self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
+        self.trace_cache = trace_cache
         self.last_stats = GenerationStats()
-        self.last_cache_pointers: list[dict[str, int]] = []
 
     # ---------------------------------------------------------------- inputs
 
@@ -303,91 +338,136 @@ class Generator:
         is an error, unless ``truncate``: then only its last ``n_positions -
         max_new_tokens`` tokens are used.
         """
+        request = self.prepare(
+            input_ids,
+            max_new_tokens,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_token_id,
+            attention_mask=attention_mask,
+            truncate=truncate,
+        )
+        return self._run(request)
+
+    def prepare(
+        self,
+        input_ids: TokenIds,
+        max_new_tokens: int = 20,
+        *,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        eos_token_id: int | None = None,
+        attention_mask: np.ndarray | None = None,
+        truncate: bool = False,
+    ) -> _Request:
+        """Check and left-pad one generation's inputs (what :meth:`stream` runs)."""
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
         sampling.validate()
         ids, mask = self._prepare(input_ids, attention_mask, max_new_tokens, truncate)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
-        rng = np.random.default_rng(seed)
-        batch, prompt = ids.shape
-        capacity = batch * self.n_head * (prompt + max_new_tokens) * self.head_dim
-        device = "cuda" if self.provider == "cuda" else "cpu"
+        return _Request(ids, mask, max_new_tokens, sampling, eos)
+
+    def _run(self, request: _Request) -> Iterator[np.ndarray]:
+        """Prefill, then the decode loop; ``last_stats`` is this call's once it finishes."""
+        batch, prompt = request.ids.shape
         shared = self.manifest.cache_layout == "shared-buffer"
         banks = _CacheBanks(
-            len(self._past_names), capacity, self.dtype, device, banks=1 if shared else 2
+            len(self._past_names),
+            batch * self.n_head * (prompt + request.max_new_tokens) * self.head_dim,
+            self.dtype,
+            "cuda" if self.provider == "cuda" else "cpu",
+            banks=1 if shared else 2,
         )
-        full = (batch, self.n_head, prompt + max_new_tokens, self.head_dim)
-        self.last_cache_pointers = []
         stats = GenerationStats(prompt_tokens=prompt, batch=batch)
-        self.last_stats = stats
         logits_length = prompt if self.manifest.all_logits else 1
         logits = np.empty((batch, logits_length, self.vocab_size), dtype=self.dtype)
-        finished = np.zeros(batch, dtype=bool)
         started = time.perf_counter()
+        self._prefill(request, banks, logits, stats)
+        step_logits = logits if logits_length == 1 else np.empty((batch, 1, self.vocab_size), dtype=self.dtype)
+        steps = self._decode_steps(request, banks, step_logits, stats)
+        next(steps)  # binds what stays bound for every step
+        rng = np.random.default_rng(request.sampling.seed)
+        finished = np.zeros(batch, dtype=bool)
+        last = logits[:, -1, :]
+        try:
+            for step in range(request.max_new_tokens):
+                tokens = choose_tokens(last.astype(np.float32), request.sampling, rng)
+                if request.eos_token_id is not None:
+                    tokens = np.where(finished, request.eos_token_id, tokens)
+                    finished |= tokens == request.eos_token_id
+                now = time.perf_counter()
+                if step == 0:
+                    stats.ttft_s = now - started
+                else:
+                    stats.step_s.append(now - started)
+                    stats.decode_s += now - started
+                stats.new_tokens = step + 1
+                yield tokens
+                if step == request.max_new_tokens - 1 or finished.all():
+                    return
+                started = time.perf_counter()
+                steps.send(tokens)
+                last = step_logits[:, -1, :]
+        finally:
+            self.last_stats = stats
 
+    def _prefill(
+        self, request: _Request, banks: _CacheBanks, logits: np.ndarray, stats: GenerationStats
+    ) -> None:
+        """Run the prompt: the cache's first rows land in bank 0."""
+        batch, prompt = request.ids.shape
+        full = (batch, self.n_head, prompt + request.max_new_tokens, self.head_dim)
+        shared = self.manifest.cache_layout == "shared-buffer"
         binding = self.sessions["prefill"].io_binding()
-        binding.bind_cpu_input("input_ids", ids)
-        binding.bind_cpu_input("attention_mask", mask)
-        binding.bind_cpu_input("position_ids", np.clip(np.cumsum(mask, -1) - 1, 0, None))
+        binding.bind_cpu_input("input_ids", request.ids)
+        binding.bind_cpu_input("attention_mask", request.mask)
+        binding.bind_cpu_input("position_ids", np.clip(np.cumsum(request.mask, -1) - 1, 0, None))
         self._bind_logits(binding, logits)
         if shared:
-            self._bind_cache(binding, self._past_names, banks, 0, full, output=False)
-        self._bind_cache(
-            binding,
-            self._present_names,
-            banks,
-            0,
-            full if shared else (batch, self.n_head, prompt, self.head_dim),
-            output=True,
-        )
+            self._bind_cache(binding, self._past_names, banks, 0, full, stats, output=False)
+        present = full if shared else (batch, self.n_head, prompt, self.head_dim)
+        self._bind_cache(binding, self._present_names, banks, 0, present, stats, output=True)
         self.sessions["prefill"].run_with_iobinding(binding)
-        current = 0  # bank holding the latest presents
-        length = prompt
 
+    def _decode_steps(
+        self, request: _Request, banks: _CacheBanks, logits: np.ndarray, stats: GenerationStats
+    ) -> Generator_[None, np.ndarray, None]:
+        """A coroutine: send it each step's tokens; it runs decode, leaving logits in ``logits``.
+
+        Shared-buffer: the one bank is bound as past and present once, for every step.
+        Concat: each step reads a prefix of one bank and writes one row longer into the other.
+        """
+        batch, prompt = request.ids.shape
+        full = (batch, self.n_head, prompt + request.max_new_tokens, self.head_dim)
+        shared = self.manifest.cache_layout == "shared-buffer"
         decode = self.sessions["decode"]
-        step_logits = (
-            logits
-            if logits_length == 1
-            else np.empty((batch, 1, self.vocab_size), dtype=self.dtype)
-        )
         binding = decode.io_binding()
-        self._bind_logits(binding, step_logits)
-        if shared:  # one buffer, read and written in place: bound once for every step
-            past_pointers = self._bind_cache(binding, self._past_names, banks, 0, full, output=False)
-            present_pointers = self._bind_cache(binding, self._present_names, banks, 0, full, output=True)
-        last = logits[:, -1, :]
-        for step in range(max_new_tokens):
-            tokens = choose_tokens(last.astype(np.float32), sampling, rng)
-            if eos is not None:
-                tokens = np.where(finished, eos, tokens)
-                finished |= tokens == eos
-            now = time.perf_counter()
-            if step == 0:
-                stats.ttft_s = now - started
-            else:
-                stats.step_s.append(now - started)
-                stats.decode_s += now - started
-            stats.new_tokens = step + 1
-            yield tokens
-            if step == max_new_tokens - 1 or finished.all():
-                return
-            started = time.perf_counter()
+        self._bind_logits(binding, logits)
+        if shared:
+            self._bind_cache(binding, self._past_names, banks, 0, full, stats, output=False)
+            self._bind_cache(binding, self._present_names, banks, 0, full, stats, output=True)
+        mask, current, length = request.mask, 0, prompt
+        while True:
+            tokens = yield
             positions = mask.sum(-1, keepdims=True).astype(np.int64)
             mask = np.concatenate([mask, np.ones((batch, 1), dtype=np.int64)], axis=1)
             binding.bind_cpu_input("input_ids", tokens.reshape(batch, 1))
             binding.bind_cpu_input("attention_mask", mask)
             binding.bind_cpu_input("position_ids", positions)
-            if shared:
-                if step > 0:  # the trace records what each step reads and writes
-                    self.last_cache_pointers += [past_pointers, present_pointers]
-            else:
+            if not shared:
                 shape = (batch, self.n_head, length, self.head_dim)
-                self._bind_cache(binding, self._past_names, banks, current, shape, output=False)
+                self._bind_cache(binding, self._past_names, banks, current, shape, stats, output=False)
                 grown = (batch, self.n_head, length + 1, self.head_dim)
-                self._bind_cache(binding, self._present_names, banks, 1 - current, grown, output=True)
+                self._bind_cache(binding, self._present_names, banks, 1 - current, grown, stats, output=True)
                 current = 1 - current
             decode.run_with_iobinding(binding)
             length += 1
-            last = step_logits[:, -1, :]
 
     def _bind_logits(self, binding: ort.IOBinding, logits: np.ndarray) -> None:
         # logits always land in host memory: they are what sampling needs
@@ -400,20 +480,14 @@ class Generator:
         banks: _CacheBanks,
         bank: int,
         shape: tuple[int, int, int, int],
+        stats: GenerationStats,
         *,
         output: bool,
-    ) -> dict[str, int]:
+    ) -> None:
         """Bind cache tensor i (``past.*`` or ``present.*``, same order) to the front of buffer i of ``bank``."""
-        pointers = {}
-        for index, name in enumerate(names):
-            pointer = banks.pointers[bank][index]
-            pointers[name] = pointer
-            if output:
-                binding.bind_output(name, banks.device, 0, banks.dtype, list(shape), pointer)
-            else:
-                binding.bind_input(name, banks.device, 0, banks.dtype, list(shape), pointer)
-        self.last_cache_pointers.append(pointers)
-        return pointers
+        banks.bind(binding, names, bank, shape, output=output)
+        if self.trace_cache:
+            stats.cache_pointers.append(dict(zip(names, banks.pointers[bank], strict=True)))
 
     def generate(
         self,
@@ -427,12 +501,9 @@ class Generator:
         has produced EOS; finished rows are padded with EOS. With ``truncate=True`` the
         returned sequences start with the kept part of the prompt.
         """
-        ids, mask = self._prepare(
-            input_ids, options.get("attention_mask"), max_new_tokens, options.pop("truncate", False)
-        )
-        options["attention_mask"] = mask
-        steps = list(self.stream(ids, max_new_tokens, **options))
-        return np.concatenate([ids, np.stack(steps, axis=1)], axis=1)
+        request = self.prepare(input_ids, max_new_tokens, **options)
+        steps = list(self._run(request))
+        return np.concatenate([request.ids, np.stack(steps, axis=1)], axis=1)
 
     # ---------------------------------------------------------------- text
 
