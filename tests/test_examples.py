@@ -56,6 +56,7 @@ def test_genai_files_only_for_the_in_place_layout(tiny_export: Path, ort_export:
     config = json.loads((ort_export / "genai_config.json").read_text())
     assert config["model"]["context_length"] == 64 and config["model"]["eos_token_id"] == 50256
     assert config["model"]["decoder"]["session_options"]["provider_options"] == []  # ort-cpu
+    assert config["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 0  # ORT picks
     assert config["search"]["past_present_share_buffer"] is True
     concat = json.loads((tiny_export / "kvexport.json").read_text())["genai"]
     assert concat["written"] is False and "concat cache layout" in concat["why"]
