@@ -316,41 +316,15 @@ class Generator:
 
     # ---------------------------------------------------------------- loop
 
-    def stream(
-        self,
-        input_ids: TokenIds,
-        max_new_tokens: int = 20,
-        *,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        eos_token_id: int | None = None,
-        attention_mask: np.ndarray | None = None,
-        truncate: bool = False,
-    ) -> Iterator[np.ndarray]:
+    def stream(self, input_ids: TokenIds, max_new_tokens: int = 20, **options: Any) -> Iterator[np.ndarray]:
         """Yield the next token of every row ([batch] int64) as each step finishes.
 
-        Rows that have produced ``eos_token_id`` (default: the tokenizer's) get it again
-        as padding; the stream ends when every row has finished or after ``max_new_tokens``.
-        A prompt that leaves no room for ``max_new_tokens`` within the model's positions
-        is an error, unless ``truncate``: then only its last ``n_positions -
-        max_new_tokens`` tokens are used.
+        Takes the options of :meth:`prepare` (sampling, ``eos_token_id``,
+        ``attention_mask``, ``truncate``). Rows that have produced ``eos_token_id``
+        (default: the tokenizer's) get it again as padding; the stream ends when every row
+        has finished or after ``max_new_tokens``.
         """
-        request = self.prepare(
-            input_ids,
-            max_new_tokens,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            eos_token_id=eos_token_id,
-            attention_mask=attention_mask,
-            truncate=truncate,
-        )
-        return self._run(request)
+        return self._run(self.prepare(input_ids, max_new_tokens, **options))
 
     def prepare(
         self,
@@ -366,7 +340,12 @@ class Generator:
         attention_mask: np.ndarray | None = None,
         truncate: bool = False,
     ) -> _Request:
-        """Check and left-pad one generation's inputs (what :meth:`stream` runs)."""
+        """Check and left-pad one generation's inputs (what :meth:`stream` runs).
+
+        A prompt that leaves no room for ``max_new_tokens`` within the model's positions
+        is an error, unless ``truncate``: then only its last ``n_positions -
+        max_new_tokens`` tokens are used. Sampling is greedy unless ``do_sample``.
+        """
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
         sampling.validate()
         ids, mask = self._prepare(input_ids, attention_mask, max_new_tokens, truncate)
