@@ -38,7 +38,7 @@ from kvexport.errors import KvexportError
 from kvexport.integrity import file_problems
 from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
 from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
-from kvexport.runtime.generator import _CacheBanks
+from kvexport.runtime.generator import CacheBanks
 from kvexport.runtime.session import open_session, resolve_provider
 from kvexport.storage import check_external_data
 
@@ -319,7 +319,7 @@ class _StepRunner:
         # the Generator's own cache buffers and binding: one bank, past and present alike
         self.shape = (batch, dims.n_head, capacity, dims.head_dim)
         self.banks = (
-            _CacheBanks(len(self.past_names), int(np.prod(self.shape)), dtype, "cuda" if provider == "cuda" else "cpu", banks=1)
+            CacheBanks(len(self.past_names), int(np.prod(self.shape)), dtype, "cuda" if provider == "cuda" else "cpu", banks=1)
             if self.shared
             else None
         )

@@ -74,7 +74,7 @@ class GenerationStats:
 
 
 @dataclass(frozen=True)
-class _Request:
+class GenerationRequest:
     """One generation's inputs, checked and left-padded once (see :meth:`Generator.prepare`)."""
 
     ids: np.ndarray  # [batch, prompt] int64, padded slots hold the pad id
@@ -108,7 +108,7 @@ class _SharedWeights:
             options.add_initializer(tensor.name, self.values[key])
 
 
-class _CacheBanks:
+class CacheBanks:
     """Banks of flat cache buffers on the device; views of any length are bound by pointer.
 
     Two banks (ping-pong) for the ``concat`` layout, one for ``shared-buffer``.
@@ -339,7 +339,7 @@ class Generator:
         eos_token_id: int | None = None,
         attention_mask: np.ndarray | None = None,
         truncate: bool = False,
-    ) -> _Request:
+    ) -> GenerationRequest:
         """Check and left-pad one generation's inputs (what :meth:`stream` runs).
 
         A prompt that leaves no room for ``max_new_tokens`` within the model's positions
@@ -350,13 +350,13 @@ class Generator:
         sampling.validate()
         ids, mask = self._prepare(input_ids, attention_mask, max_new_tokens, truncate)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
-        return _Request(ids, mask, max_new_tokens, sampling, eos)
+        return GenerationRequest(ids, mask, max_new_tokens, sampling, eos)
 
-    def _run(self, request: _Request) -> Iterator[np.ndarray]:
+    def _run(self, request: GenerationRequest) -> Iterator[np.ndarray]:
         """Prefill, then the decode loop; ``last_stats`` is this call's once it finishes."""
         batch, prompt = request.ids.shape
         shared = self.manifest.cache_layout == "shared-buffer"
-        banks = _CacheBanks(
+        banks = CacheBanks(
             len(self._past_names),
             batch * self.n_head * (prompt + request.max_new_tokens) * self.head_dim,
             self.dtype,
@@ -397,7 +397,7 @@ class Generator:
             self.last_stats = stats
 
     def _prefill(
-        self, request: _Request, banks: _CacheBanks, logits: np.ndarray, stats: GenerationStats
+        self, request: GenerationRequest, banks: CacheBanks, logits: np.ndarray, stats: GenerationStats
     ) -> None:
         """Run the prompt: the cache's first rows land in bank 0."""
         batch, prompt = request.ids.shape
@@ -415,7 +415,7 @@ class Generator:
         self.sessions["prefill"].run_with_iobinding(binding)
 
     def _decode_steps(
-        self, request: _Request, banks: _CacheBanks, logits: np.ndarray, stats: GenerationStats
+        self, request: GenerationRequest, banks: CacheBanks, logits: np.ndarray, stats: GenerationStats
     ) -> Generator_[None, np.ndarray, None]:
         """A coroutine: send it each step's tokens; it runs decode, leaving logits in ``logits``.
 
@@ -456,7 +456,7 @@ class Generator:
         self,
         binding: ort.IOBinding,
         names: list[str],
-        banks: _CacheBanks,
+        banks: CacheBanks,
         bank: int,
         shape: tuple[int, int, int, int],
         stats: GenerationStats,
