@@ -189,8 +189,8 @@ Quantize = Literal["none", "int8", "int4"]
 # Each scheme's default knobs, chosen by measurement (README, "Quantized exports"): int8
 # activations in the CPU kernels (accuracy level 0 ran 20x slower); the LM head (and the tied
 # embedding that shares its bytes) at 8 bits in int4 too, since a 4-bit head cost +1.5%
-# perplexity on the trained test model; int4 blocks of 128 (decode 7.2 vs 9.2 ms/token and
-# prompt 114 vs 163 ms against blocks of 32 on 124M, for +0.25% vs +0.18% perplexity);
+# perplexity on the trained test model; int4 blocks of 128 (decode 8.3 vs 9.6 ms/token and
+# prompt 129 vs 180 ms against blocks of 32 on 124M, for +0.25% vs +0.18% perplexity);
 # int8 blocks of 32 (already faster than llama.cpp Q8_0, and the closest to fp32).
 QUANTIZATION_SCHEMES: dict[str, QuantizationConfig] = {
     "int8": QuantizationConfig(bits=8, block_size=32, symmetric=True, accuracy_level=4, head_bits=8),
