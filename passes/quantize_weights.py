@@ -27,7 +27,6 @@ in float, and so does any weight whose ``K`` is under 16 (the operators' smalles
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -118,7 +117,7 @@ class QuantizeWeightsPass(InPlacePass):
             if node.op_type == "MatMul":
                 self._matmul(graph, node, node in heads, packed_by_weight)
             elif node.op_type == "Gemm":
-                self._gemm(graph, node, packed_by_weight)
+                self._gemm(graph, node, node in heads, packed_by_weight)
         for node in list(graph):  # after the head, so a tied embedding can share it
             if node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
                 self._gather(graph, node, packed_by_weight)
@@ -145,7 +144,9 @@ class QuantizeWeightsPass(InPlacePass):
         self._replace_with_nbits(graph, node, activation, packed, bias=None)
         self.counts["lm_head" if is_head else "matmul"] += 1
 
-    def _gemm(self, graph: ir.Graph, node: ir.Node, cache: dict[int, _Packed]) -> None:
+    def _gemm(
+        self, graph: ir.Graph, node: ir.Node, is_head: bool, cache: dict[int, _Packed]
+    ) -> None:
         attrs = {name: attr.value for name, attr in node.attributes.items()}
         if attrs.get("transA", 0) or attrs.get("alpha", 1.0) != 1.0 or attrs.get("beta", 1.0) != 1.0:
             return
@@ -158,11 +159,11 @@ class QuantizeWeightsPass(InPlacePass):
         if k < 16:
             self.counts["left_float"] += 1
             return
-        bits = self.config.embedding_bits  # a Gemm with a constant weight is the LM head here
+        bits = self.config.embedding_bits if is_head else self.config.bits
         packed = self._pack(graph, weight, array, bits, transposed=transposed, cache=cache)
         bias = node.inputs[2] if len(node.inputs) > 2 else None
         self._replace_with_nbits(graph, node, activation, packed, bias=bias)
-        self.counts["lm_head"] += 1
+        self.counts["lm_head" if is_head else "matmul"] += 1
 
     def _gather(self, graph: ir.Graph, node: ir.Node, cache: dict[int, _Packed]) -> None:
         table, indices = node.inputs[0], node.inputs[1]
@@ -349,19 +350,12 @@ def _head_nodes(graph: ir.Graph) -> set[ir.Node]:
     That is the LM head: every other projection feeds a normalization or attention.
     """
     heads: set[ir.Node] = set()
-
-    def walk(value: ir.Value) -> Iterator[ir.Node]:
-        node = value.producer()
-        while node is not None and node.op_type in _SHAPE_ONLY and node.inputs:
-            data = node.inputs[0]
-            if data is None:
-                return
-            node = data.producer()
-        if node is not None and node.op_type in ("MatMul", "Gemm"):
-            yield node
-
     for output in graph.outputs:
-        heads.update(walk(output))
+        node = output.producer()
+        while node is not None and node.op_type in _SHAPE_ONLY and node.inputs and node.inputs[0] is not None:
+            node = node.inputs[0].producer()
+        if node is not None and node.op_type in ("MatMul", "Gemm"):
+            heads.add(node)
     return heads
 
 
