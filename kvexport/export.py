@@ -185,6 +185,8 @@ class ExportOptions:
             opset=opset,
             all_logits=all_logits,
         )
+
+
 Quantize = Literal["none", "int8", "int4"]
 # Each scheme's default knobs, chosen by measurement (README, "Quantized exports"): int8
 # activations in the CPU kernels (accuracy level 0 ran 20x slower); the LM head (and the tied
@@ -487,8 +489,6 @@ def _quantization(
         if knobs is not None:
             raise KvexportError("quantization knobs given without --quantize; add --quantize int8 or int4")
         return None
-    if quantize not in QUANTIZATION_SCHEMES:
-        raise KvexportError(f"--quantize {quantize}: choose none, int8 or int4")
     if attention != "ort":
         raise KvexportError(
             f"--quantize {quantize} --attention {attention}: the quantized weights use ONNX Runtime's "
