@@ -285,11 +285,7 @@ def gpt2_command(
     )
     click.echo(f"  target {manifest.target}, attention {manifest.attention}, cache {manifest.cache_layout}")
     if manifest.quantization:
-        q = manifest.quantization
-        click.echo(
-            f"  quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings "
-            f"{q['head_bits']}-bit, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']}"
-        )
+        click.echo(f"  {_quantization_line(manifest.quantization)}")
     click.echo(
         f"  strategy {result.strategy}; nodes: prefill {result.node_counts['prefill']}, decode {result.node_counts['decode']}"
     )
@@ -652,10 +648,7 @@ def inspect_command(path: Path, as_json: bool) -> None:
             f"  weights {m['weights']['bytes'] / 1e6:.1f} MB in {m['weights']['file']}; tokenizer: {m['tokenizer']['file'] or 'none'}"
         )
         if m.get("quantization"):
-            q = m["quantization"]
-            click.echo(
-                f"  quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings {q['head_bits']}-bit"
-            )
+            click.echo(f"  {_quantization_line(m['quantization'])}")
         if m["verify"]:
             click.echo(f"  last verify: {_verify_sentence(m['verify'])}")
     for name, graph in report.graphs.items():
@@ -669,6 +662,14 @@ def inspect_command(path: Path, as_json: bool) -> None:
     if report.passes:
         click.echo("")
         _echo_pass_table(report.passes)
+
+
+def _quantization_line(q: dict[str, Any]) -> str:
+    """The manifest's ``quantization`` as one line (export summary and ``inspect``)."""
+    return (
+        f"quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings "
+        f"{q['head_bits']}-bit, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']}"
+    )
 
 
 def _verify_sentence(summary: dict[str, Any]) -> str:
