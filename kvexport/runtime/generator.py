@@ -236,6 +236,7 @@ class Generator:
             self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file))
         self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
         self.trace_cache = trace_cache
+        self._shared = self.manifest.cache_layout == "shared-buffer"
         self.last_stats = GenerationStats()
 
     # ---------------------------------------------------------------- inputs
@@ -355,13 +356,12 @@ class Generator:
     def _run(self, request: GenerationRequest) -> Iterator[np.ndarray]:
         """Prefill, then the decode loop; ``last_stats`` is this call's once it finishes."""
         batch, prompt = request.ids.shape
-        shared = self.manifest.cache_layout == "shared-buffer"
         banks = CacheBanks(
             len(self._past_names),
-            batch * self.n_head * (prompt + request.max_new_tokens) * self.head_dim,
+            int(np.prod(self._full_shape(request))),
             self.dtype,
             "cuda" if self.provider == "cuda" else "cpu",
-            banks=1 if shared else 2,
+            banks=1 if self._shared else 2,
         )
         stats = GenerationStats(prompt_tokens=prompt, batch=batch)
         logits_length = prompt if self.manifest.all_logits else 1
@@ -401,16 +401,15 @@ class Generator:
     ) -> None:
         """Run the prompt: the cache's first rows land in bank 0."""
         batch, prompt = request.ids.shape
-        full = (batch, self.n_head, prompt + request.max_new_tokens, self.head_dim)
-        shared = self.manifest.cache_layout == "shared-buffer"
+        full = self._full_shape(request)
         binding = self.sessions["prefill"].io_binding()
         binding.bind_cpu_input("input_ids", request.ids)
         binding.bind_cpu_input("attention_mask", request.mask)
         binding.bind_cpu_input("position_ids", np.clip(np.cumsum(request.mask, -1) - 1, 0, None))
         self._bind_logits(binding, logits)
-        if shared:
+        if self._shared:
             self._bind_cache(binding, self._past_names, banks, 0, full, stats, output=False)
-        present = full if shared else (batch, self.n_head, prompt, self.head_dim)
+        present = full if self._shared else (batch, self.n_head, prompt, self.head_dim)
         self._bind_cache(binding, self._present_names, banks, 0, present, stats, output=True)
         self.sessions["prefill"].run_with_iobinding(binding)
 
@@ -423,12 +422,11 @@ class Generator:
         Concat: each step reads a prefix of one bank and writes one row longer into the other.
         """
         batch, prompt = request.ids.shape
-        full = (batch, self.n_head, prompt + request.max_new_tokens, self.head_dim)
-        shared = self.manifest.cache_layout == "shared-buffer"
+        full = self._full_shape(request)
         decode = self.sessions["decode"]
         binding = decode.io_binding()
         self._bind_logits(binding, logits)
-        if shared:
+        if self._shared:
             self._bind_cache(binding, self._past_names, banks, 0, full, stats, output=False)
             self._bind_cache(binding, self._present_names, banks, 0, full, stats, output=True)
         mask, current, length = request.mask, 0, prompt
@@ -439,7 +437,7 @@ class Generator:
             binding.bind_cpu_input("input_ids", tokens.reshape(batch, 1))
             binding.bind_cpu_input("attention_mask", mask)
             binding.bind_cpu_input("position_ids", positions)
-            if not shared:
+            if not self._shared:
                 shape = (batch, self.n_head, length, self.head_dim)
                 self._bind_cache(binding, self._past_names, banks, current, shape, stats, output=False)
                 grown = (batch, self.n_head, length + 1, self.head_dim)
@@ -447,6 +445,11 @@ class Generator:
                 current = 1 - current
             decode.run_with_iobinding(binding)
             length += 1
+
+    def _full_shape(self, request: GenerationRequest) -> tuple[int, int, int, int]:
+        """A cache tensor at the request's capacity: [batch, H, prompt + max_new_tokens, D]."""
+        batch, prompt = request.ids.shape
+        return (batch, self.n_head, prompt + request.max_new_tokens, self.head_dim)
 
     def _bind_logits(self, binding: ort.IOBinding, logits: np.ndarray) -> None:
         # logits always land in host memory: they are what sampling needs
