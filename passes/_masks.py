@@ -15,9 +15,13 @@ def is_mask_where(node: ir.Node | None) -> bool:
     """
     if node is None or node.op_type != "Where" or node.domain not in ("", "ai.onnx") or len(node.inputs) != 3:
         return False
-    zero, fill = node.inputs[1], node.inputs[2]
+    return const_float(node.inputs[1]) == 0.0 and is_lowest(node.inputs[2])
+
+
+def is_lowest(fill: ir.Value | None) -> bool:
+    """Whether ``fill`` is a scalar constant -inf or its float type's lowest value: "masked out"."""
     low = const_float(fill)
-    if const_float(zero) != 0.0 or low is None or fill is None or fill.const_value is None:
+    if low is None or fill is None or fill.const_value is None:
         return False
     dtype = np.asarray(fill.const_value.numpy()).dtype
     return low == -np.inf or (np.issubdtype(dtype, np.floating) and low == float(np.finfo(dtype).min))

@@ -43,6 +43,8 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassManager, PassResult
 from onnx_ir.passes.common import (
+    CommonSubexpressionEliminationPass,
+    DeduplicateInitializersPass,
     IdentityEliminationPass,
     LiftConstantsToInitializersPass,
     RemoveUnusedNodesPass,
@@ -53,13 +55,16 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 from passes._masks import is_mask_where, is_padding_condition, padding_condition
 from passes._rules import apply_rules
 from passes._shapes import annotate_symbolic_shapes
-from passes._values import const_ints, dims_of
+from passes._values import const_ints, dims_of, initializer
 
 _MAX_ROUNDS = 6
 
 
 class ReshapeToConstantShape(RewriteRuleClassBase):
-    """``Reshape(X, <computed>)`` -> ``Reshape(X, [0, 0, 3, 16])`` when the output shape is known."""
+    """``Reshape(X, <computed>)`` -> ``Reshape(X, [0, 0, 3, 16])`` when the output shape is known.
+
+    A constant target whose -1 stands for a static dim (``[0, 0, -1, 16]``) gets the number.
+    """
 
     def pattern(self, op: Any, data: ir.Value, shape: ir.Value) -> ir.Value:
         """Any Reshape."""
@@ -68,8 +73,9 @@ class ReshapeToConstantShape(RewriteRuleClassBase):
     def check(self, context: Any, data: ir.Value, shape: ir.Value, **_: Any) -> MatchResult:
         """The shape is computed, and the output dims are numbers or copies of input dims."""
         result = MatchResult()
-        if shape.const_value is not None:
-            return result.fail("the target shape is already a constant", shape)
+        known = const_ints(shape)
+        if known is not None and -1 not in known:
+            return result.fail("the target shape is already a constant without -1", shape)
         output_dims = dims_of(context.output_values[0])
         if output_dims is None:
             return result.fail("the output shape is not known", context.output_values[0])
@@ -88,6 +94,8 @@ class ReshapeToConstantShape(RewriteRuleClassBase):
                 unknown += 1
         if unknown > 1:
             return result.fail(f"{unknown} output dims are neither static nor copies of input dims")
+        if known is not None and new_dims.count(-1) >= known.count(-1):
+            return result.fail("the constant target would stay as it is", shape)
         self._new_dims = new_dims
         return result
 
@@ -232,6 +240,30 @@ class GemmSandwichToMatMul(RewriteRuleClassBase):
         return product if self._bias is None else op.Add(product, self._bias)
 
 
+class SmallConstantOfShape(RewriteRuleClassBase):
+    """``ConstantOfShape(<constant shape>)`` -> the constant, when it is small (``torch.full([], x)``)."""
+
+    def pattern(self, op: Any, shape: ir.Value) -> ir.Value:
+        """Any ConstantOfShape."""
+        return op.ConstantOfShape(shape, _allow_other_attributes=True)
+
+    def check(self, context: Any, shape: ir.Value, **_: Any) -> MatchResult:
+        """The shape is a constant of at most 1024 elements."""
+        result = MatchResult()
+        dims = const_ints(shape)
+        if dims is None or shape.shape is None or len(shape.shape) != 1 or int(np.prod(dims)) > 1024:
+            return result.fail("the shape is not a small constant", shape)
+        node = context.output_values[0].producer()
+        fill = node.attributes.get("value") if node is not None else None
+        base = fill.as_tensor().numpy().reshape(-1) if fill is not None else np.zeros(1, np.float32)
+        self._value = np.full([int(d) for d in dims], base[0], dtype=base.dtype)
+        return result
+
+    def rewrite(self, op: Any, **_: Any) -> ir.Value:
+        """The filled tensor."""
+        return op.Constant(value=ir.tensor(self._value))
+
+
 class ReshapeOfReshape(RewriteRuleClassBase):
     """``Reshape(Reshape(X, s1), s2)`` -> ``Reshape(X, s2)`` when ``s2`` is constant and its 0s copy the same dims."""
 
@@ -263,6 +295,7 @@ class ReshapeOfReshape(RewriteRuleClassBase):
 
 
 RULES = [
+    SmallConstantOfShape.rule(),
     ReshapeOfReshape.rule(),
     StaticDimFromShape.rule(),
     GemmSandwichToMatMul.rule(),
@@ -315,6 +348,136 @@ def decode_mask_from_attention_mask(model: ir.Model) -> int:
     return changed
 
 
+def _dim_carriers(graph: ir.Graph) -> dict[str, tuple[ir.Value, int]]:
+    """For each named symbolic dim, the first value that has it, and where: graph inputs first."""
+    carriers: dict[str, tuple[ir.Value, int]] = {}
+    for value in [*graph.inputs, *(output for node in graph for output in node.outputs)]:
+        for axis, dim in enumerate(dims_of(value) or []):
+            if isinstance(dim, str):
+                carriers.setdefault(dim, (value, axis))
+    return carriers
+
+
+def _read_dim(node: ir.Node) -> int | None:
+    """The one position of its Shape input that a Gather or a one-element Slice reads, or None."""
+    if node.op_type == "Gather" and (node.attributes.get_int("axis", 0) or 0) == 0:
+        index = const_ints(node.inputs[1])
+        return index[0] if index is not None and len(index) == 1 else None
+    if node.op_type == "Slice" and len(node.inputs) >= 3:
+        starts, ends = const_ints(node.inputs[1]), const_ints(node.inputs[2])
+        extra = [const_ints(v) for v in node.inputs[3:] if v is not None]
+        if starts is None or ends is None or len(starts) != 1 or any(e not in ([0], [1]) for e in extra):
+            return None
+        if len(node.inputs) > 4 and const_ints(node.inputs[4]) != [1]:
+            return None  # a step other than 1
+        start, end = starts[0], ends[0]
+        return start if end == start + 1 or (start == -1 and end >= 2**31) else None
+    return None
+
+
+def _shape_of(graph: ir.Graph, value: ir.Value) -> ir.Value:
+    """A new ``Shape(value)`` node, placed right after ``value`` is made."""
+    shape = ir.node("Shape", [value])
+    producer = value.producer()
+    if producer is not None:
+        graph.insert_after(producer, shape)
+    else:
+        graph.insert_before(graph[0], shape)
+    output = shape.outputs[0]
+    output.type = ir.TensorType(ir.DataType.INT64)
+    output.shape = ir.Shape([len(value.shape) if value.shape is not None else None])
+    return output
+
+
+def share_dim_sources(model: ir.Model) -> int:
+    """``ShapeFromFirstCarrier``: a dim read out of ``Shape(X)`` is read from the first value that has it.
+
+    (A static dim that a Slice reads becomes a constant.)
+
+    Symbolic shape inference names each dim; every layer computes the same lengths from
+    its own tensors (``Shape(query)``, ``Shape(present_key)``), so a single-graph decoder
+    keeps a few Shape nodes per layer. Reading each named dim from the first value that
+    carries it (a graph input where one does) makes the layers' chains identical, and
+    common-subexpression elimination then leaves one chain for the graph, whatever its
+    depth. It also frees the attention tensors of uses that block fusion. Returns how
+    many reads moved.
+    """
+    graph = model.graph
+    carriers = _dim_carriers(graph)
+    shapes: dict[int, ir.Value] = {}
+    moved = 0
+    for reader in list(graph):
+        if reader.op_type not in ("Gather", "Slice") or reader.domain not in ("", "ai.onnx"):
+            continue
+        dims = _shape_dims(reader.inputs[0])
+        position = _read_dim(reader)
+        if dims is None or position is None or not -len(dims) <= position < len(dims):
+            continue
+        dim = dims[position]
+        if isinstance(dim, int):  # a static dim read by a Slice (a Gather's is StaticDimFromShape's)
+            if reader.op_type == "Slice" and not reader.outputs[0].is_graph_output():
+                reader.outputs[0].replace_all_uses_with(_ints(graph, [dim]))
+                moved += 1
+            continue
+        if dim not in carriers:
+            continue
+        carrier, axis = carriers[dim]
+        source = reader.inputs[0].producer()  # type: ignore[union-attr]
+        if _is_whole_shape_of(source, carrier) and position == axis:
+            continue  # already reads the carrier
+        if id(carrier) not in shapes:
+            shapes[id(carrier)] = _shape_of(graph, carrier)
+        if reader.op_type == "Gather":
+            index = reader.inputs[1]
+            scalar = index is not None and index.shape is not None and len(index.shape) == 0
+            reader.replace_input_with(1, _ints(graph, axis) if scalar else _ints(graph, [axis]))
+        else:
+            reader.replace_input_with(1, _ints(graph, [axis]))
+            reader.replace_input_with(2, _ints(graph, [axis + 1]))
+        reader.replace_input_with(0, shapes[id(carrier)])
+        moved += 1
+    return moved
+
+
+def _ints(graph: ir.Graph, value: int | list[int]) -> ir.Value:
+    """A shared int64 initializer holding ``value`` (a scalar or a 1-D list)."""
+    array = np.array(value, np.int64)
+    name = "kvexport.ints_" + ("_".join(map(str, array.reshape(-1))) + ("_1d" if array.ndim else ""))
+    return initializer(graph, name.replace("-", "m"), array)
+
+
+def _is_whole_shape_of(node: ir.Node | None, value: ir.Value) -> bool:
+    return (
+        node is not None
+        and node.op_type == "Shape"
+        and node.inputs[0] is value
+        and not node.attributes.get_int("start", 0)
+        and node.attributes.get_int("end") is None
+    )
+
+
+def _shape_dims(value: ir.Value | None) -> list[int | str] | None:
+    """The dims a shape tensor holds: ``Shape(X)`` (with start/end), or a Gather of one by constant indices."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain not in ("", "ai.onnx"):
+        return None
+    if node.op_type == "Shape":
+        dims = dims_of(node.inputs[0])
+        if dims is None:
+            return None
+        start = node.attributes.get_int("start", 0) or 0
+        end = node.attributes.get_int("end", len(dims))
+        return dims[start:end] if end is not None else dims[start:]
+    if node.op_type == "Gather" and (node.attributes.get_int("axis", 0) or 0) == 0:
+        inner, indices = _shape_dims(node.inputs[0]), const_ints(node.inputs[1])
+        if inner is None or indices is None or node.inputs[1] is None or node.inputs[1].shape is None:
+            return None
+        if len(node.inputs[1].shape) != 1 or not all(-len(inner) <= i < len(inner) for i in indices):
+            return None
+        return [inner[i] for i in indices]
+    return None
+
+
 def count_ops(model: ir.Model, op_type: str) -> int:
     """How many nodes of ``op_type`` the main graph has."""
     return sum(1 for node in model.graph if node.op_type == op_type)
@@ -338,6 +501,10 @@ class _FoldRound(InPlacePass):
         annotate_symbolic_shapes(model)
         fired = apply_rules(model, RULES)
         fired["DecodeMaskFromAttentionMask"] = decode_mask_from_attention_mask(model)
+        fired["ShapeFromFirstCarrier"] = share_dim_sources(model)
+        if fired["ShapeFromFirstCarrier"]:
+            DeduplicateInitializersPass()(model)
+            CommonSubexpressionEliminationPass()(model)
         for name, n in fired.items():
             self.counts[name] = self.counts.get(name, 0) + n
         RemoveUnusedNodesPass()(model)
@@ -360,7 +527,7 @@ class FoldShapesPass(InPlacePass):
         """Fold until a round changes nothing."""
         shapes_before = count_ops(model, "Shape")
         nodes_before = len(model.graph)
-        counts: dict[str, int] = {"DecodeMaskFromAttentionMask": 0}
+        counts: dict[str, int] = {"DecodeMaskFromAttentionMask": 0, "ShapeFromFirstCarrier": 0}
         PassManager([_FoldRound(counts)], steps=_MAX_ROUNDS, early_stop=True)(model)
         counts["shape_nodes_removed"] = shapes_before - count_ops(model, "Shape")
         self.counts = counts
