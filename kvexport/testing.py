@@ -10,6 +10,10 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 # How other tools name the cache: canonical name -> foreign name.
@@ -97,3 +101,87 @@ def refresh_file_record(directory: Path) -> None:
     manifest = read_manifest(directory)
     manifest.files = record_files(directory)
     manifest.write(directory)
+
+
+def left_padded_batch(prompts: list[list[int]], pad: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``input_ids``, ``attention_mask`` and ``position_ids`` for ``prompts``, padded on the left."""
+    import numpy as np
+
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad, np.int64)
+    mask = np.zeros((len(prompts), width), np.int64)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = 1
+    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
+    return ids, mask, positions
+
+
+CacheSlotKey = tuple[int, "str | None"]
+
+
+def run_single_graph(
+    path: Path,
+    prompts: list[list[int]],
+    tokens: list[list[int]],
+    past: dict[CacheSlotKey, np.ndarray] | None = None,
+) -> list[dict[str, np.ndarray]]:
+    """Drive a decoder graph step by step by its own IO names; each step's outputs by name.
+
+    Without ``past``, the first step feeds the left-padded ``prompts`` with a past of
+    length 0 (a one-graph decoder's prefill); with ``past`` (the prompts' cache, by
+    (layer, kind)), the prompts only set the mask and positions. Each further step feeds
+    ``tokens[i]`` (one per row) with the previous step's present tensors as the past.
+    Cache inputs and outputs are paired by layer and kind parsed from their names
+    (``passes.rename_cache``), so any exporter's names work.
+    """
+    import numpy as np
+    import onnxruntime as ort
+
+    from passes.rename_cache import parse_cache_name
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    past_names: dict[CacheSlotKey, str] = {}
+    feeds: dict[str, np.ndarray] = {}
+    for arg in session.get_inputs():
+        slot = parse_cache_name(arg.name, "past")
+        if slot is not None:
+            past_names[(slot.layer, slot.kind)] = arg.name
+            heads, head_dim = int(arg.shape[1]), int(arg.shape[3])
+            feeds[arg.name] = np.zeros((len(prompts), heads, 0, head_dim), np.float32)
+    output_names = [arg.name for arg in session.get_outputs()]
+    present_names: dict[CacheSlotKey, str] = {}
+    for name in output_names:
+        slot = parse_cache_name(name, "present")
+        if slot is not None:
+            present_names[(slot.layer, slot.kind)] = name
+    input_names = {arg.name for arg in session.get_inputs()}
+    ids, mask, positions = left_padded_batch(prompts)
+    results: list[dict[str, np.ndarray]] = []
+    if past is not None:
+        feeds.update({past_names[slot]: array for slot, array in past.items()})
+    for step in range(len(tokens) + 1):
+        if step or past is None:
+            feeds.update({"input_ids": ids, "attention_mask": mask, "position_ids": positions})
+            outputs = session.run(None, {k: v for k, v in feeds.items() if k in input_names})
+            named = dict(zip(output_names, outputs, strict=True))
+            results.append(named)
+            feeds.update({past_names[slot]: named[name] for slot, name in present_names.items()})
+        if step == len(tokens):
+            break
+        ids = np.array(tokens[step], np.int64).reshape(-1, 1)
+        mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
+        positions = positions[:, -1:] + 1
+    return results
+
+
+def cache_by_slot(outputs: dict[str, np.ndarray]) -> dict[CacheSlotKey, np.ndarray]:
+    """The present tensors of one step's ``outputs``, by (layer, kind) parsed from their names."""
+    from passes.rename_cache import parse_cache_name
+
+    found: dict[CacheSlotKey, np.ndarray] = {}
+    for name, array in outputs.items():
+        slot = parse_cache_name(name, "present")
+        if slot is not None:
+            found[(slot.layer, slot.kind)] = array
+    return found

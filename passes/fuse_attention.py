@@ -35,7 +35,10 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnxscript import version_converter
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
+from onnxscript.rewriter.pattern import OrValue
+from onnxscript.rewriter.pattern import Var as _Var
 
+from passes._masks import is_lowest
 from passes._rules import apply_rules
 from passes._values import const_float, const_ints, dims_of
 
@@ -89,12 +92,8 @@ class _FuseAttention(RewriteRuleClassBase):
         value_shape: ir.Value,
         past_key: ir.Value,
         past_value: ir.Value,
-        query_scale: ir.Value,
-        key_scale: ir.Value,
-        mask_bias: ir.Value,
-        zero: ir.Value,
     ) -> tuple[ir.Value, ir.Value, ir.Value]:
-        """See the module docstring."""
+        """See the module docstring: the SDPA form, and the eager form's alternatives."""
         heads_first = [0, 2, 1, 3]
         q = op.Transpose(op.Reshape(query, query_shape, _allow_other_attributes=True), perm=heads_first)
         k = op.Transpose(op.Reshape(key, key_shape, _allow_other_attributes=True), perm=heads_first)
@@ -105,9 +104,17 @@ class _FuseAttention(RewriteRuleClassBase):
         else:
             present_key, present_value = k, v
         key_t = op.Transpose(present_key, perm=[0, 1, 3, 2])
-        scores = op.MatMul(op.Mul(q, query_scale), op.Mul(key_t, key_scale))
-        probs = op.Softmax(op.Add(scores, mask_bias), axis=-1)
-        probs = op.Where(op.IsNaN(probs), zero, probs)
+        # Each choice below is between different op types, so onnxscript dispatches on
+        # the op it finds instead of backtracking (it does not undo a failed
+        # alternative's bindings when two alternatives share pattern nodes).
+        product = op.MatMul(
+            OrValue([op.Mul(q, _Var("query_scale")), q]), OrValue([op.Mul(key_t, _Var("key_scale")), key_t])
+        )
+        scaled = [op.Div(product, _Var("divisor")), op.Mul(product, _Var("scale_after")), product]
+        causal = [op.Where(_Var("causal"), OrValue(scaled), _Var("causal_fill")), *scaled]
+        scores = OrValue([op.Add(OrValue(causal), _Var("mask_bias")), *causal])
+        probs = op.Softmax(scores, axis=-1)
+        probs = OrValue([op.Where(op.IsNaN(probs), _Var("zero"), probs), probs])
         out = op.MatMul(probs, present_value)
         return op.Transpose(out, perm=heads_first), present_key, present_value
 
@@ -118,13 +125,17 @@ class _FuseAttention(RewriteRuleClassBase):
         query_shape: ir.Value,
         key_shape: ir.Value,
         value_shape: ir.Value,
-        query_scale: ir.Value,
-        key_scale: ir.Value,
-        mask_bias: ir.Value,
-        zero: ir.Value,
+        query_scale: ir.Value | None = None,
+        key_scale: ir.Value | None = None,
+        divisor: ir.Value | None = None,
+        scale_after: ir.Value | None = None,
+        causal: ir.Value | None = None,
+        causal_fill: ir.Value | None = None,
+        mask_bias: ir.Value | None = None,
+        zero: ir.Value | None = None,
         **_: Any,
     ) -> MatchResult:
-        """Heads and head dim are constants, the scales are scalars, the bias is 4-D."""
+        """Heads and head dim are constants, the scale is a scalar, the masks are 4-D."""
         result = MatchResult()
         shapes = [const_ints(s) for s in (query_shape, key_shape, value_shape)]
         if any(s is None or len(s) != 4 for s in shapes):
@@ -135,20 +146,41 @@ class _FuseAttention(RewriteRuleClassBase):
         query_dims = dims_of(query)
         if query_dims is None or len(query_dims) != 3 or query_dims[2] != heads * head_dim:
             return result.fail("the query is not a [batch, sequence, heads * head_dim] tensor", query)
-        scales = [const_float(query_scale), const_float(key_scale)]
-        if any(s is None for s in scales):
-            return result.fail("the query or key scale is not a scalar constant")
-        if const_float(zero) != 0.0:
+        scale = _scale(query_scale, key_scale, divisor, scale_after)
+        if scale is None:
+            return result.fail("the attention scale is not a scalar constant")
+        if zero is not None and const_float(zero) != 0.0:
             return result.fail("NaNs are not replaced by 0")
-        bias_dims = dims_of(mask_bias)
-        if mask_bias.shape is None or len(mask_bias.shape) != 4:
-            return result.fail("the mask bias is not 4-D", mask_bias)
-        if bias_dims is not None and bias_dims[1] not in (1, heads):
-            return result.fail("the mask bias has a head dim that is neither 1 nor the heads")
+        if causal is not None and not is_lowest(causal_fill):
+            return result.fail("the causal Where does not fill with -inf or the lowest float", causal_fill)
+        for bias in (causal, mask_bias):
+            if bias is None:
+                continue
+            bias_dims = dims_of(bias)
+            if bias.shape is None or len(bias.shape) != 4:
+                return result.fail("a mask is not 4-D", bias)
+            if bias_dims is not None and bias_dims[1] not in (1, heads):
+                return result.fail("a mask has a head dim that is neither 1 nor the heads", bias)
         self._heads = heads
         self._head_dim = head_dim
-        self._scale = float(scales[0] * scales[1])  # type: ignore[operator]
+        self._scale = scale
         return result
+
+    def _bias(
+        self, op: Any, causal: ir.Value | None, causal_fill: ir.Value | None, mask_bias: ir.Value | None
+    ) -> ir.Value | None:
+        """One additive bias for the fused op: the causal Where's bias plus the mask's.
+
+        ``Where(c, s, fill) + m`` equals ``s + (Where(c, 0, fill) + m)`` wherever ``c``
+        holds, and where it does not both are ``fill + m`` (``s`` vanishes next to the
+        lowest float), so the fused op sees the same scores.
+        """
+        if causal is None:
+            return mask_bias
+        assert causal_fill is not None and causal_fill.const_value is not None
+        zero = np.zeros((), dtype=causal_fill.const_value.numpy().dtype)
+        causal_bias = op.Where(causal, op.Constant(value=ir.tensor(zero)), causal_fill)
+        return causal_bias if mask_bias is None else op.Add(causal_bias, mask_bias)
 
     def rewrite(
         self,
@@ -156,13 +188,16 @@ class _FuseAttention(RewriteRuleClassBase):
         query: ir.Value,
         key: ir.Value,
         value: ir.Value,
-        mask_bias: ir.Value,
         past_key: ir.Value | None = None,
         past_value: ir.Value | None = None,
+        causal: ir.Value | None = None,
+        causal_fill: ir.Value | None = None,
+        mask_bias: ir.Value | None = None,
         **_: Any,
     ) -> tuple[ir.Value, ir.Value, ir.Value]:
         """One fused op; its 3-D output goes back to [b, s, H, D] where the old output was."""
         past = (past_key, past_value) if self.with_past else (None, None)
+        mask_bias = self._bias(op, causal, causal_fill, mask_bias)
         if self.target == "onnx":
             output, present_key, present_value = op.Attention(
                 query,
@@ -194,6 +229,33 @@ class _FuseAttention(RewriteRuleClassBase):
         output.shape, output.type = query.shape, query.type
         split_heads = op.Constant(value=ir.tensor([0, 0, self._heads, self._head_dim], dtype=ir.DataType.INT64))
         return op.Reshape(output, split_heads), present_key, present_value
+
+
+def _scale(
+    query_scale: ir.Value | None,
+    key_scale: ir.Value | None,
+    divisor: ir.Value | None,
+    scale_after: ir.Value | None,
+) -> float | None:
+    """The softmax scale of whichever scaling the pattern matched; None if not a constant.
+
+    SDPA scales query and key by ``c`` each (``c * c``); eager attention divides (or
+    multiplies) the scores after the MatMul; some exporters scale only one operand.
+    Each factor that is absent is 1.
+    """
+    scale = 1.0
+    for factor in (query_scale, key_scale, scale_after):
+        if factor is not None:
+            found = const_float(factor)
+            if found is None:
+                return None
+            scale *= found
+    if divisor is not None:
+        found = const_float(divisor)
+        if not found:
+            return None
+        scale /= found
+    return scale
 
 
 def attention_rules(target: AttentionTarget) -> list[RewriteRule]:
