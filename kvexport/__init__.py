@@ -5,6 +5,8 @@ Library entry points:
 - :func:`export_gpt2` writes ``prefill.onnx``, ``decode.onnx``, shared weights, the
   manifest and the tokenizer to a directory.
 - :func:`verify` proves an export directory matches PyTorch and returns a report.
+- :func:`import_decoder` turns a one-graph decoder another tool made (Optimum's) into
+  such a directory.
 - :class:`Generator` runs an export with ONNX Runtime (the cache stays on the device).
 
 ``import kvexport`` is cheap and imports neither torch nor transformers: each name is
@@ -27,6 +29,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a tree that was 
 
 if TYPE_CHECKING:
     from kvexport.export import ExportOptions, ExportResult, export_gpt2
+    from kvexport.import_graph import import_decoder
     from kvexport.manifest import Manifest, read_manifest
     from kvexport.runtime.generator import Generator
     from kvexport.verify import VerifyReport, verify
@@ -37,6 +40,7 @@ _LAZY = {
     "ExportResult": "kvexport.export",
     "export_gpt2": "kvexport.export",
     "Generator": "kvexport.runtime.generator",
+    "import_decoder": "kvexport.import_graph",
     "Manifest": "kvexport.manifest",
     "read_manifest": "kvexport.manifest",
     "VerifyReport": "kvexport.verify",
@@ -64,6 +68,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "export_gpt2",
+    "import_decoder",
     "read_manifest",
     "verify",
 ]

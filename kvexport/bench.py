@@ -315,6 +315,9 @@ def run_bench(
             f"--contexts {too_long}: each context + {new_tokens} new tokens must fit the model's "
             f"{manifest.dims.n_positions} positions"
         )
+    if baselines and manifest.source.kind == "graph":
+        say(f"no PyTorch baselines: {directory} was imported without its checkpoint")
+        baselines = False
     say("measuring memory read bandwidth")
     bandwidth = measure_read_bandwidth()
     gc.collect()

@@ -771,5 +771,59 @@ def rewrite_command(
     click.echo(f"wrote {result.output}{data}")
 
 
+@main.command("import")
+@click.argument("source", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="The kvexport directory to write.")
+@click.option(
+    "--model",
+    "checkpoint",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="The checkpoint directory the graph was exported from; recorded so verify can compare with PyTorch.",
+)
+@attention_option(default="unfused", note="")
+@quantization_options
+@click.option("--force", is_flag=True, help="Replace a non-empty --out.")
+@json_option
+def import_command(
+    source: Path,
+    out: Path,
+    checkpoint: Path | None,
+    attention: str,
+    quantize: str,
+    block_size: int | None,
+    asymmetric: bool,
+    accuracy_level: int | None,
+    head_bits: str | None,
+    force: bool,
+    as_json: bool,
+) -> None:
+    """Turn a one-graph decoder SOURCE (an Optimum export directory or its .onnx) into a kvexport directory."""
+    from kvexport.import_graph import import_decoder
+
+    knobs = _quantization_knobs(quantize, block_size, asymmetric, accuracy_level, head_bits)
+    say = (lambda message: None) if as_json else (lambda message: click.echo(message, err=True))
+    manifest = _run(
+        lambda: import_decoder(
+            source,
+            out,
+            model=checkpoint,
+            attention=attention,  # type: ignore[arg-type]
+            quantize=quantize,
+            quantization=knobs,
+            force=force,
+            progress=say,
+        )
+    )
+    if as_json:
+        click.echo(json.dumps(manifest.to_dict(), indent=2))
+        return
+    _echo_pass_table(manifest.passes)
+    nodes = ", ".join(f"{name} {spec.nodes} nodes" for name, spec in manifest.graphs.items())
+    click.echo(f"imported {source} to {out}: {nodes}, weights {manifest.weights['bytes'] / 1e6:.1f} MB once")
+    if manifest.source.kind == "graph":
+        click.echo("  no checkpoint given: verify needs --model; kvexport check and generate work as they are")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

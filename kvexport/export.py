@@ -503,6 +503,13 @@ def _quantization(
     return knobs or scheme
 
 
+def quantization_record(scheme: str, config: QuantizationConfig | None) -> dict[str, Any] | None:
+    """The manifest's ``quantization``: the scheme, its knobs and verify's tolerances (None for float)."""
+    if config is None:
+        return None
+    return {"scheme": scheme, **config.to_json(), "tolerances": QUANTIZATION_TOLERANCES[scheme]}
+
+
 def export_gpt2(
     out: str | Path,
     model: str = "gpt2",
@@ -635,13 +642,7 @@ def export_gpt2(
             files=files,
             genai=genai,
             cache={"layout": options.cache.value, "description": CACHE_DESCRIPTIONS[options.cache.value]},
-            quantization=None
-            if options.quantization is None
-            else {
-                "scheme": options.quantize.value,
-                **options.quantization.to_json(),
-                "tolerances": QUANTIZATION_TOLERANCES[options.quantize.value],
-            },
+            quantization=quantization_record(options.quantize.value, options.quantization),
         )
         manifest.write(tmp)
     report(f"wrote {out_path}")

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from kvexport.errors import KvexportError
 
-SourceKind = Literal["random-init", "local", "hub"]
+SourceKind = Literal["random-init", "local", "hub", "graph"]
 Dtype = Literal["fp32", "fp16"]
 
 
@@ -49,7 +49,8 @@ class ModelSource:
 
     ``kind`` is ``random-init`` (``name`` is a preset or a config path, weights are
     seeded random), ``local`` (``name`` is a Hugging Face model directory) or ``hub``
-    (``name`` is a hub id). For random init, ``config`` holds the full config so the
+    (``name`` is a hub id) or ``graph`` (``kvexport import`` of a graph without its
+    checkpoint: ``name`` is the graph; there is nothing to rebuild). For random init, ``config`` holds the full config so the
     reference can be rebuilt without the original file.
     """
 
@@ -66,7 +67,7 @@ class ModelSource:
     def from_dict(cls, data: dict[str, Any]) -> ModelSource:
         """Inverse of :meth:`to_dict`."""
         kind = data.get("kind")
-        if kind not in ("random-init", "local", "hub"):
+        if kind not in ("random-init", "local", "hub", "graph"):
             raise KvexportError(f"manifest model source has unknown kind {kind!r}")
         return cls(
             kind=kind, name=str(data["name"]), seed=data.get("seed"), config=data.get("config")
@@ -76,4 +77,6 @@ class ModelSource:
         """One-line human description."""
         if self.kind == "random-init":
             return f"{self.name} (random init, seed {self.seed})"
+        if self.kind == "graph":
+            return f"{self.name} (imported graph, no checkpoint)"
         return f"{self.name} ({self.kind})"

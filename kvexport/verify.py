@@ -577,6 +577,11 @@ def verify(
     started = time.perf_counter()
     path = Path(directory)
     manifest = read_manifest(path)
+    if manifest.source.kind == "graph":
+        raise KvexportError(
+            f"{path}: imported from {manifest.source.name} without its checkpoint, so there is no PyTorch "
+            "reference; import it again with --model CHECKPOINT_DIR, or run kvexport check"
+        )
     resolved = resolve_provider(provider)
     if text_tokens < 1:
         raise KvexportError(f"--text-tokens {text_tokens}: must be at least 1")

@@ -19,6 +19,7 @@ def test_kvexport_public_names() -> None:
         "VerifyReport",
         "__version__",
         "export_gpt2",
+        "import_decoder",
         "read_manifest",
         "verify",
     }

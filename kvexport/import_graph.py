@@ -1,0 +1,338 @@
+"""``kvexport import``: a decoder graph another tool made becomes a kvexport directory.
+
+Optimum (``optimum-cli export onnx --task text-generation-with-past``) and others leave
+one graph for both phases: the prompt step passes a past of length 0. From it this
+makes the two graphs of kvexport's contract (``../shared/DESIGN.md``):
+
+- **prefill**: every past input is replaced by an empty ``[batch, H, 0, D]`` tensor and
+  removed from the inputs; fold_shapes then drops the ``Concat`` with it and the length
+  arithmetic it fed. The LM head runs on the last position only (``logits`` [batch, 1, V]).
+- **decode**: ``input_ids`` and ``position_ids`` become ``[batch, 1]``, so the passes can
+  specialise the mask for one query.
+
+Both then run the pass pipeline (rename_cache, fold_shapes, fusion for ``--attention``,
+optional quantization, cleanup), dims are renamed to the contract's (``batch``,
+``sequence``, ``past_sequence``, ``total_sequence``), the weights are stored once for
+both graphs, and the manifest, the tokenizer and the config's numbers are written as an
+export writes them. With ``model`` (the checkpoint the graph was exported from) the
+manifest names it as the source, so ``kvexport verify`` can compare against PyTorch;
+without it the source is the graph itself, and verify says so.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx_ir as ir
+
+from kvexport.errors import KvexportError, first_line
+from kvexport.export import (
+    CACHE_DESCRIPTIONS,
+    _quantization,
+    _rename_dims,
+    _versions,
+    quantization_record,
+)
+from kvexport.genai import write_genai_files
+from kvexport.integrity import record_files
+from kvexport.manifest import GraphSpec, Manifest
+from kvexport.model_info import ModelDims, ModelSource
+from kvexport.storage import (
+    atomic_output_dir,
+    check_external_data,
+    check_output_dir,
+    load_graph_structure,
+    save_with_shared_weights,
+)
+from kvexport.tokenizer import choose_tokenizer
+from passes import (
+    CacheNamingError,
+    QuantizationConfig,
+    RenameCachePass,
+    build_pipeline,
+    run_pipeline,
+)
+from passes.pipeline import AttentionChoice
+
+# Optimum's and torch's dim names -> the contract's, per graph.
+_PREFILL_DIMS = {
+    "batch_size": "batch",
+    "sequence_length": "sequence",
+    "past_sequence_length + sequence_length": "sequence",
+    "total_sequence_length": "sequence",
+}
+_DECODE_DIMS = {
+    "batch_size": "batch",
+    "past_sequence_length": "past_sequence",
+    "past_sequence_length + sequence_length": "total_sequence",
+    "past_sequence_length + 1": "total_sequence",
+    "total_sequence_length": "total_sequence",
+}
+_GRAPH_NAMES = ("model.onnx", "decoder_model_merged.onnx", "decoder_with_past_model.onnx")
+_INPUTS = ("input_ids", "attention_mask", "position_ids")
+
+
+def _locate(source: Path) -> tuple[Path, Path]:
+    """The graph file and the directory beside it (config, tokenizer)."""
+    if not source.exists():
+        raise KvexportError(f"{source}: no such file or directory; pass a decoder .onnx or an Optimum export directory")
+    if source.is_dir():
+        for name in _GRAPH_NAMES:
+            if (source / name).is_file():
+                return source / name, source
+        raise KvexportError(f"{source}: holds none of {', '.join(_GRAPH_NAMES)}; pass the decoder .onnx itself")
+    return source, source.parent
+
+
+def _load(graph_path: Path) -> ir.Model:
+    check_external_data(graph_path)
+    try:
+        return ir.load(graph_path)
+    except Exception as exc:  # onnx / protobuf raise many kinds
+        raise KvexportError(f"{graph_path}: not a readable ONNX graph ({first_line(exc)})") from exc
+
+
+def _inputs(model: ir.Model, graph_path: Path) -> dict[str, ir.Value]:
+    found = {value.name: value for value in model.graph.inputs if value.name}
+    missing = [name for name in _INPUTS if name not in found]
+    if missing:
+        raise KvexportError(
+            f"{graph_path}: has no {', '.join(missing)} input; import takes a GPT-2 decoder with "
+            "input_ids, attention_mask and position_ids (Optimum's text-generation-with-past export)"
+        )
+    return found
+
+
+def _past_inputs(model: ir.Model) -> list[ir.Value]:
+    return [value for value in model.graph.inputs if (value.name or "").startswith("past.")]
+
+
+def _dims(model: ir.Model, config_dir: Path | None, graph_path: Path) -> ModelDims:
+    """The architecture's numbers: from config.json when there is one, else read off the graph."""
+    past = _past_inputs(model)
+    if not past or past[0].shape is None or not isinstance(past[0].shape[1], int):
+        raise KvexportError(f"{graph_path}: past inputs have no static head count; import needs [batch, H, past, D] caches")
+    heads, head_dim = int(past[0].shape[1]), int(past[0].shape[3])  # type: ignore[arg-type]
+    config_file = config_dir / "config.json" if config_dir is not None else None
+    if config_file is not None and config_file.is_file():
+        config = json.loads(config_file.read_text())
+        dims = ModelDims(
+            n_layer=int(config["n_layer"]),
+            n_head=int(config["n_head"]),
+            head_dim=int(config["n_embd"]) // int(config["n_head"]),
+            n_embd=int(config["n_embd"]),
+            vocab_size=int(config["vocab_size"]),
+            n_positions=int(config["n_positions"]),
+        )
+        if (dims.n_layer * 2, dims.n_head, dims.head_dim) != (len(past), heads, head_dim):
+            raise KvexportError(f"{config_file}: does not describe {graph_path} (layers, heads or head size differ)")
+        return dims
+    logits = next((v for v in model.graph.outputs if v.name == "logits"), None)
+    vocab = logits.shape[-1] if logits is not None and logits.shape is not None else None
+    positions = [
+        int(v.shape[0])  # type: ignore[arg-type]
+        for v in model.graph.initializers.values()
+        if v.shape is not None and len(v.shape) == 2 and v.shape[1] == heads * head_dim and v.shape[0] != vocab
+    ]
+    if not isinstance(vocab, int) or len(positions) != 1:
+        raise KvexportError(f"{graph_path}: can't read vocab and positions off the graph; put its config.json beside it")
+    return ModelDims(len(past) // 2, heads, head_dim, heads * head_dim, vocab, positions[0])
+
+
+def _empty_past(model: ir.Model) -> None:
+    """Prefill: each past input becomes an empty ``[batch, H, 0, D]`` tensor made in the graph."""
+    graph = model.graph
+    ids = next(v for v in graph.inputs if v.name == "input_ids")
+    batch = ir.node("Shape", [ids], attributes={"start": 0, "end": 1})
+    graph.insert_before(graph[0], batch)
+    for past in _past_inputs(model):
+        assert past.shape is not None
+        rest = ir.Value(name=f"kvexport.empty_dims.{past.name}", const_value=ir.tensor(np.array([past.shape[1], 0, past.shape[3]], np.int64)))
+        graph.register_initializer(rest)
+        shape = ir.node("Concat", [batch.outputs[0], rest], attributes={"axis": 0})
+        dtype = past.dtype.numpy() if past.dtype is not None else np.float32
+        empty = ir.node("ConstantOfShape", [shape.outputs[0]], attributes={"value": ir.tensor(np.zeros(1, dtype))})
+        graph.insert_after(batch, [shape, empty])
+        empty.outputs[0].type = past.type
+        empty.outputs[0].shape = ir.Shape([past.shape[0], past.shape[1], 0, past.shape[3]])
+        past.replace_all_uses_with(empty.outputs[0])
+        graph.inputs.remove(past)
+
+
+def _one_token(model: ir.Model) -> None:
+    """Decode: ``input_ids`` and ``position_ids`` are ``[batch, 1]``, and so are the logits' first dims."""
+    for value in [*model.graph.inputs, *model.graph.outputs]:
+        if value.name in ("input_ids", "position_ids", "logits") and value.shape is not None:
+            value.shape = ir.Shape([value.shape[0], 1, *value.shape[2:]])
+
+
+def _last_position_logits(model: ir.Model) -> bool:
+    """Prefill: the LM head reads the last position only; False if the head is not found.
+
+    The head is the node that makes ``logits`` from a [batch, sequence, E] activation
+    (MatMul, or MatMulNBits once quantized); its activation is sliced to the last row.
+    """
+    graph = model.graph
+    logits = next((v for v in graph.outputs if v.name == "logits"), None)
+    head = logits.producer() if logits is not None else None
+    if logits is None or head is None or head.op_type not in ("MatMul", "MatMulNBits") or head.inputs[0] is None:
+        return False
+    hidden = head.inputs[0]
+    if hidden.shape is None or len(hidden.shape) != 3:
+        return False
+    consts = [
+        ir.Value(name=f"kvexport.last_row.{n}", const_value=ir.tensor(np.array(v, np.int64)))
+        for n, v in (("starts", [-1]), ("ends", [np.iinfo(np.int64).max]), ("axes", [1]))
+    ]
+    for value in consts:
+        graph.register_initializer(value)
+    last = ir.node("Slice", [hidden, *consts])
+    graph.insert_before(head, last)
+    last.outputs[0].type = hidden.type
+    last.outputs[0].shape = ir.Shape([hidden.shape[0], 1, hidden.shape[2]])
+    head.replace_input_with(0, last.outputs[0])
+    if logits.shape is not None:
+        logits.shape = ir.Shape([logits.shape[0], 1, logits.shape[2]])
+    return True
+
+
+def _source(model_dir: Path | None, graph_path: Path) -> tuple[ModelSource, str, str]:
+    """The manifest's source and weights fingerprint, and the dtype.
+
+    With a checkpoint, its PyTorch weights are fingerprinted (torch is loaded), as an
+    export does: verify and bench compare the fingerprint with what they rebuild.
+    """
+    if model_dir is None:
+        return ModelSource("graph", str(graph_path)), "", "fp32"
+    from kvexport.models.gpt2 import load_gpt2, resolve_source, weights_fingerprint
+
+    source = resolve_source(str(model_dir), random_init=False, seed=0)
+    torch_model = load_gpt2(source, "fp32")
+    return source, weights_fingerprint(torch_model), "fp32"
+
+
+def import_decoder(
+    source: str | Path,
+    out: str | Path,
+    *,
+    model: str | Path | None = None,
+    attention: AttentionChoice = "unfused",
+    quantize: str = "none",
+    quantization: QuantizationConfig | None = None,
+    force: bool = False,
+    progress: Callable[[str], None] | None = None,
+) -> Manifest:
+    """Turn a one-graph GPT-2 decoder (``source``: an .onnx or an Optimum directory) into a kvexport directory ``out``.
+
+    Args:
+        source: the decoder graph, or the directory holding it (``model.onnx``) with its
+            ``config.json`` and tokenizer files.
+        out: the directory to write (atomically; refused if non-empty unless ``force``).
+        model: the checkpoint the graph was exported from (a local directory): recorded
+            as the source, so ``verify`` can compare against PyTorch.
+        attention: ``unfused``, ``onnx`` or ``ort``, as for ``kvexport rewrite``.
+        quantize: ``none``, ``int8`` or ``int4`` (needs ``ort``), as for ``kvexport gpt2``.
+        quantization: override the scheme's knobs.
+        force: replace a non-empty ``out``.
+        progress: called with a short message at each phase.
+
+    Returns:
+        The manifest written to ``out/kvexport.json``.
+
+    Raises:
+        KvexportError: a missing or unreadable graph, a graph that is not a GPT-2 decoder
+            with a cache, or a config that does not describe it.
+
+    """
+    say = progress or (lambda message: None)
+    started = time.perf_counter()
+    out_path = Path(out)
+    graph_path, source_dir = _locate(Path(source))
+    check_output_dir(out_path.absolute(), force)
+    if attention not in ("unfused", "onnx", "ort"):
+        raise KvexportError(f"--attention {attention}: choose unfused, onnx or ort")
+    quantization = _quantization(quantize, quantization, attention)
+    model_dir = Path(model) if model is not None else None
+    if model_dir is not None and not (model_dir / "config.json").is_file():
+        raise KvexportError(f"--model {model_dir}: not a checkpoint directory (no config.json)")
+    graphs: dict[str, ir.Model] = {}
+    reports: list[dict[str, Any]] = []
+    dims: ModelDims | None = None
+    last_only = True
+    for name in ("prefill", "decode"):
+        say(f"specialising {graph_path.name} into {name}")
+        graph = _load(graph_path)
+        _inputs(graph, graph_path)
+        try:
+            RenameCachePass()(graph)
+        except CacheNamingError as exc:
+            raise KvexportError(f"{graph_path}: {exc}") from exc
+        if dims is None:
+            config_dir = source_dir if (source_dir / "config.json").is_file() else model_dir
+            dims = _dims(graph, config_dir, graph_path)
+        if name == "prefill":
+            _empty_past(graph)
+        else:
+            _one_token(graph)
+        _rename_dims(graph, _PREFILL_DIMS if name == "prefill" else _DECODE_DIMS)
+        pipeline = build_pipeline(attention, quantization=quantization)
+        for pass_report in run_pipeline(graph, pipeline):
+            reports.append({"graph": name, **pass_report.to_json()})
+        if name == "prefill":
+            last_only = _last_position_logits(graph)
+        graphs[name] = graph
+    assert dims is not None
+    model_source, fingerprint, dtype = _source(model_dir, graph_path)
+    with atomic_output_dir(out_path, force) as tmp:
+        say("writing graphs and shared weights")
+        weights = save_with_shared_weights(graphs, tmp)
+        del graphs
+        tokenizer_dir = source_dir if (source_dir / "tokenizer.json").is_file() else model_dir
+        choice = choose_tokenizer(tokenizer_dir, dims.vocab_size)
+        tokenizer_info: dict[str, Any] = {"file": None, "source": choice.source, "eos_token_id": choice.eos_token_id}
+        if choice.tokenizer is not None:
+            choice.tokenizer.save(str(tmp / "tokenizer.json"))
+            tokenizer_info["file"] = "tokenizer.json"
+        specs = {n: GraphSpec.from_proto(f"{n}.onnx", load_graph_structure(tmp / f"{n}.onnx")) for n in ("prefill", "decode")}
+        opset = max(spec_opset(tmp / f"{n}.onnx") for n in ("prefill", "decode"))
+        target = "ort-cpu" if attention == "ort" else "portable"
+        genai = write_genai_files(tmp, dims, target, "concat", tokenizer_info)
+        manifest = Manifest(
+            source=model_source,
+            dims=dims,
+            dtype=dtype,
+            opset=opset,
+            target=target,
+            attention=attention,
+            all_logits=not last_only,
+            graphs=specs,
+            weights={"file": weights.file, "bytes": weights.bytes, "tensors": weights.tensors},
+            export={
+                "strategy": "import",
+                "imported_from": str(graph_path),
+                "attempts": [],
+                "seconds": round(time.perf_counter() - started, 2),
+            },
+            weights_sha256=fingerprint,
+            tokenizer=tokenizer_info,
+            passes=reports,
+            versions=_versions(),
+            genai=genai,
+            cache={"layout": "concat", "description": CACHE_DESCRIPTIONS["concat"]},
+            quantization=quantization_record(quantize, quantization),
+        )
+        manifest.files = record_files(tmp)
+        manifest.write(tmp)
+    say(f"wrote {out_path}")
+    return manifest
+
+
+def spec_opset(graph_file: Path) -> int:
+    """The default-domain opset a written graph imports."""
+    proto = load_graph_structure(graph_file)
+    return max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0)

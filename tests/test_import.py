@@ -1,0 +1,105 @@
+"""``kvexport import``: Optimum's one-graph decoder becomes a kvexport directory that the runtime, check and verify take."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from click.testing import CliRunner
+
+from kvexport import Generator, verify
+from kvexport.cli import main
+from kvexport.integrity import check
+from kvexport.testing import run_single_graph
+from passes.fuse_attention import count_attention_ops
+
+FOREIGN = Path(__file__).parent / "data" / "foreign"
+CHECKPOINT = FOREIGN / "checkpoint-l3"
+
+
+@pytest.fixture(scope="module")
+def optimum_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What ``optimum-cli export onnx`` leaves: model.onnx, config.json and the tokenizer."""
+    directory = tmp_path_factory.mktemp("optimum-export")
+    shutil.copy(FOREIGN / "optimum-l3.onnx", directory / "model.onnx")
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(CHECKPOINT / name, directory / name)
+    return directory
+
+
+def _import(source: Path, out: Path, *extra: str) -> dict[str, object]:
+    result = CliRunner().invoke(main, ["import", str(source), "--out", str(out), "--json", *extra])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("attention", ["unfused", "ort"])
+def test_optimum_graph_becomes_a_directory_that_verifies(optimum_dir: Path, attention: str, tmp_path: Path) -> None:
+    out = tmp_path / "imported"
+    manifest = _import(optimum_dir, out, "--model", str(CHECKPOINT), "--attention", attention)
+    assert manifest["model"]["source"]["kind"] == "local"  # type: ignore[index]
+    prefill = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
+    decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)
+    assert [i.name for i in prefill.graph.input] == ["input_ids", "attention_mask", "position_ids"]
+    assert [d.dim_value or d.dim_param for d in prefill.graph.output[0].type.tensor_type.shape.dim] == ["batch", 1, 2048]
+    ids = decode.graph.input[0]
+    assert [d.dim_value or d.dim_param for d in ids.type.tensor_type.shape.dim] == ["batch", 1]
+    assert sum(1 for i in decode.graph.input if i.name.startswith("past.")) == 6
+    # weights once: both graphs point into one file no bigger than the source graph
+    data = {t.external_data[0].value for g in (prefill, decode) for t in g.graph.initializer if t.external_data}
+    assert data == {"weights.onnx.data"}
+    assert (out / "weights.onnx.data").stat().st_size < (FOREIGN / "optimum-l3.onnx").stat().st_size
+    assert (out / "tokenizer.json").is_file()
+    if attention == "ort":
+        import onnx_ir as ir
+
+        for name in ("prefill", "decode"):
+            assert count_attention_ops(ir.load(out / f"{name}.onnx")) == 3
+    report = verify(out)
+    assert report.ok, report
+    assert check(out).ok
+
+
+def test_generator_keeps_the_original_graphs_greedy_tokens(optimum_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "imported"
+    _import(optimum_dir, out, "--attention", "ort")
+    prompts = [[5, 17, 300, 42, 9, 2047], [88, 1024, 7]]
+    generated = Generator(out).generate(
+        np.array([[0, 0, 0, 88, 1024, 7], prompts[0]][::-1]),
+        max_new_tokens=6,
+        attention_mask=np.array([[1] * 6, [0, 0, 0, 1, 1, 1]]),
+        eos_token_id=-1,
+    )
+    # the reference: Optimum's own graph, driven greedily by its own names
+    tokens: list[list[int]] = []
+    for _ in range(6):
+        steps = run_single_graph(FOREIGN / "optimum-l3.onnx", prompts, tokens)
+        tokens.append(list(steps[-1]["logits"][:, -1, :].argmax(-1)))
+    assert generated[:, 6:].tolist() == np.array(tokens).T.tolist()
+
+
+def test_without_checkpoint_check_runs_and_verify_says_what_it_needs(optimum_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "imported"
+    manifest = _import(optimum_dir / "model.onnx", out)
+    assert manifest["model"]["source"]["kind"] == "graph"  # type: ignore[index]
+    assert check(out).ok
+    result = CliRunner().invoke(main, ["verify", str(out)])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines() == [
+        f"Error: {out}: imported from {optimum_dir / 'model.onnx'} without its checkpoint, so there is no "
+        "PyTorch reference; import it again with --model CHECKPOINT_DIR, or run kvexport check"
+    ]
+
+
+def test_a_directory_without_a_graph_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = CliRunner().invoke(main, ["import", str(empty), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "holds none of model.onnx" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
