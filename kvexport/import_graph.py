@@ -57,6 +57,7 @@ from passes import (
     build_pipeline,
     run_pipeline,
 )
+from passes._values import initializer
 from passes.pipeline import AttentionChoice
 
 # Optimum's and torch's dim names -> the contract's, per graph.
@@ -174,28 +175,35 @@ def _one_token(model: ir.Model) -> None:
 def _last_position_logits(model: ir.Model) -> bool:
     """Prefill: the LM head reads the last position only; False if the head is not found.
 
-    The head is the node that makes ``logits`` from a [batch, sequence, E] activation
-    (MatMul, or MatMulNBits once quantized); its activation is sliced to the last row.
+    The head is the MatMul / Gemm / MatMulNBits that makes ``logits`` (through Reshapes, as
+    when a Gemm is flattened around); the [batch, sequence, E] activation it reads is
+    sliced to its last row for every node of the head that reads it.
     """
     graph = model.graph
     logits = next((v for v in graph.outputs if v.name == "logits"), None)
     head = logits.producer() if logits is not None else None
-    if logits is None or head is None or head.op_type not in ("MatMul", "MatMulNBits") or head.inputs[0] is None:
+    while head is not None and head.op_type == "Reshape" and head.inputs[0] is not None:
+        head = head.inputs[0].producer()
+    if logits is None or head is None or head.op_type not in ("MatMul", "MatMulNBits", "Gemm"):
         return False
     hidden = head.inputs[0]
-    if hidden.shape is None or len(hidden.shape) != 3:
+    flatten = hidden.producer() if hidden is not None else None
+    if flatten is not None and flatten.op_type == "Reshape":
+        hidden = flatten.inputs[0]
+    if hidden is None or hidden.is_graph_output() or (hidden.shape is not None and len(hidden.shape) != 3):
         return False
     consts = [
-        ir.Value(name=f"kvexport.last_row.{n}", const_value=ir.tensor(np.array(v, np.int64)))
+        initializer(graph, f"kvexport.last_row.{n}", np.array(v, np.int64))
         for n, v in (("starts", [-1]), ("ends", [np.iinfo(np.int64).max]), ("axes", [1]))
     ]
-    for value in consts:
-        graph.register_initializer(value)
+    uses = list(hidden.uses())
     last = ir.node("Slice", [hidden, *consts])
-    graph.insert_before(head, last)
+    graph.insert_before(min((u.node for u in uses), key=list(graph).index), last)
     last.outputs[0].type = hidden.type
-    last.outputs[0].shape = ir.Shape([hidden.shape[0], 1, hidden.shape[2]])
-    head.replace_input_with(0, last.outputs[0])
+    if hidden.shape is not None:
+        last.outputs[0].shape = ir.Shape([hidden.shape[0], 1, hidden.shape[2]])
+    for use in uses:
+        use.node.replace_input_with(use.idx, last.outputs[0])
     if logits.shape is not None:
         logits.shape = ir.Shape([logits.shape[0], 1, logits.shape[2]])
     return True

@@ -52,7 +52,9 @@ def test_optimum_graph_becomes_a_directory_that_verifies(optimum_dir: Path, atte
     # weights once: both graphs point into one file no bigger than the source graph
     data = {t.external_data[0].value for g in (prefill, decode) for t in g.graph.initializer if t.external_data}
     assert data == {"weights.onnx.data"}
-    assert (out / "weights.onnx.data").stat().st_size < (FOREIGN / "optimum-l3.onnx").stat().st_size
+    # Optimum stores the tied head a second time, transposed; the import reads the embedding
+    assert not [t.name for g in (prefill, decode) for t in g.graph.initializer if list(t.dims) == [24, 2048]]
+    assert (out / "weights.onnx.data").stat().st_size < 0.7 * (FOREIGN / "optimum-l3.onnx").stat().st_size
     assert (out / "tokenizer.json").is_file()
     if attention == "ort":
         import onnx_ir as ir
