@@ -782,6 +782,12 @@ def rewrite_command(
     help="The checkpoint directory the graph was exported from; recorded so verify can compare with PyTorch.",
 )
 @attention_option(default="unfused", note="")
+@click.option(
+    "--cache",
+    type=click.Choice(["concat", "shared-buffer"]),
+    default=None,
+    help="Cache layout [default: shared-buffer with --attention ort (also loads in onnxruntime-genai), else concat].",
+)
 @quantization_options
 @click.option("--force", is_flag=True, help="Replace a non-empty --out.")
 @json_option
@@ -790,6 +796,7 @@ def import_command(
     out: Path,
     checkpoint: Path | None,
     attention: str,
+    cache: str | None,
     quantize: str,
     block_size: int | None,
     asymmetric: bool,
@@ -809,6 +816,7 @@ def import_command(
             out,
             model=checkpoint,
             attention=attention,  # type: ignore[arg-type]
+            cache=cache,
             quantize=quantize,
             quantization=knobs,
             force=force,

@@ -230,6 +230,7 @@ def import_decoder(
     *,
     model: str | Path | None = None,
     attention: AttentionChoice = "unfused",
+    cache: str | None = None,
     quantize: str = "none",
     quantization: QuantizationConfig | None = None,
     force: bool = False,
@@ -244,6 +245,9 @@ def import_decoder(
         model: the checkpoint the graph was exported from (a local directory): recorded
             as the source, so ``verify`` can compare against PyTorch.
         attention: ``unfused``, ``onnx`` or ``ort``, as for ``kvexport rewrite``.
+        cache: ``concat`` or ``shared-buffer`` (the in-place cache; needs ``ort``; the
+            directory then also loads in onnxruntime-genai). None: ``shared-buffer`` for
+            ``ort``, else ``concat``, as ``kvexport gpt2`` chooses for its targets.
         quantize: ``none``, ``int8`` or ``int4`` (needs ``ort``), as for ``kvexport gpt2``.
         quantization: override the scheme's knobs.
         force: replace a non-empty ``out``.
@@ -264,6 +268,11 @@ def import_decoder(
     check_output_dir(out_path.absolute(), force)
     if attention not in ("unfused", "onnx", "ort"):
         raise KvexportError(f"--attention {attention}: choose unfused, onnx or ort")
+    layout = cache or ("shared-buffer" if attention == "ort" else "concat")
+    if layout not in CACHE_DESCRIPTIONS:
+        raise KvexportError(f"--cache {layout}: choose {' or '.join(CACHE_DESCRIPTIONS)}")
+    if layout == "shared-buffer" and attention != "ort":
+        raise KvexportError("--cache shared-buffer rewrites ONNX Runtime attention; add --attention ort")
     quantization = _quantization(quantize, quantization, attention)
     model_dir = Path(model) if model is not None else None
     if model_dir is not None and not (model_dir / "config.json").is_file():
@@ -288,7 +297,7 @@ def import_decoder(
         else:
             _one_token(graph)
         _rename_dims(graph, _PREFILL_DIMS if name == "prefill" else _DECODE_DIMS)
-        pipeline = build_pipeline(attention, quantization=quantization)
+        pipeline = build_pipeline(attention, shared_buffer=layout == "shared-buffer", quantization=quantization)
         for pass_report in run_pipeline(graph, pipeline):
             reports.append({"graph": name, **pass_report.to_json()})
         if name == "prefill":
@@ -309,7 +318,7 @@ def import_decoder(
         specs = {n: GraphSpec.from_proto(f"{n}.onnx", load_graph_structure(tmp / f"{n}.onnx")) for n in ("prefill", "decode")}
         opset = max(spec_opset(tmp / f"{n}.onnx") for n in ("prefill", "decode"))
         target = "ort-cpu" if attention == "ort" else "portable"
-        genai = write_genai_files(tmp, dims, target, "concat", tokenizer_info)
+        genai = write_genai_files(tmp, dims, target, layout, tokenizer_info)
         manifest = Manifest(
             source=model_source,
             dims=dims,
@@ -331,7 +340,7 @@ def import_decoder(
             passes=reports,
             versions=_versions(),
             genai=genai,
-            cache={"layout": "concat", "description": CACHE_DESCRIPTIONS["concat"]},
+            cache={"layout": layout, "description": CACHE_DESCRIPTIONS[layout]},
             quantization=quantization_record(quantize, quantization),
         )
         manifest.files = record_files(tmp)

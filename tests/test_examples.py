@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +22,7 @@ from kvexport.runtime import Generator
 
 ROOT = Path(__file__).parent.parent
 GENAI_VENV = ROOT / ".venv-genai"
+FOREIGN = ROOT / "tests" / "data" / "foreign"
 GENAI_PACKAGE = "onnxruntime-genai==0.18.0"
 PROMPT = [464, 6766, 318, 4171]
 
@@ -30,6 +32,20 @@ def ort_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> P
     """The tiny model (seed 1, like ``tiny_export``) with the in-place cache."""
     out = tmp_path_factory.mktemp("examples") / "tiny-ort"
     export_gpt2(out, str(tiny_config), random_init=True, seed=1, target="ort-cpu")
+    return out
+
+
+@pytest.fixture(scope="module")
+def imported_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Optimum's one-graph decoder (tests/data/foreign) through ``kvexport import --attention ort``: in-place cache."""
+    from kvexport.import_graph import import_decoder
+
+    source = tmp_path_factory.mktemp("optimum-export")
+    shutil.copy(FOREIGN / "optimum-l3.onnx", source / "model.onnx")
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(FOREIGN / "checkpoint-l3" / name, source / name)
+    out = tmp_path_factory.mktemp("examples") / "imported"
+    import_decoder(source, out, attention="ort")
     return out
 
 
@@ -76,16 +92,21 @@ def _genai_python() -> Path:
     return python
 
 
-def test_onnxruntime_genai_runs_the_export_as_the_generator_does(ort_export: Path) -> None:
+@pytest.mark.parametrize("which", ["exported", "imported"])
+def test_onnxruntime_genai_runs_the_export_as_the_generator_does(which: str, request: pytest.FixtureRequest) -> None:
+    """Our own in-place export, and Optimum's graph after ``kvexport import``."""
+    directory: Path = request.getfixturevalue("ort_export" if which == "exported" else "imported_export")
+    prompt = PROMPT if which == "exported" else [5, 17, 300, 42]
+    eos = Generator(directory).eos_token_id
     python = _genai_python()
     done = subprocess.run(
-        [str(python), str(ROOT / "examples" / "genai_generate.py"), str(ort_export), "--ids=" + ",".join(map(str, PROMPT)), "12"],
+        [str(python), str(ROOT / "examples" / "genai_generate.py"), str(directory), "--ids=" + ",".join(map(str, prompt)), "12"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
     tokens = json.loads(done.stdout)["tokens"]
-    expected = Generator(ort_export).generate([PROMPT], 12, eos_token_id=-1)[0, len(PROMPT) :].tolist()
+    expected = Generator(directory).generate([prompt], 12, eos_token_id=-1)[0, len(prompt) :].tolist()
     assert tokens and tokens == expected[: len(tokens)]
-    assert len(tokens) == 12 or tokens[-1] == 50256  # onnxruntime-genai stops at EOS
+    assert len(tokens) == 12 or tokens[-1] == eos  # onnxruntime-genai stops at EOS

@@ -37,14 +37,21 @@ def _import(source: Path, out: Path, *extra: str) -> dict[str, object]:
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("attention", ["unfused", "ort"])
-def test_optimum_graph_becomes_a_directory_that_verifies(optimum_dir: Path, attention: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("attention", "cache"), [("unfused", "concat"), ("ort", "concat"), ("ort", "shared-buffer")])
+def test_optimum_graph_becomes_a_directory_that_verifies(
+    optimum_dir: Path, attention: str, cache: str, tmp_path: Path
+) -> None:
     out = tmp_path / "imported"
-    manifest = _import(optimum_dir, out, "--model", str(CHECKPOINT), "--attention", attention)
+    manifest = _import(optimum_dir, out, "--model", str(CHECKPOINT), "--attention", attention, "--cache", cache)
     assert manifest["model"]["source"]["kind"] == "local"  # type: ignore[index]
+    assert manifest["cache"]["layout"] == cache  # type: ignore[index]
+    assert manifest["genai"]["written"] == (cache == "shared-buffer")  # type: ignore[index]
     prefill = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
     decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)
-    assert [i.name for i in prefill.graph.input] == ["input_ids", "attention_mask", "position_ids"]
+    prefill_inputs = [i.name for i in prefill.graph.input]
+    assert prefill_inputs[:3] == ["input_ids", "attention_mask", "position_ids"]
+    # the in-place layout's prefill takes the empty buffers it fills; the concat one has no past
+    assert len(prefill_inputs) == (3 + 6 if cache == "shared-buffer" else 3)
     assert [d.dim_value or d.dim_param for d in prefill.graph.output[0].type.tensor_type.shape.dim] == ["batch", 1, 2048]
     ids = decode.graph.input[0]
     assert [d.dim_value or d.dim_param for d in ids.type.tensor_type.shape.dim] == ["batch", 1]
@@ -105,3 +112,16 @@ def test_a_directory_without_a_graph_is_one_line_and_writes_nothing(tmp_path: Pa
     assert "holds none of model.onnx" in result.output
     assert len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_bench_times_an_import_without_checkpoint_and_says_why_pytorch_is_missing(optimum_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "imported"
+    _import(optimum_dir / "model.onnx", out, "--attention", "ort")
+    results = tmp_path / "bench"
+    args = ["bench", str(out), "--contexts", "8", "--batches", "1", "--new-tokens", "3", "--repeats", "1", "--results", str(results)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert f"no PyTorch baselines: {out} was imported without its checkpoint" in result.output
+    systems = {m["system"] for m in json.loads((results / "bench.json").read_text())["measurements"]}
+    assert {"kvexport", "floor"} <= systems
+    assert not systems & {"pytorch", "no-cache"}
