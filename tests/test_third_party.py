@@ -133,3 +133,54 @@ def test_a_rule_that_does_not_match_says_why(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "fuse_attention: OrtAttentionWithPast matched 0 times: check failed" in result.output
     assert "the attention scale is not a scalar constant" in result.output
+
+
+def _rescaled(form: str, path: Path) -> Path:
+    """The TorchScript graph with its ``Div(scores, c)`` written another way eager code writes it.
+
+    ``mul_after``: ``Mul(scores, 1/c)``; ``query_before``: ``MatMul(Mul(q, 1/c), k^T)``.
+    """
+    model = ir.load(FOREIGN / "torchscript-decode-l3.onnx")
+    graph = model.graph
+    for div in [node for node in graph if node.op_type == "Div" and "/attn/" in (node.name or "")]:
+        scores, divisor = div.inputs
+        assert scores is not None and divisor is not None
+        product = scores.producer()
+        assert product is not None and product.op_type == "MatMul"
+        inverse = ir.Value(
+            name=f"{div.name}.inverse",
+            const_value=ir.tensor(np.array(1.0 / np.sqrt(8.0), np.float32)),
+            type=ir.TensorType(ir.DataType.FLOAT),
+            shape=ir.Shape([]),
+        )
+        graph.register_initializer(inverse)
+        if form == "mul_after":
+            mul = ir.node("Mul", [scores, inverse])
+            graph.insert_before(div, mul)
+            div.outputs[0].replace_all_uses_with(mul.outputs[0])
+        else:
+            query = product.inputs[0]
+            assert query is not None
+            mul = ir.node("Mul", [query, inverse])
+            graph.insert_before(product, mul)
+            product.replace_input_with(0, mul.outputs[0])
+            div.outputs[0].replace_all_uses_with(scores)
+        graph.remove(div, safe=True)
+    ir.save(model, path)
+    return path
+
+
+@pytest.mark.parametrize("form", ["mul_after", "query_before"])
+def test_other_eager_scalings_fuse_with_the_same_scale(form: str, tmp_path: Path) -> None:
+    source = _rescaled(form, tmp_path / f"{form}.onnx")
+    output = tmp_path / "rewritten.onnx"
+    _rewrite(source, output, "--attention", "ort")
+    model = ir.load(output)
+    assert count_attention_ops(model) == 3 and count_ops(model, "Softmax") == 0
+    scales = [node.attributes["scale"].as_float() for node in model.graph if node.op_type == "MultiHeadAttention"]
+    assert scales == pytest.approx([1 / np.sqrt(8.0)] * 3)
+    prompt = run_single_graph(FOREIGN / "optimum-l3.onnx", PROMPTS, [])
+    past = cache_by_slot(prompt[0])
+    original = run_single_graph(source, PROMPTS, TOKENS, past=past)
+    rewritten = run_single_graph(output, PROMPTS, TOKENS, past=past)
+    _assert_same_real_outputs(original, rewritten, prefilled=False)
