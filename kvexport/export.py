@@ -503,6 +503,36 @@ def _quantization(
     return knobs or scheme
 
 
+def write_directory_files(
+    directory: Path,
+    dims: ModelDims,
+    model_dir: Path | None,
+    target: str,
+    cache_layout: str,
+    report: Progress,
+) -> tuple[dict[str, Any], dict[str, GraphSpec], dict[str, Any]]:
+    """Beside the saved graphs: the tokenizer and the onnxruntime-genai files.
+
+    Returns the manifest's ``tokenizer`` record, the graphs' IO specs (read back from
+    the written files) and the ``genai`` record.
+    """
+    choice = choose_tokenizer(model_dir, dims.vocab_size)
+    tokenizer_info: dict[str, Any] = {"file": None, "source": choice.source, "eos_token_id": choice.eos_token_id}
+    if choice.tokenizer is not None:
+        choice.tokenizer.save(str(directory / "tokenizer.json"))
+        tokenizer_info["file"] = "tokenizer.json"
+    else:
+        report(f"no tokenizer exported ({choice.source})")
+    specs = {
+        name: GraphSpec.from_proto(f"{name}.onnx", load_graph_structure(directory / f"{name}.onnx"))
+        for name in ("prefill", "decode")
+    }
+    genai = write_genai_files(directory, dims, target, cache_layout, tokenizer_info)
+    if not genai["written"]:
+        report(f"no genai_config.json: {genai['why']}")
+    return tokenizer_info, specs, genai
+
+
 def quantization_record(scheme: str, config: QuantizationConfig | None) -> dict[str, Any] | None:
     """The manifest's ``quantization``: the scheme, its knobs and verify's tolerances (None for float)."""
     if config is None:
@@ -598,26 +628,14 @@ def export_gpt2(
         report("writing graphs and shared weights")
         weights = save_with_shared_weights(graphs, tmp)
         del graphs
-        choice = choose_tokenizer(
-            Path(source.name) if source.kind == "local" else None, dims.vocab_size
+        tokenizer_info, specs, genai = write_directory_files(
+            tmp,
+            dims,
+            Path(source.name) if source.kind == "local" else None,
+            options.target.value,
+            options.cache.value,
+            report,
         )
-        tokenizer_info: dict[str, Any] = {
-            "file": None,
-            "source": choice.source,
-            "eos_token_id": choice.eos_token_id,
-        }
-        if choice.tokenizer is not None:
-            choice.tokenizer.save(str(tmp / "tokenizer.json"))
-            tokenizer_info["file"] = "tokenizer.json"
-        else:
-            report(f"no tokenizer exported ({choice.source})")
-        specs = {
-            name: GraphSpec.from_proto(f"{name}.onnx", load_graph_structure(tmp / f"{name}.onnx"))
-            for name in ("prefill", "decode")
-        }
-        genai = write_genai_files(tmp, dims, options.target.value, options.cache.value, tokenizer_info)
-        if not genai["written"]:
-            report(f"no genai_config.json: {genai['why']}")
         report("hashing the files for the manifest")
         files = record_files(tmp)
         manifest = Manifest(

@@ -37,19 +37,17 @@ from kvexport.export import (
     _rename_dims,
     _versions,
     quantization_record,
+    write_directory_files,
 )
-from kvexport.genai import write_genai_files
 from kvexport.integrity import record_files
-from kvexport.manifest import GraphSpec, Manifest
+from kvexport.manifest import Manifest
 from kvexport.model_info import ModelDims, ModelSource
 from kvexport.storage import (
     atomic_output_dir,
     check_external_data,
     check_output_dir,
-    load_graph_structure,
     save_with_shared_weights,
 )
-from kvexport.tokenizer import choose_tokenizer
 from passes import (
     CacheNamingError,
     QuantizationConfig,
@@ -307,18 +305,12 @@ def import_decoder(
     model_source, fingerprint, dtype = _source(model_dir, graph_path)
     with atomic_output_dir(out_path, force) as tmp:
         say("writing graphs and shared weights")
+        opset = graphs["decode"].opset_imports.get("", 0)
         weights = save_with_shared_weights(graphs, tmp)
         del graphs
         tokenizer_dir = source_dir if (source_dir / "tokenizer.json").is_file() else model_dir
-        choice = choose_tokenizer(tokenizer_dir, dims.vocab_size)
-        tokenizer_info: dict[str, Any] = {"file": None, "source": choice.source, "eos_token_id": choice.eos_token_id}
-        if choice.tokenizer is not None:
-            choice.tokenizer.save(str(tmp / "tokenizer.json"))
-            tokenizer_info["file"] = "tokenizer.json"
-        specs = {n: GraphSpec.from_proto(f"{n}.onnx", load_graph_structure(tmp / f"{n}.onnx")) for n in ("prefill", "decode")}
-        opset = max(spec_opset(tmp / f"{n}.onnx") for n in ("prefill", "decode"))
         target = "ort-cpu" if attention == "ort" else "portable"
-        genai = write_genai_files(tmp, dims, target, layout, tokenizer_info)
+        tokenizer_info, specs, genai = write_directory_files(tmp, dims, tokenizer_dir, target, layout, say)
         manifest = Manifest(
             source=model_source,
             dims=dims,
@@ -348,8 +340,3 @@ def import_decoder(
     say(f"wrote {out_path}")
     return manifest
 
-
-def spec_opset(graph_file: Path) -> int:
-    """The default-domain opset a written graph imports."""
-    proto = load_graph_structure(graph_file)
-    return max((o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")), default=0)
