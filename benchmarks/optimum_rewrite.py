@@ -15,6 +15,7 @@ Graph columns: nodes, Shape nodes, fused attention ops, Softmax left, MB on disk
 (graphs, weights, and for the directories the tokenizer and manifest). Timing: decode
 ms/token of a naive ONNX Runtime loop (numpy feeds, a new present each step) after a
 128-token prompt, batch 1, median over the rounds; the Generator (IO binding) beside it.
+Ratios are taken within each round (every system timed back to back), then the median.
 
 Usage: python benchmarks/optimum_rewrite.py [--model gpt2] [--work /tmp/optimum-bench] [--rounds 3]
 """
@@ -159,6 +160,12 @@ def main() -> None:
         table[name]["naive_decode_ms"] = round(statistics.median(naive[name]), 2)
     for name in generator:
         table[name]["generator_decode_ms"] = round(statistics.median(generator[name]), 2)
+    # this host drifts within minutes: the ratio of each round, then their median
+    for name in graphs:
+        ratios = [mine / base for mine, base in zip(naive[name], naive["optimum"], strict=True)]
+        table[name]["naive_vs_optimum"] = round(statistics.median(ratios), 3)
+    ratios = [mine / base for mine, base in zip(generator["import"], generator["kvexport"], strict=True)]
+    table["import"]["generator_vs_kvexport"] = round(statistics.median(ratios), 3)
     result = {"model": args.model, "context": args.context, "rounds": args.rounds, "table": table,
               "naive_rounds": naive, "generator_rounds": generator}
     args.results.mkdir(parents=True, exist_ok=True)
