@@ -107,14 +107,15 @@ def left_padded_batch(prompts: list[list[int]], pad: int = 0) -> tuple[np.ndarra
     """``input_ids``, ``attention_mask`` and ``position_ids`` for ``prompts``, padded on the left."""
     import numpy as np
 
+    from kvexport.runtime.generator import positions_from_mask
+
     width = max(len(p) for p in prompts)
     ids = np.full((len(prompts), width), pad, np.int64)
     mask = np.zeros((len(prompts), width), np.int64)
     for row, prompt in enumerate(prompts):
         ids[row, width - len(prompt) :] = prompt
         mask[row, width - len(prompt) :] = 1
-    positions = np.clip(np.cumsum(mask, axis=1) - 1, 0, None)
-    return ids, mask, positions
+    return ids, mask, positions_from_mask(mask)
 
 
 CacheSlotKey = tuple[int, "str | None"]

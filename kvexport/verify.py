@@ -38,7 +38,7 @@ from kvexport.errors import KvexportError
 from kvexport.integrity import file_problems
 from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
 from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
-from kvexport.runtime.generator import CacheBanks
+from kvexport.runtime.generator import CacheBanks, positions_from_mask
 from kvexport.runtime.session import open_session, resolve_provider
 from kvexport.storage import check_external_data
 
@@ -293,10 +293,6 @@ def _cases(
     }
 
 
-def _positions(mask: np.ndarray) -> np.ndarray:
-    return np.clip(np.cumsum(mask, axis=-1) - 1, 0, None).astype(np.int64)
-
-
 class _StepRunner:
     """Runs one graph step and returns every output as host arrays, for either cache layout.
 
@@ -415,7 +411,7 @@ def _run_case(
     n_layer = manifest.dims.n_layer
     present_names = cache_names("present", n_layer)
     past_names = cache_names("past", n_layer)
-    positions = _positions(mask)
+    positions = positions_from_mask(mask)
     feeds: dict[str, np.ndarray] = {
         "input_ids": ids,
         "attention_mask": mask,

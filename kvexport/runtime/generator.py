@@ -47,6 +47,11 @@ _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
 
 
+def positions_from_mask(mask: np.ndarray) -> np.ndarray:
+    """``position_ids`` of a left-padded batch: the mask's cumulative sum - 1, clipped at 0."""
+    return np.clip(np.cumsum(mask, axis=-1) - 1, 0, None).astype(np.int64)
+
+
 @dataclass
 class GenerationStats:
     """Timings of the last generation: time to first token and decode time per token."""
@@ -405,7 +410,7 @@ class Generator:
         binding = self.sessions["prefill"].io_binding()
         binding.bind_cpu_input("input_ids", request.ids)
         binding.bind_cpu_input("attention_mask", request.mask)
-        binding.bind_cpu_input("position_ids", np.clip(np.cumsum(request.mask, -1) - 1, 0, None))
+        binding.bind_cpu_input("position_ids", positions_from_mask(request.mask))
         self._bind_logits(binding, logits)
         if self._shared:
             self._bind_cache(binding, self._past_names, banks, 0, full, stats, output=False)
