@@ -55,7 +55,7 @@ from passes import (
     build_pipeline,
     run_pipeline,
 )
-from passes._values import initializer
+from passes._values import ints
 from passes.pipeline import AttentionChoice
 
 # Optimum's and torch's dim names -> the contract's, per graph.
@@ -151,8 +151,7 @@ def _empty_past(model: ir.Model) -> None:
     graph.insert_before(graph[0], batch)
     for past in _past_inputs(model):
         assert past.shape is not None
-        rest = ir.Value(name=f"kvexport.empty_dims.{past.name}", const_value=ir.tensor(np.array([past.shape[1], 0, past.shape[3]], np.int64)))
-        graph.register_initializer(rest)
+        rest = ints(graph, [int(past.shape[1]), 0, int(past.shape[3])])  # type: ignore[arg-type]
         shape = ir.node("Concat", [batch.outputs[0], rest], attributes={"axis": 0})
         dtype = past.dtype.numpy() if past.dtype is not None else np.float32
         empty = ir.node("ConstantOfShape", [shape.outputs[0]], attributes={"value": ir.tensor(np.zeros(1, dtype))})
@@ -190,10 +189,7 @@ def _last_position_logits(model: ir.Model) -> bool:
         hidden = flatten.inputs[0]
     if hidden is None or hidden.is_graph_output() or (hidden.shape is not None and len(hidden.shape) != 3):
         return False
-    consts = [
-        initializer(graph, f"kvexport.last_row.{n}", np.array(v, np.int64))
-        for n, v in (("starts", [-1]), ("ends", [np.iinfo(np.int64).max]), ("axes", [1]))
-    ]
+    consts = [ints(graph, [-1]), ints(graph, [int(np.iinfo(np.int64).max)]), ints(graph, [1])]
     uses = list(hidden.uses())
     last = ir.node("Slice", [hidden, *consts])
     graph.insert_before(min((u.node for u in uses), key=list(graph).index), last)

@@ -21,6 +21,13 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     graph.register_initializer(constant)
     return constant
 
+def ints(graph: ir.Graph, value: int | list[int]) -> ir.Value:
+    """A shared int64 initializer holding ``value`` (a scalar or a 1-D list), named by its values."""
+    array = np.array(value, np.int64)
+    name = "kvexport.ints_" + ("_".join(map(str, array.reshape(-1))) + ("_1d" if array.ndim else ""))
+    return initializer(graph, name.replace("-", "m"), array)
+
+
 def const_ints(value: ir.Value | None) -> list[int] | None:
     """The value as a list of Python ints when it is a constant integer tensor, else None."""
     if value is None or value.const_value is None:

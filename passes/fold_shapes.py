@@ -55,7 +55,7 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 from passes._masks import is_mask_where, is_padding_condition, padding_condition
 from passes._rules import apply_rules
 from passes._shapes import annotate_symbolic_shapes
-from passes._values import const_ints, dims_of, initializer
+from passes._values import const_ints, dims_of, ints
 
 _MAX_ROUNDS = 6
 
@@ -416,7 +416,7 @@ def share_dim_sources(model: ir.Model) -> int:
         dim = dims[position]
         if isinstance(dim, int):  # a static dim read by a Slice (a Gather's is StaticDimFromShape's)
             if reader.op_type == "Slice" and not reader.outputs[0].is_graph_output():
-                reader.outputs[0].replace_all_uses_with(_ints(graph, [dim]))
+                reader.outputs[0].replace_all_uses_with(ints(graph, [dim]))
                 moved += 1
             continue
         if dim not in carriers:
@@ -430,20 +430,13 @@ def share_dim_sources(model: ir.Model) -> int:
         if reader.op_type == "Gather":
             index = reader.inputs[1]
             scalar = index is not None and index.shape is not None and len(index.shape) == 0
-            reader.replace_input_with(1, _ints(graph, axis) if scalar else _ints(graph, [axis]))
+            reader.replace_input_with(1, ints(graph, axis) if scalar else ints(graph, [axis]))
         else:
-            reader.replace_input_with(1, _ints(graph, [axis]))
-            reader.replace_input_with(2, _ints(graph, [axis + 1]))
+            reader.replace_input_with(1, ints(graph, [axis]))
+            reader.replace_input_with(2, ints(graph, [axis + 1]))
         reader.replace_input_with(0, shapes[id(carrier)])
         moved += 1
     return moved
-
-
-def _ints(graph: ir.Graph, value: int | list[int]) -> ir.Value:
-    """A shared int64 initializer holding ``value`` (a scalar or a 1-D list)."""
-    array = np.array(value, np.int64)
-    name = "kvexport.ints_" + ("_".join(map(str, array.reshape(-1))) + ("_1d" if array.ndim else ""))
-    return initializer(graph, name.replace("-", "m"), array)
 
 
 def _is_whole_shape_of(node: ir.Node | None, value: ir.Value) -> bool:

@@ -27,7 +27,7 @@ from onnx_ir.passes import PassResult
 from onnxscript.rewriter import MatchResult, RewriteRule
 
 from passes._rules import RulePass
-from passes._values import initializer
+from passes._values import ints
 
 
 def _pattern(op: Any, x: ir.Value, weight: ir.Value) -> ir.Value:
@@ -86,11 +86,10 @@ def tie_transposed_copies(model: ir.Model) -> int:
             gemm = ir.node("Gemm", [x, twin], attributes={"transB": 1})
             new_nodes, result = [gemm], gemm.outputs[0]
         else:
-            flat = ir.node("Reshape", [x, initializer(graph, f"kvexport.flat_{features}", np.array([-1, features], np.int64))])
+            flat = ir.node("Reshape", [x, ints(graph, [-1, features])])
             gemm = ir.node("Gemm", [flat.outputs[0], twin], attributes={"transB": 1})
             lead = ir.node("Shape", [x], attributes={"start": 0, "end": -1})
-            vocab_dim = initializer(graph, f"kvexport.dim_{vocab}_1d", np.array([vocab], np.int64))
-            target = ir.node("Concat", [lead.outputs[0], vocab_dim], attributes={"axis": 0})
+            target = ir.node("Concat", [lead.outputs[0], ints(graph, [vocab])], attributes={"axis": 0})
             back = ir.node("Reshape", [gemm.outputs[0], target.outputs[0]])
             new_nodes, result = [flat, gemm, lead, target, back], back.outputs[0]
         graph.insert_before(node, new_nodes)
