@@ -809,7 +809,6 @@ def import_command(
     from kvexport.import_graph import import_decoder
 
     knobs = _quantization_knobs(quantize, block_size, asymmetric, accuracy_level, head_bits)
-    say = (lambda message: None) if as_json else (lambda message: click.echo(message, err=True))
     manifest = _run(
         lambda: import_decoder(
             source,
@@ -820,7 +819,7 @@ def import_command(
             quantize=quantize,
             quantization=knobs,
             force=force,
-            progress=say,
+            progress=None if as_json else _progress,
         )
     )
     if as_json:

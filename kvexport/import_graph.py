@@ -25,12 +25,13 @@ import json
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from kvexport.errors import KvexportError, first_line
+from kvexport.errors import KvexportError
 from kvexport.export import (
     CACHE_DESCRIPTIONS,
     _quantization,
@@ -42,9 +43,9 @@ from kvexport.export import (
 from kvexport.integrity import record_files
 from kvexport.manifest import Manifest
 from kvexport.model_info import ModelDims, ModelSource
+from kvexport.rewrite import load_graph
 from kvexport.storage import (
     atomic_output_dir,
-    check_external_data,
     check_output_dir,
     save_with_shared_weights,
 )
@@ -88,23 +89,14 @@ def _locate(source: Path) -> tuple[Path, Path]:
     return source, source.parent
 
 
-def _load(graph_path: Path) -> ir.Model:
-    check_external_data(graph_path)
-    try:
-        return ir.load(graph_path)
-    except Exception as exc:  # onnx / protobuf raise many kinds
-        raise KvexportError(f"{graph_path}: not a readable ONNX graph ({first_line(exc)})") from exc
-
-
-def _inputs(model: ir.Model, graph_path: Path) -> dict[str, ir.Value]:
-    found = {value.name: value for value in model.graph.inputs if value.name}
+def _check_inputs(model: ir.Model, graph_path: Path) -> None:
+    found = {value.name for value in model.graph.inputs}
     missing = [name for name in _INPUTS if name not in found]
     if missing:
         raise KvexportError(
             f"{graph_path}: has no {', '.join(missing)} input; import takes a GPT-2 decoder with "
             "input_ids, attention_mask and position_ids (Optimum's text-generation-with-past export)"
         )
-    return found
 
 
 def _past_inputs(model: ir.Model) -> list[ir.Value]:
@@ -119,15 +111,7 @@ def _dims(model: ir.Model, config_dir: Path | None, graph_path: Path) -> ModelDi
     heads, head_dim = int(past[0].shape[1]), int(past[0].shape[3])  # type: ignore[arg-type]
     config_file = config_dir / "config.json" if config_dir is not None else None
     if config_file is not None and config_file.is_file():
-        config = json.loads(config_file.read_text())
-        dims = ModelDims(
-            n_layer=int(config["n_layer"]),
-            n_head=int(config["n_head"]),
-            head_dim=int(config["n_embd"]) // int(config["n_head"]),
-            n_embd=int(config["n_embd"]),
-            vocab_size=int(config["vocab_size"]),
-            n_positions=int(config["n_positions"]),
-        )
+        dims = ModelDims.from_config(SimpleNamespace(**json.loads(config_file.read_text())))
         if (dims.n_layer * 2, dims.n_head, dims.head_dim) != (len(past), heads, head_dim):
             raise KvexportError(f"{config_file}: does not describe {graph_path} (layers, heads or head size differ)")
         return dims
@@ -203,19 +187,19 @@ def _last_position_logits(model: ir.Model) -> bool:
     return True
 
 
-def _source(model_dir: Path | None, graph_path: Path) -> tuple[ModelSource, str, str]:
-    """The manifest's source and weights fingerprint, and the dtype.
+def _source(model_dir: Path | None, graph_path: Path) -> tuple[ModelSource, str]:
+    """The manifest's source and weights fingerprint.
 
     With a checkpoint, its PyTorch weights are fingerprinted (torch is loaded), as an
     export does: verify and bench compare the fingerprint with what they rebuild.
     """
     if model_dir is None:
-        return ModelSource("graph", str(graph_path)), "", "fp32"
+        return ModelSource("graph", str(graph_path)), ""
     from kvexport.models.gpt2 import load_gpt2, resolve_source, weights_fingerprint
 
     source = resolve_source(str(model_dir), random_init=False, seed=0)
     torch_model = load_gpt2(source, "fp32")
-    return source, weights_fingerprint(torch_model), "fp32"
+    return source, weights_fingerprint(torch_model)
 
 
 def import_decoder(
@@ -277,8 +261,8 @@ def import_decoder(
     last_only = True
     for name in ("prefill", "decode"):
         say(f"specialising {graph_path.name} into {name}")
-        graph = _load(graph_path)
-        _inputs(graph, graph_path)
+        graph = load_graph(graph_path)
+        _check_inputs(graph, graph_path)
         try:
             RenameCachePass()(graph)
         except CacheNamingError as exc:
@@ -298,7 +282,7 @@ def import_decoder(
             last_only = _last_position_logits(graph)
         graphs[name] = graph
     assert dims is not None
-    model_source, fingerprint, dtype = _source(model_dir, graph_path)
+    model_source, fingerprint = _source(model_dir, graph_path)
     with atomic_output_dir(out_path, force) as tmp:
         say("writing graphs and shared weights")
         opset = graphs["decode"].opset_imports.get("", 0)
@@ -310,7 +294,7 @@ def import_decoder(
         manifest = Manifest(
             source=model_source,
             dims=dims,
-            dtype=dtype,
+            dtype="fp32",
             opset=opset,
             target=target,
             attention=attention,

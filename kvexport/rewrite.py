@@ -48,7 +48,8 @@ class RewriteResult:
     reports: list[PassReport] = field(default_factory=list)
 
 
-def _load(source: Path) -> ir.Model:
+def load_graph(source: Path) -> ir.Model:
+    """Load an ``.onnx`` graph after checking its external data stays in its directory; one clear error otherwise."""
     if not source.exists():
         raise KvexportError(f"{source}: no such file; pass an .onnx graph")
     if source.is_dir():
@@ -100,7 +101,7 @@ def rewrite_graph(
         pipeline = build_pipeline(attention, chosen, quantization=quantization, explain=explain)
     except ValueError as exc:
         raise KvexportError(f"--passes: {exc}") from exc
-    model = _load(source)
+    model = load_graph(source)
     try:
         reports = run_pipeline(model, pipeline)
         if names != "canonical":
