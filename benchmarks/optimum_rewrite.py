@@ -64,15 +64,10 @@ def naive_decode_ms(path: Path, context: int, steps: int) -> float:
     """Median ms per decode step of a plain session.run loop after a ``context``-token prompt."""
     import onnxruntime as ort
 
-    from kvexport.testing import cache_by_slot
-    from passes.rename_cache import parse_cache_name
+    from kvexport.testing import cache_by_slot, past_inputs
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    past_names = {}
-    for arg in session.get_inputs():
-        slot = parse_cache_name(arg.name, "past")
-        if slot is not None:
-            past_names[(slot.layer, slot.kind)] = (arg.name, int(arg.shape[1]), int(arg.shape[3]))
+    past_names = past_inputs(session)
     rng = np.random.default_rng(0)
     # the prompt's cache: random rows of the right shape (timing only)
     feeds = {name: rng.standard_normal((1, h, context, d), dtype=np.float32) for name, h, d in past_names.values()}

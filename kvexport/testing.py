@@ -10,7 +10,7 @@ from __future__ import annotations
 import shutil
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
@@ -139,23 +139,13 @@ def run_single_graph(
     import numpy as np
     import onnxruntime as ort
 
-    from passes.rename_cache import parse_cache_name
-
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    past_names: dict[CacheSlotKey, str] = {}
-    feeds: dict[str, np.ndarray] = {}
-    for arg in session.get_inputs():
-        slot = parse_cache_name(arg.name, "past")
-        if slot is not None:
-            past_names[(slot.layer, slot.kind)] = arg.name
-            heads, head_dim = int(arg.shape[1]), int(arg.shape[3])
-            feeds[arg.name] = np.zeros((len(prompts), heads, 0, head_dim), np.float32)
+    cache_inputs = past_inputs(session)
+    past_names = {slot: name for slot, (name, _, _) in cache_inputs.items()}
+    feeds: dict[str, np.ndarray] = {
+        name: np.zeros((len(prompts), heads, 0, head_dim), np.float32) for name, heads, head_dim in cache_inputs.values()
+    }
     output_names = [arg.name for arg in session.get_outputs()]
-    present_names: dict[CacheSlotKey, str] = {}
-    for name in output_names:
-        slot = parse_cache_name(name, "present")
-        if slot is not None:
-            present_names[(slot.layer, slot.kind)] = name
     input_names = {arg.name for arg in session.get_inputs()}
     ids, mask, positions = left_padded_batch(prompts)
     results: list[dict[str, np.ndarray]] = []
@@ -167,13 +157,25 @@ def run_single_graph(
             outputs = session.run(None, {k: v for k, v in feeds.items() if k in input_names})
             named = dict(zip(output_names, outputs, strict=True))
             results.append(named)
-            feeds.update({past_names[slot]: named[name] for slot, name in present_names.items()})
+            feeds.update({past_names[slot]: array for slot, array in cache_by_slot(named).items()})
         if step == len(tokens):
             break
         ids = np.array(tokens[step], np.int64).reshape(-1, 1)
         mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
         positions = positions[:, -1:] + 1
     return results
+
+
+def past_inputs(session: Any) -> dict[CacheSlotKey, tuple[str, int, int]]:
+    """An ONNX Runtime session's cache inputs by (layer, kind) parsed from their names: name, heads, head dim."""
+    from passes.rename_cache import parse_cache_name
+
+    found: dict[CacheSlotKey, tuple[str, int, int]] = {}
+    for arg in session.get_inputs():
+        slot = parse_cache_name(arg.name, "past")
+        if slot is not None:
+            found[(slot.layer, slot.kind)] = (arg.name, int(arg.shape[1]), int(arg.shape[3]))
+    return found
 
 
 def cache_by_slot(outputs: dict[str, np.ndarray]) -> dict[CacheSlotKey, np.ndarray]:
