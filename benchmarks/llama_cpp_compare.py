@@ -158,7 +158,7 @@ def kvexport_exports(model: str, random_init: bool, work: Path, int4_blocks: lis
     import dataclasses
 
     from kvexport import export_gpt2
-    from kvexport.export import QUANTIZATION_SCHEMES
+    from kvexport.directory import QUANTIZATION_SCHEMES
 
     wanted: dict[str, tuple[str, Any]] = {scheme: (scheme, None) for scheme, _ in SCHEMES}
     for block in int4_blocks:
@@ -174,12 +174,12 @@ def kvexport_exports(model: str, random_init: bool, work: Path, int4_blocks: lis
 
 
 def kvexport_speed(export: Path, prompt: int, repeats: int = 3) -> dict[str, float]:
-    from kvexport.bench import _bench_onnx, _warm_up
+    from kvexport.bench import time_generator, warm_up
     from kvexport.runtime import Generator
 
     generator = Generator(export)
-    _warm_up(generator)
-    measured = _bench_onnx(generator, 1, prompt, 64, repeats)
+    warm_up(generator)
+    measured = time_generator(generator, 1, prompt, 64, repeats)
     return {"prompt_ms": measured.ttft_ms or 0.0, "decode_ms_per_token": measured.decode_ms_per_token or 0.0}
 
 

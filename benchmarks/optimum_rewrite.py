@@ -117,7 +117,7 @@ def main() -> None:
 
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
-    optimum_python = fixtures._venv(args.venvs, "optimum")
+    optimum_python = fixtures.venv_python(args.venvs, "optimum")
     checkpoint, exported = work / "checkpoint", work / "optimum"
     if not (checkpoint / "config.json").exists():
         subprocess.run([str(optimum_python), "-c", CHECKPOINT, str(checkpoint), args.model], check=True)

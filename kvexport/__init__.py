@@ -10,8 +10,10 @@ Library entry points:
 - :class:`Generator` runs an export with ONNX Runtime (the cache stays on the device).
 
 ``import kvexport`` is cheap and imports neither torch nor transformers: each name is
-loaded on first use, and only export and verify need torch. A serving image that runs
-exports with the Generator needs onnxruntime, onnx, numpy and tokenizers alone.
+loaded on first use. Only export and verify need torch and transformers, which the
+``export`` extra adds (``pip install 'kvexport[export]'``); without it those names raise
+:class:`KvexportError` with that command. A serving image that runs exports with the
+Generator needs onnxruntime, onnx, numpy and tokenizers alone.
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ except PackageNotFoundError:  # pragma: no cover - running from a tree that was 
     __version__ = "0+unknown"
 
 if TYPE_CHECKING:
-    from kvexport.export import ExportOptions, ExportResult, export_gpt2
+    from kvexport.directory import ExportOptions
+    from kvexport.export import ExportResult, export_gpt2
     from kvexport.import_graph import import_decoder
     from kvexport.manifest import Manifest, read_manifest
     from kvexport.runtime.generator import Generator
@@ -36,7 +39,7 @@ if TYPE_CHECKING:
 
 # public name -> the module that defines it (imported on first use)
 _LAZY = {
-    "ExportOptions": "kvexport.export",
+    "ExportOptions": "kvexport.directory",
     "ExportResult": "kvexport.export",
     "export_gpt2": "kvexport.export",
     "Generator": "kvexport.runtime.generator",
@@ -48,8 +51,16 @@ _LAZY = {
 }
 
 
+# the names that need the ``export`` extra (torch, transformers)
+_NEEDS_EXPORT_EXTRA = {"ExportResult": "kvexport.ExportResult", "export_gpt2": "kvexport.export_gpt2", "VerifyReport": "kvexport.VerifyReport", "verify": "kvexport.verify"}
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
+        if name in _NEEDS_EXPORT_EXTRA:
+            from kvexport.extras import require_export_extra
+
+            require_export_extra(_NEEDS_EXPORT_EXTRA[name])
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value

@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from kvexport.errors import KvexportError
-from kvexport.manifest import read_manifest
+from kvexport.manifest import Manifest, read_manifest
 from kvexport.models.gpt2 import load_gpt2
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.prepacked import prepacked_graphs
@@ -210,13 +210,14 @@ def variant_label(manifest: Any) -> str:
     return ",".join(parts)
 
 
-def _prompt(vocab: int, batch: int, context: int) -> np.ndarray:
+def bench_prompt(vocab: int, batch: int, context: int) -> np.ndarray:
+    """The seeded random prompt every system gets at one (batch, context) cell."""
     return np.random.default_rng(context * 10 + batch).integers(
         0, vocab, (batch, context), dtype=np.int64
     )
 
 
-def _bench_onnx(
+def time_generator(
     generator: Generator,
     batch: int,
     context: int,
@@ -224,7 +225,8 @@ def _bench_onnx(
     repeats: int,
     system: str = "kvexport",
 ) -> Measurement:
-    ids = _prompt(generator.vocab_size, batch, context)
+    """TTFT (best of ``repeats``) and the median decode step of a Generator at one cell."""
+    ids = bench_prompt(generator.vocab_size, batch, context)
     ttfts, steps = [], []
     for _ in range(repeats):
         for _ in generator.stream(ids, new_tokens, eos_token_id=-1):
@@ -234,9 +236,9 @@ def _bench_onnx(
     return Measurement(system, batch, context, 1000 * min(ttfts), 1000 * float(np.median(steps)))
 
 
-def _warm_up(generator: Generator) -> None:
+def warm_up(generator: Generator) -> None:
     """One short generation, so every weight has been read and every arena sized."""
-    for _ in generator.stream(_prompt(generator.vocab_size, 1, 8), 2, eos_token_id=-1):
+    for _ in generator.stream(bench_prompt(generator.vocab_size, 1, 8), 2, eos_token_id=-1):
         pass
 
 
@@ -252,7 +254,7 @@ def _time(call: Callable[[], object], repeats: int) -> float:
 def _bench_torch(
     model: Any, batch: int, context: int, new_tokens: int, repeats: int
 ) -> list[Measurement]:
-    ids = torch.from_numpy(_prompt(model.config.vocab_size, batch, context))
+    ids = torch.from_numpy(bench_prompt(model.config.vocab_size, batch, context))
     mask = torch.ones_like(ids)
 
     def run(tokens: int) -> None:
@@ -280,25 +282,21 @@ def _bench_torch(
     ]
 
 
-def run_bench(
-    directory: str | Path,
-    *,
-    provider: str = "cpu",
-    contexts: Sequence[int] = DEFAULT_CONTEXTS,
-    batches: Sequence[int] = DEFAULT_BATCHES,
-    new_tokens: int = 16,
-    repeats: int = 2,
-    baselines: bool = True,
-    shared: bool = True,
-    compare: Sequence[str | Path] = (),
-    progress: Callable[[str], None] | None = None,
-) -> BenchReport:
-    """Measure kvexport and the baselines; see the module docstring.
+Loaded = list[tuple[str, Generator]]
 
-    ``compare`` names other exports of the same weights (e.g. ``--target ort-cpu``);
-    each is timed in the same run as system ``kvexport[<attention>]``.
-    """
-    say = progress or (lambda message: None)
+
+def _load_measured(system: str, directory: str | Path, provider: str, **options: Any) -> tuple[Generator, dict[str, float]]:
+    """A warmed-up Generator and the RSS and PSS its loading added (MiB)."""
+    before_rss, before_pss = rss_mb(), pss_mb()
+    generator = Generator(directory, provider=provider, **options)
+    warm_up(generator)  # mapped weights count once they are read
+    return generator, {"rss_mb": round(rss_mb() - before_rss, 1), "pss_mb": round(pss_mb() - before_pss, 1)}
+
+
+def _checked_inputs(
+    directory: str | Path, compare: Sequence[str | Path], contexts: Sequence[int], new_tokens: int
+) -> tuple[Manifest, list[tuple[Path, Manifest]]]:
+    """The export's manifest and the compared ones', refusing other weights and contexts that don't fit."""
     if new_tokens < 2:
         raise KvexportError(f"--new-tokens {new_tokens}: must be at least 2")
     manifest = read_manifest(Path(directory))
@@ -315,6 +313,113 @@ def run_bench(
             f"--contexts {too_long}: each context + {new_tokens} new tokens must fit the model's "
             f"{manifest.dims.n_positions} positions"
         )
+    return manifest, others
+
+
+def _load_memory_variants(
+    directory: str | Path, provider: str, memory: dict[str, dict[str, float]], say: Callable[[str], None]
+) -> Loaded:
+    """The memory-saving Generators (pre-packed on CPU, shared weights), each measured as it loads."""
+    options: list[tuple[str, dict[str, Any]]] = [("kvexport-shared", {"share_weights": True})]
+    if resolve_provider(provider) == "cpu":
+        say("building (or finding) the pre-packed weights cache")
+        prepacked_graphs(directory)  # in a child process: not counted in this one
+        options.insert(0, ("kvexport-prepacked", {"prepacked": True}))
+    loaded: Loaded = []
+    for system, kwargs in options:
+        say(f"loading {system}")
+        generator, memory[system] = _load_measured(system, directory, provider, **kwargs)
+        loaded.append((system, generator))
+    return loaded
+
+
+def _load_compared(
+    others: list[tuple[Path, Manifest]], provider: str, report: BenchReport, taken: set[str], say: Callable[[str], None]
+) -> tuple[Loaded, list[tuple[str, int, int]]]:
+    """The compared exports' Generators, with their memory, disk bytes and floors recorded."""
+    loaded: Loaded = []
+    floors = []
+    for other_dir, other in others:
+        system = f"kvexport[{variant_label(other)}]"
+        if system in taken:
+            system = f"kvexport[{variant_label(other)},{other_dir.name}]"
+        taken.add(system)
+        say(f"loading {system} from {other_dir}")
+        generator, report.variant_memory[system] = _load_measured(system, other_dir, provider)
+        loaded.append((system, generator))
+        report.disk_bytes[system] = export_bytes(other_dir)
+        element = 2 if other.dtype == "fp16" else 4
+        floors.append((f"floor[{system[len('kvexport['):-1]}]", int(other.weights["bytes"]), element))
+    return loaded, floors
+
+
+def _time_cells(
+    report: BenchReport,
+    systems: Loaded,
+    model: Any,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+    new_tokens: int,
+    repeats: int,
+    say: Callable[[str], None],
+) -> list[float]:
+    """Every system at each (batch, context) before the next cell starts; the bandwidth samples.
+
+    A machine whose speed drifts during the run (shared hosts do) so treats them alike.
+    Bandwidth is sampled before each cell; the floors use the best sample of the run.
+    """
+    bandwidths = []
+    for batch in batches:
+        for context in contexts:
+            bandwidths.append(measure_read_bandwidth(repeats=3))
+            for system, generator in systems:
+                say(f"{system}: batch {batch}, context {context}")
+                report.measurements.append(time_generator(generator, batch, context, new_tokens, repeats, system))
+            if model is not None:
+                say(f"pytorch and no-cache: batch {batch}, context {context}")
+                report.measurements.extend(_bench_torch(model, batch, context, new_tokens, repeats))
+                time.sleep(0.5)  # let PyTorch's worker threads stop spinning before ORT runs again
+    return bandwidths
+
+
+def _floors(
+    report: BenchReport,
+    floors: list[tuple[str, int, int]],
+    bandwidth: float,
+    dims: Any,
+    batches: Sequence[int],
+    contexts: Sequence[int],
+) -> None:
+    """Each export's memory-bandwidth floor: its weight and cache bytes over the best bandwidth."""
+    for batch in batches:
+        for context in contexts:
+            for system, weight_bytes, cache_element in floors:
+                cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * cache_element
+                floor_ms = 1000 * (weight_bytes + cache_bytes) / (bandwidth * 1e9)
+                report.measurements.append(Measurement(system, batch, context, None, floor_ms))
+
+
+def run_bench(
+    directory: str | Path,
+    *,
+    provider: str = "cpu",
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    new_tokens: int = 16,
+    repeats: int = 2,
+    baselines: bool = True,
+    memory_variants: bool = True,
+    compare: Sequence[str | Path] = (),
+    progress: Callable[[str], None] | None = None,
+) -> BenchReport:
+    """Measure kvexport and the baselines; see the module docstring.
+
+    ``memory_variants`` adds the memory-saving Generators (pre-packed, shared weights).
+    ``compare`` names other exports of the same weights (e.g. ``--target ort-cpu``);
+    each is timed in the same run as system ``kvexport[<attention>]``.
+    """
+    say = progress or (lambda message: None)
+    manifest, others = _checked_inputs(directory, compare, contexts, new_tokens)
     if baselines and manifest.source.kind == "graph":
         say(f"no PyTorch baselines: {directory} was imported without its checkpoint")
         baselines = False
@@ -323,31 +428,12 @@ def run_bench(
     gc.collect()
     # the memory-saving variants load first, each measured as it loads, and stay loaded to
     # be timed beside the default Generator in every cell
-    variants: list[tuple[str, Generator]] = []
     variant_memory: dict[str, dict[str, float]] = {}
-    if shared:
-        options: list[tuple[str, dict[str, Any]]] = [("kvexport-shared", {"share_weights": True})]
-        if resolve_provider(provider) == "cpu":
-            say("building (or finding) the pre-packed weights cache")
-            prepacked_graphs(directory)  # in a child process: not counted in this one
-            options.insert(0, ("kvexport-prepacked", {"prepacked": True}))
-        for system, kwargs in options:
-            say(f"loading {system}")
-            before_rss, before_pss = rss_mb(), pss_mb()
-            variant = Generator(directory, provider=provider, **kwargs)
-            _warm_up(variant)  # mapped weights count once they are read
-            variant_memory[system] = {
-                "rss_mb": round(rss_mb() - before_rss, 1),
-                "pss_mb": round(pss_mb() - before_pss, 1),
-            }
-            variants.append((system, variant))
+    variants = _load_memory_variants(directory, provider, variant_memory, say) if memory_variants else []
     say("loading the kvexport Generator")
     rss_before, pss_before = rss_mb(), pss_mb()
     generator = Generator(directory, provider=provider)
-    _warm_up(generator)
-    rss_loaded, pss_loaded = rss_mb(), pss_mb()
-    dims = manifest.dims
-    element = 2 if manifest.dtype == "fp16" else 4
+    warm_up(generator)
     report = BenchReport(
         directory=str(directory),
         provider=generator.provider,
@@ -355,69 +441,27 @@ def run_bench(
         bandwidth_gb_s=round(bandwidth, 2),
         weight_bytes=int(manifest.weights["bytes"]),
         rss_before_load_mb=round(rss_before, 1),
-        rss_after_load_mb=round(rss_loaded, 1),
+        rss_after_load_mb=round(rss_mb(), 1),
         rss_peak_onnx_mb=0.0,
         pss_before_load_mb=round(pss_before, 1),
-        pss_after_load_mb=round(pss_loaded, 1),
+        pss_after_load_mb=round(pss_mb(), 1),
         variant_memory=variant_memory,
-        machine={
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "processor": platform.processor(),
-        },
+        machine={"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
     )
     report.disk_bytes["kvexport"] = export_bytes(Path(directory))
-    compared = list(variants)
-    # floors: (system, weight bytes, cache element bytes) of each export
-    floors = [("floor", report.weight_bytes, element)]
-    for other_dir, other in others:
-        system = f"kvexport[{variant_label(other)}]"
-        if system in dict(compared):
-            system = f"kvexport[{variant_label(other)},{other_dir.name}]"
-        say(f"loading {system} from {other_dir}")
-        before_rss, before_pss = rss_mb(), pss_mb()
-        compared.append((system, Generator(other_dir, provider=provider)))
-        _warm_up(compared[-1][1])
-        variant_memory[system] = {
-            "rss_mb": round(rss_mb() - before_rss, 1),
-            "pss_mb": round(pss_mb() - before_pss, 1),
-        }
-        report.disk_bytes[system] = export_bytes(other_dir)
-        floors.append(
-            (f"floor[{system[len('kvexport['):-1]}]", int(other.weights["bytes"]), 2 if other.dtype == "fp16" else 4)
-        )
+    compared, floors = _load_compared(others, provider, report, {system for system, _ in variants}, say)
+    floors.insert(0, ("floor", report.weight_bytes, 2 if manifest.dtype == "fp16" else 4))
     report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
     model = None
     if baselines:
         say("loading the PyTorch reference")
         model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
-    bandwidths = [bandwidth]
-    # Every system is timed at one (batch, context) before the next cell starts, so a
-    # machine whose speed drifts during the run (shared hosts do) treats them alike.
-    # Bandwidth is sampled before each cell; the floors use the best sample of the run.
-    for batch in batches:
-        for context in contexts:
-            bandwidths.append(measure_read_bandwidth(repeats=3))
-            say(f"kvexport: batch {batch}, context {context}")
-            report.measurements.append(_bench_onnx(generator, batch, context, new_tokens, repeats))
-            for system, other_generator in compared:
-                say(f"{system}: batch {batch}, context {context}")
-                report.measurements.append(
-                    _bench_onnx(other_generator, batch, context, new_tokens, repeats, system)
-                )
-            if model is not None:
-                say(f"pytorch and no-cache: batch {batch}, context {context}")
-                report.measurements.extend(_bench_torch(model, batch, context, new_tokens, repeats))
-                time.sleep(0.5)  # let PyTorch's worker threads stop spinning before ORT runs again
+    systems = [("kvexport", generator), *variants, *compared]
+    bandwidths = [bandwidth, *_time_cells(report, systems, model, batches, contexts, new_tokens, repeats, say)]
     report.bandwidth_gb_s = round(max(bandwidths), 2)
-    for batch in batches:
-        for context in contexts:
-            for system, weight_bytes, cache_element in floors:
-                cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * cache_element
-                floor_ms = 1000 * (weight_bytes + cache_bytes) / (max(bandwidths) * 1e9)
-                report.measurements.append(Measurement(system, batch, context, None, floor_ms))
+    _floors(report, floors, max(bandwidths), manifest.dims, batches, contexts)
     report.rss_peak_mb = round(rss_mb(peak=True), 1)
-    del generator, compared
+    del generator, systems, variants, compared
     gc.collect()
     return report
 

@@ -6,6 +6,7 @@ exit, never a traceback.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -20,7 +21,17 @@ from typing import Any, TypeVar
 
 import click
 
+from kvexport.choices import (
+    AttentionKind,
+    CacheKind,
+    DtypeKind,
+    QuantizationChoice,
+    QuantizeKind,
+    TargetKind,
+    values,
+)
 from kvexport.errors import KvexportError
+from kvexport.extras import require_export_extra
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,13 +46,9 @@ def _quiet_libraries() -> None:
     """Keep third-party chatter off the terminal; kvexport reports what matters itself."""
     warnings.filterwarnings("ignore")
     logging.getLogger("transformers").setLevel(logging.ERROR)
+    # read by transformers when export or verify first imports it; importing it here would
+    # load transformers (and torch) for commands that need neither
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    try:
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.set_verbosity_error()
-    except ImportError:  # pragma: no cover
-        pass
 
 
 class Terminated(BaseException):
@@ -81,7 +88,7 @@ def attention_option(default: str | None, note: str) -> Callable[[F], F]:
     """``--attention unfused|onnx|ort``, shared by ``gpt2`` and ``rewrite``."""
     return click.option(
         "--attention",
-        type=click.Choice(["unfused", "onnx", "ort"]),
+        type=click.Choice(values(AttentionKind)),
         default=default,
         show_default=default is not None,
         help=f"Attention: unfused, onnx (opset-23 Attention op) or ort (com.microsoft fused ops){note}.",
@@ -89,13 +96,34 @@ def attention_option(default: str | None, note: str) -> Callable[[F], F]:
 
 
 def quantization_options(function: F) -> F:
-    """``--quantize`` and its knobs, shared by ``gpt2`` and ``rewrite``."""
+    """``--quantize`` and its knobs, handed to the command as one ``quantization`` (a :class:`QuantizationChoice`)."""
+
+    @functools.wraps(function)
+    def command(
+        *args: Any,
+        quantize: str,
+        block_size: int | None,
+        asymmetric: bool,
+        accuracy_level: int | None,
+        head_bits: str | None,
+        **kwargs: Any,
+    ) -> Any:
+        given = {
+            "block_size": block_size,
+            "symmetric": False if asymmetric else None,
+            "accuracy_level": accuracy_level,
+            "head_bits": int(head_bits) if head_bits is not None else None,
+        }
+        overrides = {knob: value for knob, value in given.items() if value is not None}
+        choice = _run(lambda: QuantizationChoice(QuantizeKind(quantize), overrides))
+        return function(*args, quantization=choice, **kwargs)
+
     for option in reversed(
         [
             click.option(
                 "--quantize",
-                type=click.Choice(["none", "int8", "int4"]),
-                default="none",
+                type=click.Choice(values(QuantizeKind)),
+                default=QuantizeKind.NONE.value,
                 show_default=True,
                 help="Weight-only quantization with ONNX Runtime's MatMulNBits / GatherBlockQuantized (ort attention only).",
             ),
@@ -122,39 +150,20 @@ def quantization_options(function: F) -> F:
             ),
         ]
     ):
-        function = option(function)
-    return function
+        command = option(command)
+    return command  # type: ignore[return-value]
 
 
-def _quantization_knobs(
-    quantize: str,
-    block_size: int | None,
-    asymmetric: bool,
-    accuracy_level: int | None,
-    head_bits: str | None,
-) -> Any:
-    """The scheme's :class:`~passes.QuantizationConfig` with the options given applied."""
-    import dataclasses
+def _knobs(choice: QuantizationChoice) -> Any:
+    """The :class:`~passes.QuantizationConfig` a command's ``quantization`` stands for (None: float)."""
+    from kvexport.directory import quantization_config
 
-    from kvexport.export import QUANTIZATION_SCHEMES
+    return _run(lambda: quantization_config(choice))
 
-    overrides: dict[str, Any] = {}
-    if block_size is not None:
-        overrides["block_size"] = block_size
-    if asymmetric:
-        overrides["symmetric"] = False
-    if accuracy_level is not None:
-        overrides["accuracy_level"] = accuracy_level
-    if head_bits is not None:
-        overrides["head_bits"] = int(head_bits)
-    if quantize == "none":
-        if overrides:
-            raise UserError("quantization options given without --quantize; add --quantize int8 or int4")
-        return None
-    try:
-        return dataclasses.replace(QUANTIZATION_SCHEMES[quantize], **overrides)
-    except ValueError as exc:
-        raise UserError(f"--quantize {quantize}: {exc}") from None
+
+def cache_option(help_text: str) -> Callable[[F], F]:
+    """``--cache concat|shared-buffer``, shared by ``gpt2`` and ``import``."""
+    return click.option("--cache", type=click.Choice(values(CacheKind)), default=None, help=help_text)
 
 
 def provider_option(function: F) -> F:
@@ -193,24 +202,21 @@ def main() -> None:
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for --random-init.")
 @click.option(
     "--target",
-    type=click.Choice(["portable", "ort-cpu", "ort-cuda"]),
-    default="portable",
+    type=click.Choice(values(TargetKind)),
+    default=TargetKind.PORTABLE.value,
     show_default=True,
     help="Where the graphs will run: portable (standard ops), ort-cpu / ort-cuda (ONNX Runtime fused ops; ort-cuda defaults to fp16).",
 )
 @attention_option(default=None, note="; default per target")
 @click.option(
     "--dtype",
-    type=click.Choice(["fp32", "fp16"]),
+    type=click.Choice(values(DtypeKind)),
     default=None,
     help="Weights and activations [default: fp16 for ort-cuda, else fp32].",
 )
-@click.option(
-    "--cache",
-    type=click.Choice(["concat", "shared-buffer"]),
-    default=None,
-    help="Cache layout: concat (a new present per step) or shared-buffer (one buffer updated in "
-    "place; needs ort attention) [default: shared-buffer for ort targets, else concat].",
+@cache_option(
+    "Cache layout: concat (a new present per step) or shared-buffer (one buffer updated in "
+    "place; needs ort attention) [default: shared-buffer for ort targets, else concat]."
 )
 @quantization_options
 @click.option(
@@ -236,11 +242,7 @@ def gpt2_command(
     attention: str | None,
     dtype: str | None,
     cache: str | None,
-    quantize: str,
-    block_size: int | None,
-    asymmetric: bool,
-    accuracy_level: int | None,
-    head_bits: str | None,
+    quantization: QuantizationChoice,
     opset: int,
     all_logits: bool,
     force: bool,
@@ -249,10 +251,11 @@ def gpt2_command(
     as_json: bool,
 ) -> None:
     """Export GPT-2 to OUT/ (prefill.onnx, decode.onnx, weights, kvexport.json, tokenizer.json)."""
+    _run(lambda: require_export_extra("kvexport gpt2"))
     from kvexport.export import DEFAULT_STRATEGY_ORDER, export_gpt2
 
     strategies = DEFAULT_STRATEGY_ORDER if exporter == "auto" else (exporter,)
-    knobs = _quantization_knobs(quantize, block_size, asymmetric, accuracy_level, head_bits)
+    knobs = _knobs(quantization)
     result = _run(
         lambda: export_gpt2(
             out,
@@ -263,7 +266,7 @@ def gpt2_command(
             attention=attention,  # type: ignore[arg-type]
             dtype=dtype,  # type: ignore[arg-type]
             cache=cache,  # type: ignore[arg-type]
-            quantize=quantize,  # type: ignore[arg-type]
+            quantize=quantization.scheme.value,
             quantization=knobs,
             opset=opset,
             all_logits=all_logits,
@@ -318,6 +321,7 @@ def verify_command(
     A quantized export is judged by quality against PyTorch fp32 (top-1 agreement, KL
     divergence) within its scheme's tolerances, not by fp32 parity.
     """
+    _run(lambda: require_export_extra("kvexport verify (the PyTorch reference)"))
     from kvexport.verify import verify
 
     if steps < 1:
@@ -350,7 +354,7 @@ def check_command(directory: Path, steps: int, provider: str, as_json: bool) -> 
 
     Exit 0 when every check holds, 1 when one fails, 2 when there is nothing to check.
     """
-    from kvexport.integrity import check
+    from kvexport.checking import check
 
     report = _run(lambda: check(directory, steps=steps, provider=provider, progress=_progress))
     if as_json:
@@ -552,9 +556,11 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
 @click.option("--repeats", default=2, show_default=True, type=int)
 @click.option("--no-baselines", is_flag=True, help="Skip the PyTorch and no-cache baselines.")
 @click.option(
+    "--no-memory-variants",
     "--no-shared",
+    "no_memory_variants",
     is_flag=True,
-    help="Skip the memory-saving Generator variants (pre-packed, shared weights).",
+    help="Skip the memory-saving Generator variants (pre-packed, shared weights); --no-shared is the old spelling.",
 )
 @click.option(
     "--compare",
@@ -579,13 +585,14 @@ def bench_command(
     new_tokens: int,
     repeats: int,
     no_baselines: bool,
-    no_shared: bool,
+    no_memory_variants: bool,
     compare: tuple[Path, ...],
     results: Path,
     provider: str,
     as_json: bool,
 ) -> None:
     """Time TTFT and decode ms/token against PyTorch, no-cache and the bandwidth floor, in one run."""
+    _run(lambda: require_export_extra("kvexport bench (the PyTorch baselines)"))
     from kvexport.bench import run_bench, write_json, write_plot
 
     report = _run(
@@ -597,7 +604,7 @@ def bench_command(
             new_tokens=new_tokens,
             repeats=repeats,
             baselines=not no_baselines,
-            shared=not no_shared,
+            memory_variants=not no_memory_variants,
             compare=compare,
             progress=_progress,
         )
@@ -732,11 +739,7 @@ def rewrite_command(
     output: Path,
     pass_list: str | None,
     attention: str,
-    quantize: str,
-    block_size: int | None,
-    asymmetric: bool,
-    accuracy_level: int | None,
-    head_bits: str | None,
+    quantization: QuantizationChoice,
     names: str,
     force: bool,
     explain: bool,
@@ -745,14 +748,14 @@ def rewrite_command(
     """Run the rewrite passes on any decoder graph SOURCE.onnx and write OUTPUT.onnx."""
     from kvexport.rewrite import rewrite_graph
 
-    knobs = _quantization_knobs(quantize, block_size, asymmetric, accuracy_level, head_bits)
+    knobs = _knobs(quantization)
     chosen = [p.strip() for p in pass_list.split(",") if p.strip()] if pass_list else None
     result = _run(
         lambda: rewrite_graph(
             source,
             output,
             passes=chosen,
-            attention=attention,  # type: ignore[arg-type]
+            attention=attention,
             quantization=knobs,
             names=names,  # type: ignore[arg-type]
             force=force,
@@ -782,12 +785,7 @@ def rewrite_command(
     help="The checkpoint directory the graph was exported from; recorded so verify can compare with PyTorch.",
 )
 @attention_option(default="unfused", note="")
-@click.option(
-    "--cache",
-    type=click.Choice(["concat", "shared-buffer"]),
-    default=None,
-    help="Cache layout [default: shared-buffer with --attention ort (also loads in onnxruntime-genai), else concat].",
-)
+@cache_option("Cache layout [default: shared-buffer with --attention ort (also loads in onnxruntime-genai), else concat].")
 @quantization_options
 @click.option("--force", is_flag=True, help="Replace a non-empty --out.")
 @json_option
@@ -797,26 +795,22 @@ def import_command(
     checkpoint: Path | None,
     attention: str,
     cache: str | None,
-    quantize: str,
-    block_size: int | None,
-    asymmetric: bool,
-    accuracy_level: int | None,
-    head_bits: str | None,
+    quantization: QuantizationChoice,
     force: bool,
     as_json: bool,
 ) -> None:
     """Turn a one-graph decoder SOURCE (an Optimum export directory or its .onnx) into a kvexport directory."""
     from kvexport.import_graph import import_decoder
 
-    knobs = _quantization_knobs(quantize, block_size, asymmetric, accuracy_level, head_bits)
+    knobs = _knobs(quantization)
     manifest = _run(
         lambda: import_decoder(
             source,
             out,
             model=checkpoint,
-            attention=attention,  # type: ignore[arg-type]
+            attention=attention,
             cache=cache,
-            quantize=quantize,
+            quantize=quantization.scheme.value,
             quantization=knobs,
             force=force,
             progress=None if as_json else _progress,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,24 +30,19 @@ from typing import Any
 import numpy as np
 import onnx_ir as ir
 
-from kvexport.errors import KvexportError
-from kvexport.export import (
-    CACHE_DESCRIPTIONS,
-    _quantization,
-    _rename_dims,
-    _versions,
-    quantization_record,
-    write_directory_files,
+from kvexport.directory import (
+    ExportOptions,
+    ExportRecord,
+    Progress,
+    rename_dims,
+    write_export_directory,
 )
-from kvexport.integrity import record_files
+from kvexport.errors import KvexportError
+from kvexport.extras import require_export_extra
 from kvexport.manifest import Manifest
 from kvexport.model_info import ModelDims, ModelSource
 from kvexport.rewrite import load_graph
-from kvexport.storage import (
-    atomic_output_dir,
-    check_output_dir,
-    save_with_shared_weights,
-)
+from kvexport.storage import atomic_output_dir, check_output_dir
 from passes import (
     CacheNamingError,
     QuantizationConfig,
@@ -56,8 +50,8 @@ from passes import (
     build_pipeline,
     run_pipeline,
 )
-from passes._values import ints
-from passes.pipeline import AttentionChoice
+from passes.choices import Attention
+from passes.values import ints
 
 # Optimum's and torch's dim names -> the contract's, per graph.
 _PREFILL_DIMS = {
@@ -202,17 +196,46 @@ def _source(model_dir: Path | None, graph_path: Path) -> tuple[ModelSource, str]
     return source, weights_fingerprint(torch_model)
 
 
+def _specialise(
+    graph_path: Path, name: str, options: ExportOptions, config_dir: Path | None, say: Progress
+) -> tuple[ir.Model, ModelDims, list[dict[str, Any]], bool]:
+    """One graph of the pair made from the one-graph decoder, passes run.
+
+    Returns the graph, the architecture's numbers, the pass reports and whether the
+    logits are the last position's only.
+    """
+    say(f"specialising {graph_path.name} into {name}")
+    graph = load_graph(graph_path)
+    _check_inputs(graph, graph_path)
+    try:
+        RenameCachePass()(graph)
+    except CacheNamingError as exc:
+        raise KvexportError(f"{graph_path}: {exc}") from exc
+    dims = _dims(graph, config_dir, graph_path)
+    if name == "prefill":
+        _empty_past(graph)
+    else:
+        _one_token(graph)
+    rename_dims(graph, _PREFILL_DIMS if name == "prefill" else _DECODE_DIMS)
+    pipeline = build_pipeline(
+        options.attention.value, shared_buffer=options.in_place_cache, quantization=options.quantization
+    )
+    reports = [{"graph": name, **report.to_json()} for report in run_pipeline(graph, pipeline)]
+    last_only = _last_position_logits(graph) if name == "prefill" else True
+    return graph, dims, reports, last_only
+
+
 def import_decoder(
     source: str | Path,
     out: str | Path,
     *,
     model: str | Path | None = None,
-    attention: AttentionChoice = "unfused",
+    attention: str = "unfused",
     cache: str | None = None,
     quantize: str = "none",
     quantization: QuantizationConfig | None = None,
     force: bool = False,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> Manifest:
     """Turn a one-graph GPT-2 decoder (``source``: an .onnx or an Optimum directory) into a kvexport directory ``out``.
 
@@ -221,7 +244,8 @@ def import_decoder(
             ``config.json`` and tokenizer files.
         out: the directory to write (atomically; refused if non-empty unless ``force``).
         model: the checkpoint the graph was exported from (a local directory): recorded
-            as the source, so ``verify`` can compare against PyTorch.
+            as the source, so ``verify`` can compare against PyTorch. Fingerprinting its
+            weights needs torch (``kvexport[export]``); without ``model`` nothing here does.
         attention: ``unfused``, ``onnx`` or ``ort``, as for ``kvexport rewrite``.
         cache: ``concat`` or ``shared-buffer`` (the in-place cache; needs ``ort``; the
             directory then also loads in onnxruntime-genai). None: ``shared-buffer`` for
@@ -244,79 +268,34 @@ def import_decoder(
     out_path = Path(out)
     graph_path, source_dir = _locate(Path(source))
     check_output_dir(out_path.absolute(), force)
-    if attention not in ("unfused", "onnx", "ort"):
-        raise KvexportError(f"--attention {attention}: choose unfused, onnx or ort")
-    layout = cache or ("shared-buffer" if attention == "ort" else "concat")
-    if layout not in CACHE_DESCRIPTIONS:
-        raise KvexportError(f"--cache {layout}: choose {' or '.join(CACHE_DESCRIPTIONS)}")
-    if layout == "shared-buffer" and attention != "ort":
-        raise KvexportError("--cache shared-buffer rewrites ONNX Runtime attention; add --attention ort")
-    quantization = _quantization(quantize, quantization, attention)
+    target = "ort-cpu" if attention == Attention.ORT else "portable"
+    options = ExportOptions.resolve(target, attention, "fp32", cache, quantize, quantization)
     model_dir = Path(model) if model is not None else None
     if model_dir is not None and not (model_dir / "config.json").is_file():
         raise KvexportError(f"--model {model_dir}: not a checkpoint directory (no config.json)")
+    if model_dir is not None:  # its weights are fingerprinted with torch, as an export does
+        require_export_extra("kvexport import --model")
+    config_dir = source_dir if (source_dir / "config.json").is_file() else model_dir
     graphs: dict[str, ir.Model] = {}
     reports: list[dict[str, Any]] = []
-    dims: ModelDims | None = None
     last_only = True
     for name in ("prefill", "decode"):
-        say(f"specialising {graph_path.name} into {name}")
-        graph = load_graph(graph_path)
-        _check_inputs(graph, graph_path)
-        try:
-            RenameCachePass()(graph)
-        except CacheNamingError as exc:
-            raise KvexportError(f"{graph_path}: {exc}") from exc
-        if dims is None:
-            config_dir = source_dir if (source_dir / "config.json").is_file() else model_dir
-            dims = _dims(graph, config_dir, graph_path)
-        if name == "prefill":
-            _empty_past(graph)
-        else:
-            _one_token(graph)
-        _rename_dims(graph, _PREFILL_DIMS if name == "prefill" else _DECODE_DIMS)
-        pipeline = build_pipeline(attention, shared_buffer=layout == "shared-buffer", quantization=quantization)
-        for pass_report in run_pipeline(graph, pipeline):
-            reports.append({"graph": name, **pass_report.to_json()})
-        if name == "prefill":
-            last_only = _last_position_logits(graph)
-        graphs[name] = graph
-    assert dims is not None
+        graphs[name], dims, graph_reports, graph_last_only = _specialise(graph_path, name, options, config_dir, say)
+        reports += graph_reports
+        last_only &= graph_last_only
     model_source, fingerprint = _source(model_dir, graph_path)
+    record = ExportRecord(
+        source=model_source,
+        dims=dims,
+        weights_fingerprint=fingerprint,
+        options=options,
+        export={"strategy": "import", "imported_from": str(graph_path), "attempts": []},
+        passes=reports,
+        tokenizer_dir=source_dir if (source_dir / "tokenizer.json").is_file() else model_dir,
+        started=started,
+        all_logits=not last_only,
+    )
     with atomic_output_dir(out_path, force) as tmp:
-        say("writing graphs and shared weights")
-        opset = graphs["decode"].opset_imports.get("", 0)
-        weights = save_with_shared_weights(graphs, tmp)
-        del graphs
-        tokenizer_dir = source_dir if (source_dir / "tokenizer.json").is_file() else model_dir
-        target = "ort-cpu" if attention == "ort" else "portable"
-        tokenizer_info, specs, genai = write_directory_files(tmp, dims, tokenizer_dir, target, layout, say)
-        manifest = Manifest(
-            source=model_source,
-            dims=dims,
-            dtype="fp32",
-            opset=opset,
-            target=target,
-            attention=attention,
-            all_logits=not last_only,
-            graphs=specs,
-            weights={"file": weights.file, "bytes": weights.bytes, "tensors": weights.tensors},
-            export={
-                "strategy": "import",
-                "imported_from": str(graph_path),
-                "attempts": [],
-                "seconds": round(time.perf_counter() - started, 2),
-            },
-            weights_sha256=fingerprint,
-            tokenizer=tokenizer_info,
-            passes=reports,
-            versions=_versions(),
-            genai=genai,
-            cache={"layout": layout, "description": CACHE_DESCRIPTIONS[layout]},
-            quantization=quantization_record(quantize, quantization),
-        )
-        manifest.files = record_files(tmp)
-        manifest.write(tmp)
+        manifest = write_export_directory(tmp, graphs, record, say)
     say(f"wrote {out_path}")
     return manifest
-

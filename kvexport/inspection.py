@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ import onnx
 from kvexport.errors import KvexportError
 from kvexport.manifest import GRAPH_NAMES, MANIFEST_FILE, read_manifest
 from kvexport.storage import check_external_data, load_graph_structure
+from passes.cache_names import canonical_slot
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,6 @@ def graph_info(path: Path) -> GraphInfo:
     )
 
 
-_CACHE_NAME = re.compile(r"^(past|present)\.(\d+)\.(key|value)$")
-
-
 def folded_tensors(tensors: list[TensorInfo]) -> list[tuple[str, str, list[int | str]]]:
     """``(name, dtype, shape)`` rows with the cache folded: one row per direction, dtype and shape.
 
@@ -103,15 +100,15 @@ def folded_tensors(tensors: list[TensorInfo]) -> list[tuple[str, str, list[int |
     groups: dict[tuple[str, str, tuple[int | str, ...]], list[tuple[int, str]]] = {}
     order: list[TensorInfo | tuple[str, str, tuple[int | str, ...]]] = []
     for tensor in tensors:
-        match = _CACHE_NAME.match(tensor.name)
-        if match is None:
+        slot = canonical_slot(tensor.name)
+        if slot is None:
             order.append(tensor)
             continue
-        key = (match.group(1), tensor.dtype, tuple(tensor.shape))
+        key = (slot.direction, tensor.dtype, tuple(tensor.shape))
         if key not in groups:
             groups[key] = []
             order.append(key)
-        groups[key].append((int(match.group(2)), match.group(3)))
+        groups[key].append((slot.layer, str(slot.kind)))
     rows: list[tuple[str, str, list[int | str]]] = []
     for item in order:
         if isinstance(item, TensorInfo):

@@ -1,21 +1,22 @@
-"""Integrity of an export directory without torch: file hashes, graph IO, external data, a few steps.
+"""Integrity of an export directory without torch: file hashes, external data, graph IO.
 
 The manifest records the size and sha256 of every file the export wrote (``files``), so a
-copy on a deployment machine can be checked with onnxruntime alone. :func:`check` is
-``kvexport check``: the manifest, each file's size and hash, each graph's IO against the
-manifest, every external-data path, then a few greedy steps through the Generator.
+copy on a deployment machine can be checked with onnxruntime alone. :func:`preflight` is
+the one place that loads a directory's manifest and checks it before anything runs: the
+Generator, ``kvexport check`` (:mod:`kvexport.checking`) and ``verify`` all call it, and
+each decides what a problem means for it (refuse, report, or fail the verdict).
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvexport.errors import KvexportError
+import onnx
+
+from kvexport.errors import KvexportError, ManifestError
 from kvexport.manifest import GRAPH_NAMES, MANIFEST_FILE, Manifest, check_graph_io, read_manifest
 from kvexport.storage import check_external_data
 
@@ -64,95 +65,60 @@ def file_problems(directory: Path, manifest: Manifest) -> list[str]:
     return problems
 
 
-@dataclass(frozen=True)
-class Check:
-    """One check of :func:`check`."""
-
-    name: str
-    ok: bool
-    detail: str
-
-
 @dataclass
-class CheckReport:
-    """What :func:`check` found; ``ok`` only when every check holds."""
+class Preflight:
+    """What :func:`preflight` found in an export directory, before anything runs."""
 
-    directory: str
-    checks: list[Check] = field(default_factory=list)
-    seconds: float = 0.0
+    directory: Path
+    manifest: Manifest
+    # files whose size or sha256 differ from the manifest's record (empty when not hashed)
+    file_problems: list[str] = field(default_factory=list)
+    # graph -> its structure (no weights), for every graph whose external data checked out
+    protos: dict[str, onnx.ModelProto] = field(default_factory=dict)
+    # graph -> why its external data can't be loaded (missing, outside the directory, not ONNX)
+    external_data: dict[str, str] = field(default_factory=dict)
+    # graph -> how its inputs and outputs differ from the manifest's
+    io_problems: dict[str, list[str]] = field(default_factory=dict)
 
-    @property
-    def ok(self) -> bool:
-        """True when every check holds."""
-        return bool(self.checks) and all(c.ok for c in self.checks)
+    def graph_problems(self) -> list[str]:
+        """Every external-data and IO problem, graph by graph."""
+        lines: list[str] = []
+        for graph in GRAPH_NAMES:
+            if graph in self.external_data:
+                lines.append(self.external_data[graph])
+            lines += self.io_problems.get(graph, [])
+        return lines
 
-    def failures(self) -> list[str]:
-        """One line per failed check."""
-        return [f"{c.name}: {c.detail}" for c in self.checks if not c.ok]
+    def raise_first(self) -> None:
+        """Raise :class:`ManifestError` for the first problem found, if any (for callers that refuse)."""
+        if self.file_problems:
+            raise ManifestError(f"{self.directory}: {self.file_problems[0]}")
+        for graph in GRAPH_NAMES:
+            if graph in self.external_data:
+                raise ManifestError(self.external_data[graph])
+            if self.io_problems.get(graph):
+                raise ManifestError(f"{self.directory}: {self.io_problems[graph][0]}; re-export the model")
 
-    def to_dict(self) -> dict[str, Any]:
-        """JSON form (``kvexport check --json``)."""
-        return {**asdict(self), "ok": self.ok, "failures": self.failures()}
 
+def preflight(directory: str | Path, *, hash_files: bool = True, manifest: Manifest | None = None) -> Preflight:
+    """Load ``directory``'s manifest and check the export before it runs.
 
-def check(
-    directory: str | Path,
-    *,
-    steps: int = 4,
-    provider: str = "cpu",
-    progress: Callable[[str], None] | None = None,
-) -> CheckReport:
-    """Check an export directory without torch (see the module docstring).
-
-    Raises :class:`~kvexport.KvexportError` only when there is nothing to check (no
-    directory, no readable manifest); every other finding is a failed :class:`Check`.
+    Each file's size and sha256 against the manifest's record (with ``hash_files``),
+    each graph's external-data paths (inside the directory, present), and each graph's
+    inputs and outputs against the manifest. Every finding is recorded, none raised: only
+    a directory with no readable manifest raises (:class:`ManifestError`). ``manifest``:
+    one the caller has already read from ``directory``.
     """
-    started = time.perf_counter()
     path = Path(directory)
-    say = progress or (lambda message: None)
-    if steps < 1:
-        raise KvexportError(f"--steps {steps}: must be at least 1")
-    manifest = read_manifest(path)
-    report = CheckReport(directory=str(path))
-    report.checks.append(Check("manifest", True, f"{manifest.source.describe()}, {manifest.dtype}"))
-    say(f"hashing {len(manifest.files or {})} files")
-    problems = file_problems(path, manifest)
-    report.checks.append(
-        Check("files", not problems, "; ".join(problems) or f"{len(manifest.files or {})} files, sizes and sha256 as recorded")
-    )
-    graphs_ok = True
+    found = Preflight(path, manifest or read_manifest(path))
+    if hash_files:
+        found.file_problems = file_problems(path, found.manifest)
     for graph in GRAPH_NAMES:
         try:
-            proto = check_external_data(path / manifest.graphs[graph].file)
+            proto = check_external_data(path / found.manifest.graphs[graph].file)
         except KvexportError as exc:
-            report.checks.append(Check(f"{graph} external data", False, str(exc)))
-            graphs_ok = False
+            found.external_data[graph] = str(exc)
             continue
-        report.checks.append(Check(f"{graph} external data", True, "every location inside the directory"))
-        io = check_graph_io(manifest, graph, proto)
-        report.checks.append(Check(f"{graph} IO", not io, "; ".join(io) or "as in the manifest"))
-        graphs_ok &= not io
-    if problems or not graphs_ok:
-        report.seconds = time.perf_counter() - started
-        return report
-    say(f"running {steps} greedy steps")
-    report.checks.append(_greedy_steps(path, manifest, steps, provider))
-    report.seconds = time.perf_counter() - started
-    return report
-
-
-def _greedy_steps(path: Path, manifest: Manifest, steps: int, provider: str) -> Check:
-    """Prefill and ``steps`` decode steps run, and every token is a vocabulary id."""
-    import numpy as np
-
-    from kvexport.runtime.generator import Generator
-
-    name = f"greedy steps ({provider})"
-    try:
-        generator = Generator(path, provider=provider)
-        prompt = [int(t) for t in np.random.default_rng(0).integers(0, manifest.dims.vocab_size, 8)]
-        tokens = generator.generate([prompt], steps, eos_token_id=-1)[0, len(prompt) :]
-    except Exception as exc:  # any runtime failure is the finding
-        return Check(name, False, f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
-    ok = len(tokens) == steps and bool(((tokens >= 0) & (tokens < manifest.dims.vocab_size)).all())
-    return Check(name, ok, f"prefill + {steps} decode steps gave tokens {tokens.tolist()}")
+        found.protos[graph] = proto
+        found.io_problems[graph] = check_graph_io(found.manifest, graph, proto)
+    return found

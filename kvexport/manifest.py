@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import onnx
 from kvexport.errors import ManifestError
 from kvexport.model_info import ModelDims, ModelSource
 from kvexport.storage import file_mode
+from passes.cache_names import cache_names, canonical_slot
 
 MANIFEST_FILE = "kvexport.json"
 FORMAT = "kvexport"
@@ -36,22 +36,9 @@ Role = Literal[
     "present_key",
     "present_value",
 ]
-_CACHE_NAME = re.compile(r"^(past|present)\.(\d+)\.(key|value)$")
 _PLAIN_ROLES = ("input_ids", "attention_mask", "position_ids", "logits")
 
 Dim = int | str
-
-
-def cache_name(kind: Literal["past", "present"], layer: int, which: Literal["key", "value"]) -> str:
-    """Canonical cache tensor name, e.g. ``past.3.key``."""
-    return f"{kind}.{layer}.{which}"
-
-
-def cache_names(kind: Literal["past", "present"], n_layer: int) -> list[str]:
-    """All canonical cache names for ``n_layer`` layers, key before value, layer order."""
-    return [
-        cache_name(kind, layer, which) for layer in range(n_layer) for which in ("key", "value")
-    ]
 
 
 @dataclass(frozen=True)
@@ -80,11 +67,10 @@ def role_of(name: str) -> tuple[Role, int | None]:
     """Role and layer of a canonical IO name; a ManifestError for any other name."""
     if name in _PLAIN_ROLES:
         return name, None  # type: ignore[return-value]
-    match = _CACHE_NAME.match(name)
-    if match is None:
+    slot = canonical_slot(name)
+    if slot is None:
         raise ManifestError(f"graph IO name {name!r} is not part of kvexport's contract")
-    kind, layer, which = match.groups()
-    return f"{kind}_{which}", int(layer)  # type: ignore[return-value]
+    return f"{slot.direction}_{slot.kind}", slot.layer  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,8 @@ from passes import (
     build_pipeline,
     run_pipeline,
 )
-from passes.pipeline import AttentionChoice
-from passes.rename_cache import Style
+from passes.cache_names import Style
+from passes.choices import Attention
 
 
 @dataclass
@@ -66,7 +66,7 @@ def rewrite_graph(
     output: str | Path,
     *,
     passes: Sequence[str] | None = None,
-    attention: AttentionChoice = "unfused",
+    attention: Attention | str = Attention.UNFUSED,
     quantization: QuantizationConfig | None = None,
     names: Style = "canonical",
     force: bool = False,

@@ -54,7 +54,7 @@ def export_foreign(
     import onnx_ir as ir
     import torch
 
-    from kvexport.export import STRATEGIES, _graph_requests, _quiet_exporters
+    from kvexport.export import STRATEGIES, graph_requests, quiet_exporters
     from kvexport.models.gpt2 import ModelDims, load_gpt2, resolve_source
 
     rename = FOREIGN_STYLES[style]
@@ -62,14 +62,14 @@ def export_foreign(
     dims = ModelDims.from_config(model.config)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
-        for request in _graph_requests(model, dims, False, 18):
+        for request in graph_requests(model, dims, False, 18):
             foreign = dataclasses.replace(
                 request,
                 input_names=[rename(n) for n in request.input_names],
                 output_names=[rename(n) for n in request.output_names],
                 dynamic_axes={rename(k): v for k, v in request.dynamic_axes.items()},
             )
-            with _quiet_exporters(), torch.no_grad():
+            with quiet_exporters(), torch.no_grad():
                 graph = STRATEGIES[exporter].export(foreign, Path(work))
             ir.save(graph, out / f"{request.name}.onnx", external_data=f"{request.name}.onnx.data")
     return out

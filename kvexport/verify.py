@@ -34,13 +34,13 @@ import numpy as np
 import torch
 from transformers import DynamicCache, GPT2LMHeadModel
 
-from kvexport.errors import KvexportError
-from kvexport.integrity import file_problems
-from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
+from kvexport.errors import KvexportError, ManifestError
+from kvexport.integrity import preflight
+from kvexport.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
 from kvexport.runtime.generator import CacheBanks, positions_from_mask
 from kvexport.runtime.session import open_session, resolve_provider
-from kvexport.storage import check_external_data
+from passes.cache_names import cache_names
 
 # (atol, rtol) per dtype: a check holds when |onnx - torch| <= atol + rtol * |torch|.
 TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-4, 1e-3), "fp16": (2e-2, 2e-2)}
@@ -307,7 +307,7 @@ class _StepRunner:
     ) -> None:
 
         self.sessions = sessions
-        self.shared = manifest.cache_layout == "shared-buffer"
+        self.in_place = manifest.cache_layout == "shared-buffer"
         n_layer, dims = manifest.dims.n_layer, manifest.dims
         self.past_names = cache_names("past", n_layer)
         self.present_names = cache_names("present", n_layer)
@@ -316,7 +316,7 @@ class _StepRunner:
         self.shape = (batch, dims.n_head, capacity, dims.head_dim)
         self.banks = (
             CacheBanks(len(self.past_names), int(np.prod(self.shape)), dtype, "cuda" if provider == "cuda" else "cpu", banks=1)
-            if self.shared
+            if self.in_place
             else None
         )
 
@@ -329,7 +329,7 @@ class _StepRunner:
         caller only reads the logits, and the next step reads the buffers in place.
         """
         session = self.sessions[graph]
-        if not self.shared:
+        if not self.in_place:
             return dict(zip(["logits", *self.present_names], session.run(None, feeds), strict=True))
         assert self.banks is not None
         binding = session.io_binding()
@@ -396,6 +396,54 @@ def _quality(case: str, step: int, got: np.ndarray, want: np.ndarray) -> Quality
     return QualityCheck(case, step, float(agree.mean()), float(kl.mean()), max_error)
 
 
+def _torch_logits(
+    model: GPT2LMHeadModel, inputs: dict[str, np.ndarray], cache: DynamicCache, last_only: bool
+) -> np.ndarray:
+    """PyTorch's logits for one step ([batch, 1 or sequence, V]); ``cache`` grows in place."""
+    with torch.no_grad():
+        reference = model(
+            torch.from_numpy(inputs["input_ids"]),
+            cache,  # positional: the keyword is past_key_values or cache, by version
+            attention_mask=torch.from_numpy(inputs["attention_mask"]),
+            position_ids=torch.from_numpy(inputs["position_ids"]),
+            use_cache=True,
+        )
+    logits = reference.logits.float().numpy()
+    return logits[:, -1:, :] if last_only else logits
+
+
+def _judge_step(
+    case: str,
+    step: int,
+    got: dict[str, np.ndarray],
+    want_logits: np.ndarray,
+    cache: DynamicCache,
+    mask: np.ndarray,
+    manifest: Manifest,
+    report: VerifyReport,
+) -> np.ndarray:
+    """Record one step's checks (quality when quantized, else parity) and greedy tokens; PyTorch's tokens."""
+    if report.quantized:
+        report.quality.append(_quality(case, step, got["logits"][:, -1, :], want_logits[:, -1, :]))
+    else:
+        _compare_step(case, step, got, want_logits, cache, mask, manifest.dtype, report)
+    onnx_tokens = got["logits"][:, -1, :].argmax(-1)
+    torch_tokens = want_logits[:, -1, :].argmax(-1)
+    report.tokens.append(
+        TokenCheck(case, step, onnx_tokens.tolist(), torch_tokens.tolist(), bool((onnx_tokens == torch_tokens).all()))
+    )
+    return torch_tokens
+
+
+def _next_inputs(mask: np.ndarray, tokens: np.ndarray) -> dict[str, np.ndarray]:
+    """The decode inputs that feed ``tokens`` after a left-padded ``mask``."""
+    return {
+        "input_ids": tokens.reshape(-1, 1).astype(np.int64),
+        "attention_mask": np.concatenate([mask, np.ones((mask.shape[0], 1), dtype=np.int64)], axis=1),
+        "position_ids": mask.sum(-1, keepdims=True).astype(np.int64),
+    }
+
+
 def _run_case(
     case: str,
     ids: np.ndarray,
@@ -406,67 +454,26 @@ def _run_case(
     steps: int,
     report: VerifyReport,
 ) -> None:
+    """Prefill and ``steps`` greedy decode steps, ONNX beside PyTorch; both continue on PyTorch's tokens.
+
+    The same inputs go to both sides; a concat-layout export also gets its own presents
+    back as the next step's pasts, as a deployment feeds them.
+    """
     runner = _StepRunner(manifest, sessions, report.provider, ids.shape[0], ids.shape[1] + steps)
-    dtype = manifest.dtype
-    n_layer = manifest.dims.n_layer
-    present_names = cache_names("present", n_layer)
-    past_names = cache_names("past", n_layer)
-    positions = positions_from_mask(mask)
-    feeds: dict[str, np.ndarray] = {
-        "input_ids": ids,
-        "attention_mask": mask,
-        "position_ids": positions,
-    }
+    past_names = cache_names("past", manifest.dims.n_layer)
+    present_names = cache_names("present", manifest.dims.n_layer)
+    inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask)}
+    pasts: dict[str, np.ndarray] = {}
     cache = DynamicCache(config=model.config)
-    torch_inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
     for step in range(steps + 1):
-        graph = "prefill" if step == 0 else "decode"
-        got = runner.run(graph, feeds)
-        with torch.no_grad():
-            reference = model(
-                torch.from_numpy(torch_inputs["input_ids"]),
-                cache,  # positional: the keyword is past_key_values or cache, by version
-                attention_mask=torch.from_numpy(torch_inputs["attention_mask"]),
-                position_ids=torch.from_numpy(torch_inputs["position_ids"]),
-                use_cache=True,
-            )
-        want_logits = reference.logits.float().numpy()
-        if not (step == 0 and manifest.all_logits):
-            want_logits = want_logits[:, -1:, :]
-        if report.quantized:
-            report.quality.append(
-                _quality(case, step, got["logits"][:, -1, :], want_logits[:, -1, :])
-            )
-        else:
-            _compare_step(case, step, got, want_logits, cache, mask, dtype, report)
-        onnx_tokens = got["logits"][:, -1, :].argmax(-1)
-        torch_tokens = want_logits[:, -1, :].argmax(-1)
-        report.tokens.append(
-            TokenCheck(
-                case,
-                step,
-                onnx_tokens.tolist(),
-                torch_tokens.tolist(),
-                bool((onnx_tokens == torch_tokens).all()),
-            )
-        )
+        got = runner.run("prefill" if step == 0 else "decode", {**inputs, **pasts})
+        want_logits = _torch_logits(model, inputs, cache, last_only=not (step == 0 and manifest.all_logits))
+        tokens = _judge_step(case, step, got, want_logits, cache, inputs["attention_mask"], manifest, report)
         if step == steps:
             break
-        next_ids = torch_tokens.reshape(-1, 1).astype(
-            np.int64
-        )  # both sides continue on PyTorch's choice
-        next_positions = mask.sum(-1, keepdims=True).astype(np.int64)
-        mask = np.concatenate([mask, np.ones_like(next_ids)], axis=1)
-        feeds = {"input_ids": next_ids, "attention_mask": mask, "position_ids": next_positions}
-        if not runner.shared:
-            feeds.update(
-                {past: got[present] for past, present in zip(past_names, present_names, strict=True)}
-            )
-        torch_inputs = {
-            "input_ids": next_ids,
-            "attention_mask": mask,
-            "position_ids": next_positions,
-        }
+        inputs = _next_inputs(inputs["attention_mask"], tokens)
+        if not runner.in_place:
+            pasts = {past: got[present] for past, present in zip(past_names, present_names, strict=True)}
 
 
 def _read_text(text_file: Path) -> str:
@@ -513,14 +520,14 @@ def _text_quality(
             "position_ids": np.zeros((1, 1), dtype=np.int64),
         }
         for position in range(1, len(chunk)):
-            got = runner.run("prefill" if position == 1 else "decode", feeds, presents=not runner.shared)
+            got = runner.run("prefill" if position == 1 else "decode", feeds, presents=not runner.in_place)
             got_rows.append(got["logits"][0, -1])
             feeds = {
                 "input_ids": np.array([[chunk[position]]], dtype=np.int64),
                 "attention_mask": np.ones((1, position + 1), dtype=np.int64),
                 "position_ids": np.array([[position]], dtype=np.int64),
             }
-            if not runner.shared:
+            if not runner.in_place:
                 feeds.update({p: got[q] for p, q in zip(past_names, present_names, strict=True)})
         targets += chunk[1:]
     got_logits, want_logits = np.stack(got_rows), np.concatenate(want_rows)
@@ -599,15 +606,16 @@ def verify(
         raise KvexportError(
             f"manifest dtype {manifest.dtype!r} is not one verify knows (fp32, fp16)"
         )
-    if manifest.files:  # exports older than the file record are verified without it
-        say("checking file sizes and hashes")
-        report.file_problems = file_problems(path, manifest)
+    say("checking file sizes and hashes")
+    # exports older than the file record are verified without it
+    found = preflight(path, hash_files=bool(manifest.files), manifest=manifest)
+    report.file_problems = found.file_problems
     if report.file_problems:
         report.seconds = time.perf_counter() - started
         return report
-    for graph in GRAPH_NAMES:
-        proto = check_external_data(path / manifest.graphs[graph].file)
-        report.io_problems += check_graph_io(manifest, graph, proto)
+    if found.external_data:
+        raise ManifestError(next(iter(found.external_data.values())))
+    report.io_problems = found.graph_problems()
     if report.io_problems:
         report.seconds = time.perf_counter() - started
         return report

@@ -55,7 +55,7 @@ from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 from passes._masks import is_mask_where, is_padding_condition, padding_condition
 from passes._rules import apply_rules
 from passes._shapes import annotate_symbolic_shapes
-from passes._values import const_ints, dims_of, ints
+from passes.values import const_ints, dims_of, ints
 
 _MAX_ROUNDS = 6
 

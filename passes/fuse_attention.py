@@ -40,7 +40,7 @@ from onnxscript.rewriter.pattern import Var as _Var
 
 from passes._masks import is_lowest
 from passes._rules import apply_rules
-from passes._values import const_float, const_ints, dims_of
+from passes.values import const_float, const_ints, dims_of
 
 AttentionTarget = Literal["onnx", "ort"]
 ONNX_ATTENTION_OPSET = 23

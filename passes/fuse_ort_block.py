@@ -23,7 +23,7 @@ from onnx_ir.passes import PassResult
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
 from passes._rules import RulePass
-from passes._values import const_close, const_float
+from passes.values import const_close, const_float
 
 _GELU_CONSTANTS = {"half": 0.5, "cube": 3.0, "coefficient": 0.044715, "sqrt_2_over_pi": 0.7978845608, "one": 1.0}
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassError, PassManager, PassResult
 
+from passes.choices import Attention
 from passes.cleanup import CleanupPass
 from passes.fold_shapes import FoldShapesPass, count_ops
 from passes.fuse_attention import FuseAttentionPass, count_attention_ops
@@ -24,7 +25,6 @@ from passes.rename_cache import RenameCachePass
 from passes.shared_buffer_cache import SharedBufferCachePass
 from passes.transposed_weight_gemm import TransposedWeightGemmPass
 
-AttentionChoice = Literal["unfused", "onnx", "ort"]
 DEFAULT_REWRITE_PASSES = ("rename_cache", "fold_shapes", "cleanup")
 
 
@@ -82,7 +82,7 @@ class _Measured(InPlacePass):
 class PipelineOptions:
     """What the passes are built for: the attention target and the optional rewrites."""
 
-    attention: AttentionChoice = "unfused"
+    attention: Attention = Attention.UNFUSED
     shared_buffer: bool = False
     quantization: QuantizationConfig | None = None
     explain: bool = False
@@ -102,12 +102,12 @@ class PassSpec:
     make: Callable[[PipelineOptions], InPlacePass]
     default: Callable[[PipelineOptions], bool] = lambda options: True
     implied: Callable[[PipelineOptions], bool] = lambda options: False
-    attention: frozenset[str] = frozenset({"unfused", "onnx", "ort"})
+    attention: frozenset[Attention] = frozenset(Attention)
     requirement: str = ""
 
 
-_FUSED = frozenset({"onnx", "ort"})
-_ORT = frozenset({"ort"})
+_FUSED = frozenset({Attention.ONNX, Attention.ORT})
+_ORT = frozenset({Attention.ORT})
 
 # The registry, in pipeline order. fold_shapes runs again after fusion (the fused ops
 # leave shape chains whose inputs are now constants); that is the pipeline's doing, not
@@ -118,17 +118,17 @@ REGISTRY: tuple[PassSpec, ...] = (
     PassSpec("fold_shapes", lambda o: FoldShapesPass()),
     PassSpec(
         "fuse_attention",
-        lambda o: FuseAttentionPass("onnx" if o.attention == "onnx" else "ort", o.explain),
-        default=lambda o: o.attention != "unfused",
-        implied=lambda o: o.attention != "unfused",
+        lambda o: FuseAttentionPass("onnx" if o.attention is Attention.ONNX else "ort", o.explain),
+        default=lambda o: o.attention is not Attention.UNFUSED,
+        implied=lambda o: o.attention is not Attention.UNFUSED,
         attention=_FUSED,
         requirement="fuse_attention / fuse_ort_block need --attention onnx or ort",
     ),
     PassSpec(
         "fuse_ort_block",
         lambda o: FuseOrtBlockPass(o.explain),
-        default=lambda o: o.attention == "ort",
-        implied=lambda o: o.attention == "ort",
+        default=lambda o: o.attention is Attention.ORT,
+        implied=lambda o: o.attention is Attention.ORT,
         attention=_ORT,
         requirement="fuse_ort_block emits ONNX Runtime ops; use it with --attention ort",
     ),
@@ -154,7 +154,7 @@ PASS_NAMES = tuple(spec.name for spec in REGISTRY)
 
 
 def build_pipeline(
-    attention: AttentionChoice = "unfused",
+    attention: Attention | str = Attention.UNFUSED,
     passes: Sequence[str] | None = None,
     shared_buffer: bool = False,
     quantization: QuantizationConfig | None = None,
@@ -175,10 +175,15 @@ def build_pipeline(
             closest match failed (onnxscript's ``MatchingTracer``); see ``PassReport``.
 
     Raises:
-        ValueError: an unknown pass name, or a pass that the attention choice can't serve.
+        ValueError: an unknown attention or pass name, or a pass that the attention choice
+            can't serve.
 
     """
-    options = PipelineOptions(attention, shared_buffer, quantization, explain)
+    try:
+        chosen = Attention(attention)
+    except ValueError:
+        raise ValueError(f"unknown attention {attention!r}; choose from {', '.join(a.value for a in Attention)}") from None
+    options = PipelineOptions(chosen, shared_buffer, quantization, explain)
     unknown = set(passes or ()).difference(PASS_NAMES)
     if unknown:
         raise ValueError(f"unknown pass {sorted(unknown)}; choose from {', '.join(PASS_NAMES)}")
@@ -188,7 +193,7 @@ def build_pipeline(
         if spec.implied(options) or (spec.default(options) if passes is None else spec.name in passes)
     ]
     for spec in wanted:
-        if attention not in spec.attention:
+        if chosen not in spec.attention:
             raise ValueError(spec.requirement)
     pipeline = []
     for spec in wanted:

@@ -34,7 +34,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes._values import initializer
+from passes.values import initializer
 
 MS_DOMAIN = "com.microsoft"
 _SHAPE_ONLY = {"Reshape", "Identity", "Squeeze", "Unsqueeze", "Cast", "Add"}

@@ -28,17 +28,13 @@ cache at all raises :class:`NoCacheError`.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
-from passes._values import initializer
-
-Kind = Literal["key", "value"]
-Style = Literal["canonical", "optimum"]
+from passes.cache_names import CacheSlot, Direction, Kind, Style, canonical_slot
+from passes.values import initializer
 
 _ORIGINAL_NAME = "kvexport.original_name"
 _KEY_TOKENS = {"key", "keys", "k"}
@@ -55,29 +51,13 @@ class NoCacheError(CacheNamingError):
     """The graph has no KV-cache inputs or outputs at all."""
 
 
-@dataclass(frozen=True)
-class CacheSlot:
-    """Where one cache tensor belongs: past (input) or present (output), layer, kind."""
-
-    direction: Literal["past", "present"]
-    layer: int
-    kind: Kind | None  # None: a stacked tensor holding key and value
-
-    def name(self, style: Style) -> str:
-        """The slot's name in ``style``."""
-        assert self.kind is not None
-        if style == "optimum" and self.direction == "past":
-            return f"past_key_values.{self.layer}.{self.kind}"
-        return f"{self.direction}.{self.layer}.{self.kind}"
-
-
 def _tokens(name: str) -> list[str]:
     lowered = re.sub(r"(past|present)[^a-z0-9]*key[^a-z0-9]*values?", r"\1 pkv", name.lower())
     lowered = re.sub(r"layer[^a-z0-9]*past", "layer_past", lowered)
     return re.findall(r"layer_past|[a-z]+|\d+", lowered)
 
 
-def parse_cache_name(name: str, direction: Literal["past", "present"]) -> CacheSlot | None:
+def parse_cache_name(name: str, direction: Direction) -> CacheSlot | None:
     """Parse ``name`` into a slot; None if it does not look like a cache tensor.
 
     Raises:
@@ -306,5 +286,4 @@ class RenameCachePass(InPlacePass):
 
 def canonical_cache_names(model: ir.Model) -> list[str]:
     """The canonical cache names present in ``model``'s inputs and outputs, in graph order."""
-    pattern = re.compile(r"^(past|present)\.\d+\.(key|value)$")
-    return [v.name for v in [*model.graph.inputs, *model.graph.outputs] if v.name and pattern.match(v.name)]
+    return [v.name for v in [*model.graph.inputs, *model.graph.outputs] if v.name and canonical_slot(v.name)]

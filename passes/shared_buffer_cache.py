@@ -33,19 +33,17 @@ says so (``cache.layout = "shared-buffer"``):
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
 from onnx_ir.passes.common import TopologicalSortPass
 
 from passes._masks import is_mask_where, padding_condition
-from passes._values import initializer
+from passes.cache_names import canonical_slot
+from passes.values import initializer
 
 CAPACITY_DIM = "max_sequence"
 _MS = "com.microsoft"
-_PRESENT = re.compile(r"^present\.(\d+)\.(key|value)$")
 
 
 class SharedBufferCacheError(PreconditionError, ValueError):
@@ -183,7 +181,8 @@ class SharedBufferCachePass(InPlacePass):
                 raise SharedBufferCacheError(
                     f"{node.name}: MultiHeadAttention with bias / key_padding_mask inputs is not supported"
                 )
-            if len(node.outputs) < 3 or not all(_PRESENT.match(o.name or "") for o in node.outputs[1:3]):
+            slots = [canonical_slot(o.name or "") for o in node.outputs[1:3]]
+            if len(node.outputs) < 3 or not all(s is not None and s.direction == "present" for s in slots):
                 raise SharedBufferCacheError(f"{node.name}: its presents are not present.<l>.key|value outputs")
 
     def call(self, model: ir.Model) -> PassResult:
@@ -202,7 +201,9 @@ class SharedBufferCachePass(InPlacePass):
         for node in attention:
             heads = node.attributes.get_int("num_heads")
             present_key = node.outputs[1]
-            layer = int(_PRESENT.match(present_key.name or "").group(1))  # type: ignore[union-attr]
+            slot = canonical_slot(present_key.name or "")
+            assert slot is not None  # requires() checked every present name
+            layer = slot.layer
             head_dim = present_key.shape[3] if present_key.shape is not None else None
             shape = ir.Shape(["batch", heads, CAPACITY_DIM, head_dim])
             past: list[ir.Value] = []

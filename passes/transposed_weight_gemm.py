@@ -27,7 +27,7 @@ from onnx_ir.passes import PassResult
 from onnxscript.rewriter import MatchResult, RewriteRule
 
 from passes._rules import RulePass
-from passes._values import ints
+from passes.values import ints
 
 
 def _pattern(op: Any, x: ir.Value, weight: ir.Value) -> ir.Value:

@@ -123,7 +123,8 @@ def _run(command: list[str], **kwargs: object) -> str:
     return str(done.stdout)
 
 
-def _venv(work: Path, name: str) -> Path:
+def venv_python(work: Path, name: str) -> Path:
+    """The python of the fixture tool venv ``name`` under ``work``, built with its pinned packages when missing."""
     python = work / name / "bin" / "python"
     if not python.exists():
         _run([sys.executable, "-m", "venv", str(work / name)])
@@ -158,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
-    optimum, torchscript, ortopt = (_venv(work, name) for name in ("optimum", "torchscript", "ortopt"))
+    optimum, torchscript, ortopt = (venv_python(work, name) for name in ("optimum", "torchscript", "ortopt"))
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)

@@ -93,13 +93,13 @@ def _torch_timing(source: Any, dtype: str, device: str, grid: list[tuple[int, in
     """PyTorch eager generate (cache on): TTFT and ms/token per (batch, context)."""
     import torch
 
-    from kvexport.bench import _prompt
+    from kvexport.bench import bench_prompt
     from kvexport.models.gpt2 import load_gpt2
 
     model = load_gpt2(source, dtype).to(device)  # type: ignore[arg-type]
     out: dict[str, Any] = {}
     for batch, context in grid:
-        ids = torch.from_numpy(_prompt(vocab, batch, context)).to(device)
+        ids = torch.from_numpy(bench_prompt(vocab, batch, context)).to(device)
         mask = torch.ones_like(ids)
 
         def run(tokens: int, ids: Any = ids, mask: Any = mask) -> float:
@@ -125,7 +125,7 @@ def main() -> int:
     import onnxruntime as ort
 
     from kvexport import export_gpt2, verify
-    from kvexport.bench import _bench_onnx, _prompt
+    from kvexport.bench import bench_prompt, time_generator
     from kvexport.manifest import read_manifest
     from kvexport.runtime import Generator
     from kvexport.runtime.session import session_options, session_providers
@@ -207,8 +207,8 @@ def main() -> int:
             grid = [(b, c) for b in batches for c in contexts if c + 40 <= generator.n_positions]
             cells: dict[str, Any] = {}
             for batch, context in grid:  # as kvexport bench times it: min TTFT, median step
-                generator.generate(_prompt(generator.vocab_size, batch, context), 4, eos_token_id=-1)
-                measured = _bench_onnx(generator, batch, context, 33, 3)
+                generator.generate(bench_prompt(generator.vocab_size, batch, context), 4, eos_token_id=-1)
+                measured = time_generator(generator, batch, context, 33, 3)
                 cells[f"b{batch}/c{context}"] = {
                     "ttft_ms": round(measured.ttft_ms or 0.0, 3),
                     "tpot_ms": round(measured.decode_ms_per_token or 0.0, 3),

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from kvexport import export_gpt2, read_manifest, verify
-from kvexport.manifest import cache_names
 from kvexport.models.gpt2 import ModelSource, load_gpt2
 from kvexport.storage import EXTERNAL_THRESHOLD_BYTES, WEIGHTS_FILE
+from passes.cache_names import cache_names
 
 from .conftest import TINY
 

@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvexport import Generator, verify
+from kvexport.checking import check
 from kvexport.cli import main
-from kvexport.integrity import check
 from kvexport.testing import run_single_graph
 from passes.fuse_attention import count_attention_ops
 

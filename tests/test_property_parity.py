@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvexport import export_gpt2
-from kvexport.manifest import cache_names
 from kvexport.models.gpt2 import load_gpt2
+from passes.cache_names import cache_names
 
 from .conftest import write_config
 

@@ -30,7 +30,9 @@ def test_passes_public_names() -> None:
     assert set(passes.__all__) == {
         "DEFAULT_REWRITE_PASSES",
         "PASS_NAMES",
+        "Attention",
         "CacheNamingError",
+        "CacheSlot",
         "CleanupPass",
         "FoldShapesPass",
         "FuseAttentionPass",

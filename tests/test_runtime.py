@@ -18,6 +18,7 @@ from kvexport.models.gpt2 import load_gpt2
 from kvexport.runtime import Generator, SamplingConfig, choose_tokens
 from kvexport.runtime.prepacked import CACHE_DIR, DATA_FILE
 from tests.conftest import TINY
+from tests.torchless import SERVING_IMAGE, refused, run_without
 
 
 @pytest.fixture(scope="module")
@@ -366,18 +367,8 @@ def test_prepacked_refusals(tiny_export: Path, tmp_path: Path) -> None:
     assert refused.stderr.strip().endswith("; pass another cache directory")
 
 
-_WITHOUT_TORCH = """
-import importlib.abc, json, sys, time
-
-class Refuse(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in ("torch", "transformers", "onnxscript", "onnx_ir"):
-            raise ImportError(f"{name} is not installed in this serving image")
-        return None
-
-sys.meta_path.insert(0, Refuse())
-started = time.perf_counter()
-import kvexport
+_GENERATE = """
+import json, kvexport
 generator = kvexport.Generator(sys.argv[1])
 tokens = generator.generate([[464, 6766, 318]], 5, eos_token_id=-1)
 print(json.dumps({"tokens": tokens.tolist(), "text": generator.generate_text("The sky is", 5, eos_token_id=-1)}))
@@ -385,13 +376,9 @@ print(json.dumps({"tokens": tokens.tolist(), "text": generator.generate_text("Th
 
 
 def test_generation_needs_neither_torch_nor_transformers(generator: Generator, tiny_export: Path) -> None:
-    import subprocess
-    import sys
-
-    done = subprocess.run(
-        [sys.executable, "-c", _WITHOUT_TORCH, str(tiny_export)], capture_output=True, text=True, timeout=120
-    )
+    done = run_without(SERVING_IMAGE, _GENERATE, [str(tiny_export)], timeout=120)
     assert done.returncode == 0, done.stderr
+    assert refused(done) == []
     result = json.loads(done.stdout)
     expected = generator.generate([[464, 6766, 318]], 5, eos_token_id=-1)
     assert result["tokens"] == expected.tolist()

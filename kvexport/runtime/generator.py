@@ -35,12 +35,12 @@ import onnxruntime as ort
 from tokenizers import Tokenizer
 
 from kvexport.errors import KvexportError, ManifestError
-from kvexport.integrity import file_problems
-from kvexport.manifest import GRAPH_NAMES, Manifest, cache_names, check_graph_io, read_manifest
+from kvexport.integrity import preflight
+from kvexport.manifest import GRAPH_NAMES, Manifest
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import open_session, resolve_provider, session_options
-from kvexport.storage import check_external_data
+from passes.cache_names import cache_names
 
 _NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 
@@ -89,7 +89,7 @@ class GenerationRequest:
     eos_token_id: int | None
 
 
-class _SharedWeights:
+class _MappedWeights:
     """The weights file mapped once; OrtValues over it, keyed by (offset, length, dtype, shape)."""
 
     def __init__(self, directory: Path, file: str) -> None:
@@ -155,6 +155,38 @@ class CacheBanks:
         return np.array(flat.reshape(shape))
 
 
+def _array_prompt(input_ids: np.ndarray, attention_mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """An array prompt as int64 [batch, sequence] with its mask (all ones when none is given)."""
+    ids = input_ids.reshape(1, -1) if input_ids.ndim == 1 else input_ids
+    if ids.ndim != 2:
+        raise KvexportError(
+            f"input_ids has shape {input_ids.shape}; pass [batch, sequence] or a list of lists"
+        )
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise KvexportError(f"input_ids has dtype {ids.dtype}; pass integer token ids")
+    ids = ids.astype(np.int64)
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, dtype=np.int64)
+    return ids, mask
+
+
+def _left_padded(input_ids: Sequence[int] | Sequence[Sequence[int]], pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """A list prompt (one row, or ragged rows) left-padded with ``pad``, and its mask."""
+    rows: list[list[int]] = (
+        [[int(t) for t in input_ids]]  # type: ignore[arg-type]
+        if not input_ids or not isinstance(input_ids[0], (Sequence, np.ndarray))
+        else [[int(t) for t in r] for r in input_ids]  # type: ignore[union-attr]
+    )
+    if not rows or any(len(r) == 0 for r in rows):
+        raise KvexportError("the prompt is empty; pass at least one token")
+    width = max(len(r) for r in rows)
+    ids = np.full((len(rows), width), pad, dtype=np.int64)
+    mask = np.zeros((len(rows), width), dtype=np.int64)
+    for i, row in enumerate(rows):
+        ids[i, width - len(row) :] = row
+        mask[i, width - len(row) :] = 1
+    return ids, mask
+
+
 class Generator:
     """Generate from a kvexport directory on ONNX Runtime (CPU or CUDA) with IO binding.
 
@@ -193,11 +225,9 @@ class Generator:
         trace_cache: bool = False,
     ) -> None:
         self.directory = Path(directory)
-        self.manifest: Manifest = read_manifest(self.directory)
-        if check:
-            problems = file_problems(self.directory, self.manifest)
-            if problems:
-                raise ManifestError(f"{self.directory}: {problems[0]}")
+        found = preflight(self.directory, hash_files=check)
+        found.raise_first()
+        self.manifest: Manifest = found.manifest
         self.provider = resolve_provider(provider)
         if prepacked and share_weights:
             raise KvexportError("prepacked and share_weights are two ways to hold the weights; pick one")
@@ -215,14 +245,9 @@ class Generator:
         self.vocab_size, self.n_positions = dims.vocab_size, dims.n_positions
         self._past_names = cache_names("past", self.n_layer)
         self._present_names = cache_names("present", self.n_layer)
-        protos = {}
-        for graph in GRAPH_NAMES:
-            protos[graph] = check_external_data(self.directory / self.manifest.graphs[graph].file)
-            problems = check_graph_io(self.manifest, graph, protos[graph])
-            if problems:
-                raise ManifestError(f"{self.directory}: {problems[0]}; re-export the model")
+        protos = found.protos
         self._weights = (
-            _SharedWeights(self.directory, self.manifest.weights["file"]) if share_weights else None
+            _MappedWeights(self.directory, self.manifest.weights["file"]) if share_weights else None
         )
         paths = {graph: self.directory / self.manifest.graphs[graph].file for graph in GRAPH_NAMES}
         if prepacked:
@@ -241,18 +266,25 @@ class Generator:
             self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file))
         self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
         self.trace_cache = trace_cache
-        self._shared = self.manifest.cache_layout == "shared-buffer"
+        # the in-place layout: past and present are one buffer, bound once for every step
+        self._in_place = self.manifest.cache_layout == "shared-buffer"
         self.last_stats = GenerationStats()
 
     # ---------------------------------------------------------------- inputs
 
-    def _prepare(
+    def _checked_prompt(
         self,
         input_ids: TokenIds,
         attention_mask: np.ndarray | None,
         max_new_tokens: int,
         truncate: bool = False,
     ) -> tuple[np.ndarray, np.ndarray]:
+        """``input_ids`` and ``attention_mask`` as left-padded int64 [batch, prompt], checked.
+
+        Refuses (one line each) a bad token count, an empty prompt, a mask that is not
+        left padding, ids outside the vocabulary, and a prompt with no room for the new
+        tokens unless ``truncate``.
+        """
         if (
             isinstance(max_new_tokens, bool)
             or not isinstance(max_new_tokens, (int, np.integer))
@@ -261,35 +293,17 @@ class Generator:
             raise KvexportError(f"max_new_tokens {max_new_tokens!r}: must be a positive integer")
         pad = self.eos_token_id if self.eos_token_id is not None else 0
         if isinstance(input_ids, np.ndarray):
-            ids = input_ids.reshape(1, -1) if input_ids.ndim == 1 else input_ids
-            if ids.ndim != 2:
-                raise KvexportError(
-                    f"input_ids has shape {input_ids.shape}; pass [batch, sequence] or a list of lists"
-                )
-            if not np.issubdtype(ids.dtype, np.integer):
-                raise KvexportError(f"input_ids has dtype {ids.dtype}; pass integer token ids")
-            ids = ids.astype(np.int64)
-            mask = (
-                np.ones_like(ids)
-                if attention_mask is None
-                else np.asarray(attention_mask, dtype=np.int64)
-            )
+            ids, mask = _array_prompt(input_ids, attention_mask)
         else:
-            rows: list[list[int]] = (
-                [[int(t) for t in input_ids]]  # type: ignore[arg-type]
-                if not input_ids or not isinstance(input_ids[0], (Sequence, np.ndarray))
-                else [[int(t) for t in r] for r in input_ids]  # type: ignore[union-attr]
-            )
-            if not rows or any(len(r) == 0 for r in rows):
-                raise KvexportError("the prompt is empty; pass at least one token")
-            width = max(len(r) for r in rows)
-            ids = np.full((len(rows), width), pad, dtype=np.int64)
-            mask = np.zeros((len(rows), width), dtype=np.int64)
-            for i, row in enumerate(rows):  # left padding
-                ids[i, width - len(row) :] = row
-                mask[i, width - len(row) :] = 1
+            ids, mask = _left_padded(input_ids, pad)
             if attention_mask is not None:
                 mask = np.asarray(attention_mask, dtype=np.int64)
+        self._check_mask_and_ids(ids, mask)
+        ids = np.where(mask == 1, ids, pad).astype(np.int64)
+        return self._fit_positions(ids, mask, max_new_tokens, truncate)
+
+    def _check_mask_and_ids(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        """A non-empty prompt, a left-padding mask of its shape, every real id in the vocabulary."""
         if ids.shape[1] == 0 or ids.shape[0] == 0:
             raise KvexportError("the prompt is empty; pass at least one token")
         if mask.shape != ids.shape:
@@ -306,19 +320,23 @@ class Generator:
             raise KvexportError(
                 f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
             )
-        ids = np.where(mask == 1, ids, pad).astype(np.int64)
+
+    def _fit_positions(
+        self, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, truncate: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt as it is when prompt + new tokens fit the model's positions, else refused or truncated."""
         total = ids.shape[1] + max_new_tokens
-        if total > self.n_positions:
-            keep = self.n_positions - max_new_tokens
-            if not truncate or keep < 1:
-                raise KvexportError(
-                    f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
-                    f"{self.n_positions} positions; shorten the prompt, ask for fewer tokens"
-                    + (", or truncate the prompt (truncate=True, --truncate)" if keep >= 1 else "")
-                )
-            # keep each row's most recent tokens: the left-padded tail of the batch
-            ids, mask = ids[:, -keep:], mask[:, -keep:]
-        return ids, mask
+        if total <= self.n_positions:
+            return ids, mask
+        keep = self.n_positions - max_new_tokens
+        if not truncate or keep < 1:
+            raise KvexportError(
+                f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
+                f"{self.n_positions} positions; shorten the prompt, ask for fewer tokens"
+                + (", or truncate the prompt (truncate=True, --truncate)" if keep >= 1 else "")
+            )
+        # keep each row's most recent tokens: the left-padded tail of the batch
+        return ids[:, -keep:], mask[:, -keep:]
 
     # ---------------------------------------------------------------- loop
 
@@ -354,7 +372,7 @@ class Generator:
         """
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
         sampling.validate()
-        ids, mask = self._prepare(input_ids, attention_mask, max_new_tokens, truncate)
+        ids, mask = self._checked_prompt(input_ids, attention_mask, max_new_tokens, truncate)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
         return GenerationRequest(ids, mask, max_new_tokens, sampling, eos)
 
@@ -366,7 +384,7 @@ class Generator:
             int(np.prod(self._full_shape(request))),
             self.dtype,
             "cuda" if self.provider == "cuda" else "cpu",
-            banks=1 if self._shared else 2,
+            banks=1 if self._in_place else 2,
         )
         stats = GenerationStats(prompt_tokens=prompt, batch=batch)
         logits_length = prompt if self.manifest.all_logits else 1
@@ -412,9 +430,9 @@ class Generator:
         binding.bind_cpu_input("attention_mask", request.mask)
         binding.bind_cpu_input("position_ids", positions_from_mask(request.mask))
         self._bind_logits(binding, logits)
-        if self._shared:
+        if self._in_place:
             self._bind_cache(binding, self._past_names, banks, 0, full, stats, output=False)
-        present = full if self._shared else (batch, self.n_head, prompt, self.head_dim)
+        present = full if self._in_place else (batch, self.n_head, prompt, self.head_dim)
         self._bind_cache(binding, self._present_names, banks, 0, present, stats, output=True)
         self.sessions["prefill"].run_with_iobinding(binding)
 
@@ -431,7 +449,7 @@ class Generator:
         decode = self.sessions["decode"]
         binding = decode.io_binding()
         self._bind_logits(binding, logits)
-        if self._shared:
+        if self._in_place:
             self._bind_cache(binding, self._past_names, banks, 0, full, stats, output=False)
             self._bind_cache(binding, self._present_names, banks, 0, full, stats, output=True)
         mask, current, length = request.mask, 0, prompt
@@ -442,7 +460,7 @@ class Generator:
             binding.bind_cpu_input("input_ids", tokens.reshape(batch, 1))
             binding.bind_cpu_input("attention_mask", mask)
             binding.bind_cpu_input("position_ids", positions)
-            if not self._shared:
+            if not self._in_place:
                 shape = (batch, self.n_head, length, self.head_dim)
                 self._bind_cache(binding, self._past_names, banks, current, shape, stats, output=False)
                 grown = (batch, self.n_head, length + 1, self.head_dim)
