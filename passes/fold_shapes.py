@@ -68,40 +68,46 @@ class ReshapeToConstantShape(RewriteRuleClassBase):
 
     def pattern(self, op: Any, data: ir.Value, shape: ir.Value) -> ir.Value:
         """Any Reshape."""
-        return op.Reshape(data, shape)
+        return op.Reshape(data, shape, _outputs=["reshaped"])
 
-    def check(self, context: Any, data: ir.Value, shape: ir.Value, **_: Any) -> MatchResult:
+    def check(self, context: Any, data: ir.Value, shape: ir.Value, reshaped: ir.Value, **_: Any) -> MatchResult:
         """The shape is computed, and the output dims are numbers or copies of input dims."""
         result = MatchResult()
-        known = const_ints(shape)
-        if known is not None and -1 not in known:
-            return result.fail("the target shape is already a constant without -1", shape)
-        output_dims = dims_of(context.output_values[0])
-        if output_dims is None:
-            return result.fail("the output shape is not known", context.output_values[0])
-        input_dims = dims_of(data) or []
-        new_dims: list[int] = []
-        unknown = 0
-        for position, dim in enumerate(output_dims):
-            if isinstance(dim, int):
-                if dim == 0:
-                    return result.fail("an empty dim can't be written as a Reshape target")
-                new_dims.append(dim)
-            elif position < len(input_dims) and input_dims[position] == dim:
-                new_dims.append(0)
-            else:
-                new_dims.append(-1)
-                unknown += 1
-        if unknown > 1:
-            return result.fail(f"{unknown} output dims are neither static nor copies of input dims")
-        if known is not None and new_dims.count(-1) >= known.count(-1):
-            return result.fail("the constant target would stay as it is", shape)
-        self._new_dims = new_dims
-        return result
+        target = _constant_target(data, shape, reshaped)
+        return result.fail(target) if isinstance(target, str) else result
 
-    def rewrite(self, op: Any, data: ir.Value, shape: ir.Value, **_: Any) -> ir.Value:
+    def rewrite(self, op: Any, data: ir.Value, shape: ir.Value, reshaped: ir.Value, **_: Any) -> ir.Value:
         """Reshape to the constant."""
-        return op.Reshape(data, op.Constant(value=ir.tensor(self._new_dims, dtype=ir.DataType.INT64)))
+        target = _constant_target(data, shape, reshaped)
+        assert not isinstance(target, str)  # check() accepted this match
+        return op.Reshape(data, op.Constant(value=ir.tensor(target, dtype=ir.DataType.INT64)))
+
+
+def _constant_target(data: ir.Value, shape: ir.Value, reshaped: ir.Value) -> list[int] | str:
+    """The constant Reshape target for a known output shape, or why there is none (for ``check``)."""
+    known = const_ints(shape)
+    if known is not None and -1 not in known:
+        return "the target shape is already a constant without -1"
+    output_dims = dims_of(reshaped)
+    if output_dims is None:
+        return "the output shape is not known"
+    input_dims = dims_of(data) or []
+    new_dims: list[int] = []
+    for position, dim in enumerate(output_dims):
+        if isinstance(dim, int):
+            if dim == 0:
+                return "an empty dim can't be written as a Reshape target"
+            new_dims.append(dim)
+        elif position < len(input_dims) and input_dims[position] == dim:
+            new_dims.append(0)
+        else:
+            new_dims.append(-1)
+    unknown = new_dims.count(-1)
+    if unknown > 1:
+        return f"{unknown} output dims are neither static nor copies of input dims"
+    if known is not None and unknown >= known.count(-1):
+        return "the constant target would stay as it is"
+    return new_dims
 
 
 class ReshapeTransposeReshapeToTranspose(RewriteRuleClassBase):
@@ -169,30 +175,37 @@ class StaticDimFromShape(RewriteRuleClassBase):
     def check(self, context: Any, data: ir.Value, shape: ir.Value, index: ir.Value, **_: Any) -> MatchResult:
         """The index is constant and the dim it reads is a number."""
         result = MatchResult()
-        dims = dims_of(data)
-        positions = const_ints(index)
-        if dims is None or positions is None or index.shape is None:
-            return result.fail("input shape or index not known")
-        node = shape.producer()
-        assert node is not None
-        start = node.attributes.get_int("start", 0) or 0
-        end = node.attributes.get_int("end", len(dims))
-        sliced = dims[start:end] if end is not None else dims[start:]
-        try:
-            values = [sliced[p] for p in positions]
-        except IndexError:
-            return result.fail("index out of range")
-        if not all(isinstance(v, int) for v in values):
-            return result.fail("the dim read is symbolic")
-        index_dims = dims_of(index)
-        if index_dims is None or not all(isinstance(d, int) for d in index_dims):
-            return result.fail("the index has a symbolic shape")
-        self._value = np.array(values, dtype=np.int64).reshape([int(d) for d in index_dims])
-        return result
+        dims = _static_dims_read(data, shape, index)
+        return result.fail(dims) if isinstance(dims, str) else result
 
-    def rewrite(self, op: Any, **_: Any) -> ir.Value:
+    def rewrite(self, op: Any, data: ir.Value, shape: ir.Value, index: ir.Value, **_: Any) -> ir.Value:
         """The dim as a constant."""
-        return op.Constant(value=ir.tensor(self._value))
+        dims = _static_dims_read(data, shape, index)
+        assert not isinstance(dims, str)  # check() accepted this match
+        return op.Constant(value=ir.tensor(dims))
+
+
+def _static_dims_read(data: ir.Value, shape: ir.Value, index: ir.Value) -> np.ndarray | str:
+    """What ``Gather(Shape(data), index)`` reads, when every dim it reads is static; else why not."""
+    dims = dims_of(data)
+    positions = const_ints(index)
+    if dims is None or positions is None or index.shape is None:
+        return "input shape or index not known"
+    node = shape.producer()
+    assert node is not None
+    start = node.attributes.get_int("start", 0) or 0
+    end = node.attributes.get_int("end", len(dims))
+    sliced = dims[start:end] if end is not None else dims[start:]
+    try:
+        values = [sliced[p] for p in positions]
+    except IndexError:
+        return "index out of range"
+    if not all(isinstance(v, int) for v in values):
+        return "the dim read is symbolic"
+    index_dims = dims_of(index)
+    if index_dims is None or not all(isinstance(d, int) for d in index_dims):
+        return "the index has a symbolic shape"
+    return np.array(values, dtype=np.int64).reshape([int(d) for d in index_dims])
 
 
 class GemmSandwichToMatMul(RewriteRuleClassBase):
@@ -231,13 +244,15 @@ class GemmSandwichToMatMul(RewriteRuleClassBase):
             return result.fail("the reshapes do not just flatten and restore the leading dims")
         if len(flat.uses()) != 1 or len(product.uses()) != 1:
             return result.fail("intermediate values have other users")
-        self._bias = bias
         return result
 
-    def rewrite(self, op: Any, data: ir.Value, weight: ir.Value, **_: Any) -> ir.Value:
-        """MatMul, then the bias if there is one."""
-        product = op.MatMul(data, weight)
-        return product if self._bias is None else op.Add(product, self._bias)
+    def rewrite(self, op: Any, data: ir.Value, weight: ir.Value, product: ir.Value, **_: Any) -> ir.Value:
+        """MatMul, then the Gemm's bias if it has one."""
+        gemm = product.producer()
+        assert gemm is not None
+        bias = gemm.inputs[2] if len(gemm.inputs) > 2 else None
+        matmul = op.MatMul(data, weight)
+        return matmul if bias is None else op.Add(matmul, bias)
 
 
 class SmallConstantOfShape(RewriteRuleClassBase):
@@ -245,7 +260,7 @@ class SmallConstantOfShape(RewriteRuleClassBase):
 
     def pattern(self, op: Any, shape: ir.Value) -> ir.Value:
         """Any ConstantOfShape."""
-        return op.ConstantOfShape(shape, _allow_other_attributes=True)
+        return op.ConstantOfShape(shape, _allow_other_attributes=True, _outputs=["filled"])
 
     def check(self, context: Any, shape: ir.Value, **_: Any) -> MatchResult:
         """The shape is a constant of at most 1024 elements."""
@@ -253,15 +268,16 @@ class SmallConstantOfShape(RewriteRuleClassBase):
         dims = const_ints(shape)
         if dims is None or shape.shape is None or len(shape.shape) != 1 or int(np.prod(dims)) > 1024:
             return result.fail("the shape is not a small constant", shape)
-        node = context.output_values[0].producer()
-        fill = node.attributes.get("value") if node is not None else None
-        base = fill.as_tensor().numpy().reshape(-1) if fill is not None else np.zeros(1, np.float32)
-        self._value = np.full([int(d) for d in dims], base[0], dtype=base.dtype)
         return result
 
-    def rewrite(self, op: Any, **_: Any) -> ir.Value:
-        """The filled tensor."""
-        return op.Constant(value=ir.tensor(self._value))
+    def rewrite(self, op: Any, shape: ir.Value, filled: ir.Value, **_: Any) -> ir.Value:
+        """The filled tensor (ConstantOfShape's ``value``, 0.0 as float32 when it has none)."""
+        dims = const_ints(shape)
+        assert dims is not None  # check() read it
+        node = filled.producer()
+        fill = node.attributes.get("value") if node is not None else None
+        base = fill.as_tensor().numpy().reshape(-1) if fill is not None else np.zeros(1, np.float32)
+        return op.Constant(value=ir.tensor(np.full([int(d) for d in dims], base[0], dtype=base.dtype)))
 
 
 class ReshapeOfReshape(RewriteRuleClassBase):

@@ -28,7 +28,7 @@ never attend to such rows, so outputs that matter don't change.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import onnx_ir as ir
@@ -62,13 +62,13 @@ class InfiniteMaskToLowest(RewriteRuleClassBase):
             adds = use.node.outputs[0].uses() if use.node.op_type == "Add" else []
             if not adds or any(u.node.op_type != "Softmax" for u in adds):
                 return result.fail("the bias does not only feed Add -> Softmax")
-        assert fill.const_value is not None
-        self._dtype = fill.const_value.numpy().dtype
         return result
 
-    def rewrite(self, op: Any, condition: ir.Value, zero: ir.Value, **_: Any) -> ir.Value:
-        """Same mask, finite fill."""
-        lowest = np.array(np.finfo(self._dtype).min, dtype=self._dtype)
+    def rewrite(self, op: Any, condition: ir.Value, zero: ir.Value, fill: ir.Value, **_: Any) -> ir.Value:
+        """Same mask, finite fill (the lowest number of the fill's own dtype)."""
+        assert fill.const_value is not None  # check() read it as -inf
+        dtype = fill.const_value.numpy().dtype
+        lowest = np.array(np.finfo(dtype).min, dtype=dtype)
         return op.Where(condition, zero, op.Constant(value=ir.tensor(lowest)))
 
 
@@ -137,18 +137,10 @@ class _FuseAttention(RewriteRuleClassBase):
     ) -> MatchResult:
         """Heads and head dim are constants, the scale is a scalar, the masks are 4-D."""
         result = MatchResult()
-        shapes = [const_ints(s) for s in (query_shape, key_shape, value_shape)]
-        if any(s is None or len(s) != 4 for s in shapes):
-            return result.fail("the split into heads is not a constant rank-4 Reshape")
-        heads, head_dim = shapes[0][2], shapes[0][3]  # type: ignore[index]
-        if heads <= 0 or head_dim <= 0 or any(s[2:] != [heads, head_dim] for s in shapes):  # type: ignore[index]
-            return result.fail("query, key and value are not split into the same heads")
-        query_dims = dims_of(query)
-        if query_dims is None or len(query_dims) != 3 or query_dims[2] != heads * head_dim:
-            return result.fail("the query is not a [batch, sequence, heads * head_dim] tensor", query)
-        scale = _scale(query_scale, key_scale, divisor, scale_after)
-        if scale is None:
-            return result.fail("the attention scale is not a scalar constant")
+        numbers = _attention_numbers(query, query_shape, key_shape, value_shape, query_scale, key_scale, divisor, scale_after)
+        if isinstance(numbers, str):
+            return result.fail(numbers)
+        heads = numbers.heads
         if zero is not None and const_float(zero) != 0.0:
             return result.fail("NaNs are not replaced by 0")
         if causal is not None and not is_lowest(causal_fill):
@@ -161,9 +153,6 @@ class _FuseAttention(RewriteRuleClassBase):
                 return result.fail("a mask is not 4-D", bias)
             if bias_dims is not None and bias_dims[1] not in (1, heads):
                 return result.fail("a mask has a head dim that is neither 1 nor the heads", bias)
-        self._heads = heads
-        self._head_dim = head_dim
-        self._scale = scale
         return result
 
     def _bias(
@@ -188,14 +177,23 @@ class _FuseAttention(RewriteRuleClassBase):
         query: ir.Value,
         key: ir.Value,
         value: ir.Value,
+        query_shape: ir.Value,
+        key_shape: ir.Value,
+        value_shape: ir.Value,
         past_key: ir.Value | None = None,
         past_value: ir.Value | None = None,
+        query_scale: ir.Value | None = None,
+        key_scale: ir.Value | None = None,
+        divisor: ir.Value | None = None,
+        scale_after: ir.Value | None = None,
         causal: ir.Value | None = None,
         causal_fill: ir.Value | None = None,
         mask_bias: ir.Value | None = None,
         **_: Any,
     ) -> tuple[ir.Value, ir.Value, ir.Value]:
         """One fused op; its 3-D output goes back to [b, s, H, D] where the old output was."""
+        numbers = _attention_numbers(query, query_shape, key_shape, value_shape, query_scale, key_scale, divisor, scale_after)
+        assert not isinstance(numbers, str)  # check() accepted this match
         past = (past_key, past_value) if self.with_past else (None, None)
         mask_bias = self._bias(op, causal, causal_fill, mask_bias)
         if self.target == "onnx":
@@ -205,9 +203,9 @@ class _FuseAttention(RewriteRuleClassBase):
                 value,
                 mask_bias,
                 *past,
-                q_num_heads=self._heads,
-                kv_num_heads=self._heads,
-                scale=self._scale,
+                q_num_heads=numbers.heads,
+                kv_num_heads=numbers.heads,
+                scale=numbers.scale,
                 _outputs=3,
             )
         else:
@@ -219,16 +217,50 @@ class _FuseAttention(RewriteRuleClassBase):
                 None,  # key_padding_mask
                 mask_bias,
                 *past,
-                num_heads=self._heads,
-                scale=self._scale,
+                num_heads=numbers.heads,
+                scale=numbers.scale,
                 _domain="com.microsoft",
                 _outputs=3,
             )
         # The fused ops' outputs have the query's shape and type; say so, so that the
         # shape rules that run next need no inference through a contrib or opset-23 op.
         output.shape, output.type = query.shape, query.type
-        split_heads = op.Constant(value=ir.tensor([0, 0, self._heads, self._head_dim], dtype=ir.DataType.INT64))
+        split_heads = op.Constant(value=ir.tensor([0, 0, numbers.heads, numbers.head_dim], dtype=ir.DataType.INT64))
         return op.Reshape(output, split_heads), present_key, present_value
+
+
+class _AttentionNumbers(NamedTuple):
+    """What the fused op needs to know of a matched attention: heads, head size, scale."""
+
+    heads: int
+    head_dim: int
+    scale: float
+
+
+def _attention_numbers(
+    query: ir.Value,
+    query_shape: ir.Value,
+    key_shape: ir.Value,
+    value_shape: ir.Value,
+    query_scale: ir.Value | None,
+    key_scale: ir.Value | None,
+    divisor: ir.Value | None,
+    scale_after: ir.Value | None,
+) -> _AttentionNumbers | str:
+    """Heads, head size and scale read off a match, or why they can't be (for ``check``)."""
+    shapes = [const_ints(s) for s in (query_shape, key_shape, value_shape)]
+    if any(s is None or len(s) != 4 for s in shapes):
+        return "the split into heads is not a constant rank-4 Reshape"
+    heads, head_dim = shapes[0][2], shapes[0][3]  # type: ignore[index]
+    if heads <= 0 or head_dim <= 0 or any(s[2:] != [heads, head_dim] for s in shapes):  # type: ignore[index]
+        return "query, key and value are not split into the same heads"
+    query_dims = dims_of(query)
+    if query_dims is None or len(query_dims) != 3 or query_dims[2] != heads * head_dim:
+        return "the query is not a [batch, sequence, heads * head_dim] tensor"
+    scale = _scale(query_scale, key_scale, divisor, scale_after)
+    if scale is None:
+        return "the attention scale is not a scalar constant"
+    return _AttentionNumbers(heads, head_dim, scale)
 
 
 def _scale(

@@ -55,13 +55,13 @@ class FastGeluRule(RewriteRuleClassBase):
         for name, expected in _GELU_CONSTANTS.items():
             if const_close(constants[name], expected) is None:
                 return result.fail(f"{name} is {const_float(constants[name])}, not {expected}")
-        self._bias = _bias_source(x, allowed_uses=3)
         return result
 
     def rewrite(self, op: Any, x: ir.Value, **_: Any) -> ir.Value:
-        """FastGelu, with the bias folded in when there is one."""
-        if self._bias is not None:
-            data, bias = self._bias
+        """FastGelu, with the bias folded in when ``x`` is ``Add(h, b)`` (x's three uses are the gelu's)."""
+        source = _bias_source(x, allowed_uses=3)
+        if source is not None:
+            data, bias = source
             return op.FastGelu(data, bias, _domain="com.microsoft")
         return op.FastGelu(x, _domain="com.microsoft")
 
@@ -75,7 +75,7 @@ class SkipLayerNormRule(RewriteRuleClassBase):
         return op.LayerNormalization(total, gamma, beta, _allow_other_attributes=True, _outputs=["normed"]), total
 
     def check(self, context: Any, a: ir.Value, b: ir.Value, gamma: ir.Value, normed: ir.Value, total: ir.Value, **_: Any) -> MatchResult:
-        """Normalised over the last axis; both addends have the same 3-D shape."""
+        """Normalised over the last axis of a 3-D sum of two 3-D addends; gamma is 1-D."""
         result = MatchResult()
         node = normed.producer()
         assert node is not None
@@ -87,24 +87,29 @@ class SkipLayerNormRule(RewriteRuleClassBase):
             return result.fail("the addends are not both 3-D")
         if gamma.shape is None or len(gamma.shape) != 1:
             return result.fail("gamma is not 1-D")
-        self._epsilon = node.attributes.get_float("epsilon", 1e-5)
-        self._bias = None
-        self._addends = (a, b)
+        return result
+
+    def rewrite(
+        self, op: Any, a: ir.Value, b: ir.Value, gamma: ir.Value, beta: ir.Value, normed: ir.Value, **_: Any
+    ) -> tuple[ir.Value, ir.Value]:
+        """SkipLayerNormalization; output 0 is the norm, output 3 the sum.
+
+        A constant 1-D bias added to one addend just before (its only use) moves into the
+        op's bias input.
+        """
+        node = normed.producer()
+        assert node is not None
+        inputs = [a, b, gamma, beta]
         for data, other in ((a, b), (b, a)):
             source = _bias_source(data, allowed_uses=1)
             if source is not None:
-                self._bias = source[1]
-                self._addends = (source[0], other)
+                inputs = [source[0], other, gamma, beta, source[1]]
                 break
-        return result
-
-    def rewrite(self, op: Any, gamma: ir.Value, beta: ir.Value, **_: Any) -> tuple[ir.Value, ir.Value]:
-        """SkipLayerNormalization; output 0 is the norm, output 3 the sum."""
-        inputs = [*self._addends, gamma, beta] + ([self._bias] if self._bias is not None else [])
-        normed, _mean, _inv_std, total = op.SkipLayerNormalization(
-            *inputs, epsilon=self._epsilon, _domain="com.microsoft", _outputs=4
+        epsilon = node.attributes.get_float("epsilon", 1e-5)
+        norm, _mean, _inv_std, total = op.SkipLayerNormalization(
+            *inputs, epsilon=epsilon, _domain="com.microsoft", _outputs=4
         )
-        return normed, total
+        return norm, total
 
 
 class FuseOrtBlockPass(RulePass):
