@@ -548,6 +548,46 @@ def _text_quality(
     )
 
 
+def _checked_request(
+    path: Path, steps: int, text: str | Path | None, text_tokens: int
+) -> tuple[Manifest, str | None]:
+    """The manifest and the text, or one line saying why this directory can't be verified so."""
+    if steps < 1:
+        raise KvexportError(f"--steps {steps}: must be at least 1")
+    manifest = read_manifest(path)
+    if manifest.source.kind == "graph":
+        raise KvexportError(
+            f"{path}: imported from {manifest.source.name} without its checkpoint, so there is no PyTorch "
+            "reference; import it again with --model CHECKPOINT_DIR, or run kvexport check"
+        )
+    if manifest.dtype not in TOLERANCES:
+        raise KvexportError(f"manifest dtype {manifest.dtype!r} is not one verify knows (fp32, fp16)")
+    if text_tokens < 1:
+        raise KvexportError(f"--text-tokens {text_tokens}: must be at least 1")
+    text_content = None if text is None else _read_text(Path(text))
+    if text is not None and not manifest.tokenizer.get("file"):
+        raise KvexportError(
+            f"--text: {path} has no tokenizer.json to tokenize the text with; export a model that has one"
+        )
+    return manifest, text_content
+
+
+def _preflight_holds(path: Path, manifest: Manifest, report: VerifyReport) -> bool:
+    """Files, external data and IO as the manifest records them; what fails goes into ``report``.
+
+    External data that can't be loaded is an error (nothing can run), not a finding.
+    """
+    # exports older than the file record are verified without it
+    found = preflight(path, hash_files=bool(manifest.files), manifest=manifest)
+    report.file_problems = found.file_problems
+    if report.file_problems:
+        return False
+    if found.external_data:
+        raise ManifestError(next(iter(found.external_data.values())))
+    report.io_problems = found.graph_problems()
+    return not report.io_problems
+
+
 def verify(
     directory: str | Path,
     *,
@@ -575,24 +615,10 @@ def verify(
         :class:`~kvexport.KvexportError` for a directory that cannot be verified at all.
 
     """
-    if steps < 1:
-        raise KvexportError(f"--steps {steps}: must be at least 1")
     started = time.perf_counter()
     path = Path(directory)
-    manifest = read_manifest(path)
-    if manifest.source.kind == "graph":
-        raise KvexportError(
-            f"{path}: imported from {manifest.source.name} without its checkpoint, so there is no PyTorch "
-            "reference; import it again with --model CHECKPOINT_DIR, or run kvexport check"
-        )
+    manifest, text_content = _checked_request(path, steps, text, text_tokens)
     resolved = resolve_provider(provider)
-    if text_tokens < 1:
-        raise KvexportError(f"--text-tokens {text_tokens}: must be at least 1")
-    text_content = None if text is None else _read_text(Path(text))
-    if text is not None and not manifest.tokenizer.get("file"):
-        raise KvexportError(
-            f"--text: {path} has no tokenizer.json to tokenize the text with; export a model that has one"
-        )
     say = progress or (lambda message: None)
     say(f"verifying {path}: {manifest.source.describe()}, {steps} decode steps on {resolved}")
     report = VerifyReport(
@@ -602,21 +628,8 @@ def verify(
         dtype=manifest.dtype,
         tolerances=manifest.quantization["tolerances"] if manifest.quantization else None,
     )
-    if manifest.dtype not in TOLERANCES:
-        raise KvexportError(
-            f"manifest dtype {manifest.dtype!r} is not one verify knows (fp32, fp16)"
-        )
     say("checking file sizes and hashes")
-    # exports older than the file record are verified without it
-    found = preflight(path, hash_files=bool(manifest.files), manifest=manifest)
-    report.file_problems = found.file_problems
-    if report.file_problems:
-        report.seconds = time.perf_counter() - started
-        return report
-    if found.external_data:
-        raise ManifestError(next(iter(found.external_data.values())))
-    report.io_problems = found.graph_problems()
-    if report.io_problems:
+    if not _preflight_holds(path, manifest, report):
         report.seconds = time.perf_counter() - started
         return report
     sessions = {
@@ -625,9 +638,7 @@ def verify(
     say("rebuilding the PyTorch reference from the manifest's source")
     model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
     report.weights_match = weights_fingerprint(model) == manifest.weights_sha256
-    for case, (ids, mask) in _cases(
-        manifest.dims.vocab_size, manifest.dims.n_positions, steps
-    ).items():
+    for case, (ids, mask) in _cases(manifest.dims.vocab_size, manifest.dims.n_positions, steps).items():
         say(f"running {case}")
         _run_case(case, ids, mask, manifest, sessions, model, steps, report)
     if text is not None and text_content is not None:
