@@ -20,6 +20,12 @@ Runtime's symbolic inference, which follows shape *data* through those chains), 
 - ``StaticDimFromShape``: ``Gather(Shape(X), i)`` of a static dim becomes a constant.
 - ``GemmSandwichToMatMul``: ``Reshape(Gemm(Reshape(X, [-1, K]), W, B), [a, s, N])`` becomes
   ``MatMul(X, W) + B``: the Reshapes only exist because Gemm is 2-D.
+- ``SmallConstantOfShape``: ``ConstantOfShape`` of a constant shape of at most 1024
+  elements (``torch.full([], x)``) becomes the constant itself.
+- ``ShapeFromFirstCarrier``: every layer reads the query and key lengths from its own
+  tensors (``Shape(query)``, ``Shape(present_key)``); each named dim is read instead from
+  the first value that carries it, a graph input where one does, and common-subexpression
+  elimination then keeps one chain per graph however deep the model is.
 
 - ``DecodeMaskFromAttentionMask`` (decode graphs only: ``input_ids`` is [batch, 1]): the
   attention mask bias ``Where(cond, 0, -inf)``, whose ``cond`` the exporter built from
@@ -31,8 +37,10 @@ Runtime's symbolic inference, which follows shape *data* through those chains), 
   masks, e.g. a sliding window, would need that kept.)
 
 The chains left without users are then removed, so only what truly depends on run-time
-lengths stays (the causal / padding mask of prefill, computed once per graph). Inference, rules and
-dead-node removal repeat until nothing changes.
+lengths stays (the causal / padding mask of prefill, computed once per graph). A round is
+constant folding, inference, the rules, the two steps above and dead-node removal; rounds
+run under a ``PassManager(early_stop=True)`` until one changes nothing, at most
+``_MAX_ROUNDS`` (6) of them.
 """
 
 from __future__ import annotations
@@ -493,7 +501,7 @@ def count_ops(model: ir.Model, op_type: str) -> int:
 
 
 class _FoldRound(InPlacePass):
-    """One round: constant folding, shape inference, :data:`RULES` and the decode-mask step.
+    """One round: constant folding, shape inference, :data:`RULES`, the decode-mask and first-carrier steps.
 
     Adds what fired to the shared ``counts``; modified when any rule fired.
     """
@@ -533,7 +541,7 @@ class FoldShapesPass(InPlacePass):
         self.counts: dict[str, int] = {}
 
     def call(self, model: ir.Model) -> PassResult:
-        """Fold until a round changes nothing."""
+        """Fold until a round changes nothing, or for ``_MAX_ROUNDS`` rounds."""
         shapes_before = count_ops(model, "Shape")
         nodes_before = len(model.graph)
         counts: dict[str, int] = {"DecodeMaskFromAttentionMask": 0, "ShapeFromFirstCarrier": 0}
