@@ -67,13 +67,26 @@ def test_hub_id_without_a_hub_says_what_to_do(monkeypatch: pytest.MonkeyPatch) -
         load_gpt2(source)
 
 
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+# The published checkpoints' config.json numbers (openai-community/gpt2, gpt2-medium,
+# gpt2-large, gpt2-xl; distilbert/distilgpt2): layers, heads, width.
+PUBLISHED = {
+    "gpt2": (12, 12, 768),
+    "distilgpt2": (6, 12, 768),
+    "gpt2-medium": (24, 16, 1024),
+    "gpt2-large": (36, 20, 1280),
+    "gpt2-xl": (48, 25, 1600),
+}
+
+
+def test_every_preset_is_a_published_architecture() -> None:
+    assert set(PRESETS) == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED))
 def test_presets_have_the_published_architecture(preset: str) -> None:
     config = resolve_source(preset, random_init=True).config
     assert config is not None
-    assert (config["n_layer"], config["n_head"], config["n_embd"]) == tuple(
-        PRESETS[preset].values()
-    )
+    assert (config["n_layer"], config["n_head"], config["n_embd"]) == PUBLISHED[preset]
     assert config["vocab_size"] == 50257 and config["n_positions"] == 1024
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from tokenizers import Tokenizer
 
 from kvexport.tokenizer import GPT2_EOS_TOKEN_ID, choose_tokenizer, gpt2_tokenizer
@@ -18,9 +19,20 @@ def test_bundled_tokenizer_is_real_gpt2_bpe() -> None:
     assert tokenizer.decode(tokenizer.encode(text).ids, skip_special_tokens=False) == text
 
 
-def test_exported_tokenizer_round_trips(tiny_export: Path) -> None:
+@pytest.mark.parametrize(
+    "text",
+    ["The sky is", "  two leading spaces,\ttabs\nand newlines\n", "naïve café — 東京 🙂", "<|endoftext|>"],
+)
+def test_exported_tokenizer_round_trips(tiny_export: Path, text: str) -> None:
+    tokenizer = Tokenizer.from_file(str(tiny_export / "tokenizer.json"))
+    ids = tokenizer.encode(text).ids
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_exported_tokenizer_has_gpt2_ids(tiny_export: Path) -> None:
     tokenizer = Tokenizer.from_file(str(tiny_export / "tokenizer.json"))
     assert tokenizer.encode("The sky is").ids == [464, 6766, 318]
+    assert tokenizer.encode("<|endoftext|>").ids == [50256]
 
 
 def test_model_directory_tokenizer_wins(tmp_path: Path) -> None:
