@@ -67,9 +67,18 @@ QUANTIZATION_TOLERANCES: dict[str, dict[str, float]] = {
     "int8": {"min_top1_agreement": 0.95, "max_mean_kl": 0.002, "max_perplexity_delta_pct": 0.5},
     "int4": {"min_top1_agreement": 0.85, "max_mean_kl": 0.03, "max_perplexity_delta_pct": 1.0},
 }
-# The packages whose versions the manifest records (distribution names), read from their
-# metadata so that recording them imports none of them.
-_VERSIONED = ("kvexport", "torch", "transformers", "onnx", "onnxruntime", "onnxscript", "onnx-ir")
+# The packages whose versions the manifest records, each under the distribution names it
+# ships as (the first installed one counts), read from package metadata so that recording
+# them imports none of them.
+_VERSIONED: dict[str, tuple[str, ...]] = {
+    "kvexport": ("kvexport",),
+    "torch": ("torch",),
+    "transformers": ("transformers",),
+    "onnx": ("onnx",),
+    "onnxruntime": ("onnxruntime", "onnxruntime-gpu"),
+    "onnxscript": ("onnxscript",),
+    "onnx_ir": ("onnx-ir",),
+}
 
 
 def quantization_config(choice: QuantizationChoice) -> QuantizationConfig | None:
@@ -184,11 +193,13 @@ def rename_dims(model: ir.Model, mapping: dict[str, str]) -> None:
 def tool_versions() -> dict[str, str]:
     """The installed versions of kvexport and the tools that made the graphs (absent ones left out)."""
     found: dict[str, str] = {}
-    for name in _VERSIONED:
-        try:
-            found[name.replace("-", "_")] = version(name)
-        except PackageNotFoundError:
-            continue
+    for name, distributions in _VERSIONED.items():
+        for distribution in distributions:
+            try:
+                found[name] = version(distribution)
+                break
+            except PackageNotFoundError:
+                continue
     return found
 
 

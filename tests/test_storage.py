@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-import kvexport.export
+import kvexport.directory
 from kvexport import KvexportError, ManifestError, export_gpt2
 from kvexport.storage import atomic_output_dir, check_external_data
 
@@ -75,7 +75,7 @@ def test_interrupted_export_leaves_neither_target_nor_temporaries(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kvexport.export, "save_with_shared_weights", interrupted)
+    monkeypatch.setattr(kvexport.directory, "save_with_shared_weights", interrupted)
     out = tmp_path / "exports" / "model"
     out.parent.mkdir()
     with pytest.raises(KeyboardInterrupt):
