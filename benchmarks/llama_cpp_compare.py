@@ -56,8 +56,14 @@ def _run(command: list[str], **kwargs: Any) -> str:
     return done.stdout + done.stderr
 
 
-def build_llama_cpp(work: Path) -> Path:
-    """vendor/llama.cpp of the llama-cpp-python sdist, built; returns its source dir."""
+TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
+
+
+def build_llama_cpp(work: Path, targets: tuple[str, ...] = TOOLS) -> Path:
+    """vendor/llama.cpp of the llama-cpp-python sdist, with ``targets`` built; returns its source dir.
+
+    ``llama-server`` is built without its web UI, whose prebuilt assets would be downloaded.
+    """
     source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"), None)
     if source is None:
         _run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:", LLAMA_CPP_PYTHON, "-d", str(work)])
@@ -65,9 +71,11 @@ def build_llama_cpp(work: Path) -> Path:
             archive.extractall(work, filter="data")
         source = next(work.glob("llama_cpp_python-*/vendor/llama.cpp"))
     build = source / "build"
-    if not (build / "bin" / "llama-bench").exists():
-        _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *_ISA_FLAGS, "-DLLAMA_BUILD_TESTS=OFF"])
-        _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", "llama-bench", "llama-quantize", "llama-perplexity"])
+    missing = [target for target in targets if not (build / "bin" / target).exists()]
+    if missing:
+        server = ["-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF"] if "llama-server" in missing else []
+        _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *_ISA_FLAGS, "-DLLAMA_BUILD_TESTS=OFF", *server])
+        _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *missing])
     return source
 
 

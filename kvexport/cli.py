@@ -7,6 +7,7 @@ exit, never a traceback.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import logging
 import os
@@ -632,6 +633,58 @@ def bench_command(
     )
     click.echo("ratios: " + ", ".join(f"{k} {v}" for k, v in report.ratios().items()))
     click.echo(f"wrote {results / 'bench.json'} and {results / 'bench.png'}")
+
+
+@main.command("serve")
+@click.argument("directory", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free one, printed).")
+@click.option("--slots", default=8, show_default=True, type=click.IntRange(1), help="Requests generating at once (cache rows).")
+@click.option(
+    "--max-context", default=None, type=click.IntRange(2), help="Tokens per slot, prompt + completion [default: the model's positions]."
+)
+@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0), help="Requests that may wait for a slot; more get 503.")
+@click.option("--chunk", default=256, show_default=True, type=click.IntRange(1), help="Prompt tokens prefilled per engine step.")
+@click.option("--model-name", default=None, help="The model name clients use [default: the directory's name].")
+@provider_option
+def serve_command(
+    directory: Path,
+    host: str,
+    port: int,
+    slots: int,
+    max_context: int | None,
+    max_queue: int,
+    chunk: int,
+    model_name: str | None,
+    provider: str,
+) -> None:
+    """Serve DIRECTORY over HTTP with an OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics).
+
+    Many requests decode together (continuous batching over the in-place cache): the
+    export needs --target ort-cpu / ort-cuda. Needs the serve extra: pip install 'kvexport[serve]'.
+    """
+    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
+    if missing:
+        raise UserError(
+            f"kvexport serve needs {', '.join(missing)}, which the base install leaves out; "
+            "install them with: pip install 'kvexport[serve]'"
+        )
+    from kvexport.serving.server import serve
+
+    _run(
+        lambda: serve(
+            directory,
+            host=host,
+            port=port,
+            slots=slots,
+            max_context=max_context,
+            max_queue=max_queue,
+            chunk=chunk,
+            provider=provider,
+            name=model_name,
+            say=_progress,
+        )
+    )
 
 
 @main.command("inspect")

@@ -18,11 +18,14 @@ says so (``cache.layout = "shared-buffer"``):
 - ``past.<l>.key|value`` and ``present.<l>.key|value`` are [batch, H, max_sequence, D]:
   the buffer's capacity, not the valid length;
 - the prefill graph gains the same ``past.*`` inputs (the empty buffers it fills);
-- the valid length is ``attention_mask``'s length: ``seqlens_k`` and
-  ``total_sequence_length`` are computed from it once per graph, so there are no new
-  inputs. ``total_sequence_length`` comes from the mask's shape (GroupQueryAttention
-  reads it on the host); ``seqlens_k`` from the mask tensor itself, so on CUDA it is
-  computed on the device and no host-to-device copy runs inside the graph.
+- each row's valid length comes from ``attention_mask``: ``seqlens_k`` (the index of the
+  row's last 1) and ``total_sequence_length`` (the mask's width) are computed from it once
+  per graph, so there are no new inputs. Rows may end at different places: left-padded
+  batches, right-padded prompts and slots of different lengths decoding together (the
+  mask as wide as the buffer) all work. ``total_sequence_length`` comes from the mask's
+  shape (GroupQueryAttention reads it on the host); ``seqlens_k`` from the mask tensor
+  itself, so on CUDA it is computed on the device and no host-to-device copy runs inside
+  the graph.
 - the attention bias: GroupQueryAttention masks causally itself, so when the exporter's
   bias is a pure mask (``Where(cond, 0, lowest or -inf)``: the causal-and-padding mask
   every GPT-2 export builds) it is replaced by the padding part alone,
@@ -90,11 +93,14 @@ def _mask_dim(graph: ir.Graph, mask: ir.Value, axis: int, created: list[ir.Node]
 def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
     """``seqlens_k`` [batch] int32 and ``total_sequence_length`` int32 scalar for the mask.
 
-    ``total_sequence_length`` is the mask's length, from a Shape node the graph already
-    has where it can (GroupQueryAttention wants it in host memory). ``seqlens_k`` is the
-    same length less one for every row, but computed from the mask tensor
-    (``ReduceSum(Cast(Equal(mask, mask)))``), so that under CUDA it stays on the device:
-    a value derived from a shape would be computed on the host and copied over.
+    ``total_sequence_length`` is the mask's width, from a Shape node the graph already has
+    where it can (GroupQueryAttention wants it in host memory). ``seqlens_k`` is each row's
+    own length less one, read off the mask's *values*: the index of the row's last 1,
+    ``ReduceMax(mask * CumSum(ones)) - 1``. One rule serves a left-padded batch (every row
+    ends at the last column), right-padded prompts (onnxruntime-genai's convention) and
+    slots of different lengths decoding together in one call over a mask as wide as the
+    buffer. It is computed from the mask tensor, so under CUDA it stays on the device: a
+    value derived from a shape would be computed on the host and copied over.
     """
     created: list[ir.Node] = []
     total_1d = _mask_dim(graph, mask, 1, created)
@@ -104,13 +110,17 @@ def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
     everywhere = ir.node("Equal", [mask, mask])
     ones = ir.node("Cast", [everywhere.outputs[0]], attributes={"to": ir.DataType.INT32})
     axis = initializer(graph, "kvexport.axis_1", np.array([1], np.int64))
-    length = ir.node("ReduceSum", [ones.outputs[0], axis], attributes={"keepdims": 0})
+    axis_scalar = initializer(graph, "kvexport.axis_1_scalar", np.array(1, np.int64))
+    counted = ir.node("CumSum", [ones.outputs[0], axis_scalar])  # 1..width along each row
+    mask32 = ir.node("Cast", [mask], attributes={"to": ir.DataType.INT32})
+    kept = ir.node("Mul", [mask32.outputs[0], counted.outputs[0]])
+    length = ir.node("ReduceMax", [kept.outputs[0], axis], attributes={"keepdims": 0})
     seqlens = ir.node("Sub", [length.outputs[0], initializer(graph, "kvexport.one_int32", np.array(1, np.int32))])
     total.outputs[0].name = "kvexport.total_sequence_length"
     seqlens.outputs[0].name = "kvexport.seqlens_k"
     total.outputs[0].shape, total.outputs[0].type = ir.Shape([]), ir.TensorType(ir.DataType.INT32)
     seqlens.outputs[0].type = ir.TensorType(ir.DataType.INT32)
-    graph.extend([*created, total32, total, everywhere, ones, length, seqlens])
+    graph.extend([*created, total32, total, everywhere, ones, counted, mask32, kept, length, seqlens])
     return seqlens.outputs[0], total.outputs[0]
 
 

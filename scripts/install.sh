@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Create .venv (if missing) and install kvexport with the export extra (torch, transformers)
+# Create .venv (if missing) and install kvexport with the export extra (torch, transformers),
+# the serve extra (FastAPI, uvicorn, prometheus-client)
 # and its test tools into it.
 # torch is pinned first: its CPU build lies on the CI machines' disk, while an unpinned
 # torch on a fresh venv may pull a multi-GB CUDA build.
@@ -10,4 +11,4 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[export,test]"
+.venv/bin/python -m pip install -q --disable-pip-version-check -e ".[export,serve,test]"

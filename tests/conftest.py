@@ -60,6 +60,31 @@ def tiny_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> 
 
 
 @pytest.fixture(scope="session")
+def tiny_ort_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> Path:
+    """The tiny model (seed 1, as ``tiny_export``) for --target ort-cpu: fused, in-place cache; read-only."""
+    from kvexport import export_gpt2
+
+    out = tmp_path_factory.mktemp("exports") / "tiny-ort-cpu"
+    export_gpt2(out, str(tiny_config), random_init=True, seed=1, target="ort-cpu")
+    return out
+
+
+TRAINED = Path(__file__).parent / "data" / "tiny-trained"
+
+
+@pytest.fixture(scope="session")
+def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The trained test model as ort-cpu exports (in-place cache): float, int8 and int4; read-only."""
+    from kvexport import export_gpt2
+
+    root = tmp_path_factory.mktemp("trained")
+    return {
+        scheme: export_gpt2(root / scheme, str(TRAINED), target="ort-cpu", quantize=scheme).out_dir  # type: ignore[arg-type]
+        for scheme in ("none", "int8", "int4")
+    }
+
+
+@pytest.fixture(scope="session")
 def tiny_odd_torchscript_export(
     tmp_path_factory: pytest.TempPathFactory, tiny_odd_config: Path
 ) -> Path:

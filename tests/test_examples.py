@@ -17,7 +17,6 @@ from types import ModuleType
 
 import pytest
 
-from kvexport import export_gpt2
 from kvexport.runtime import Generator
 
 ROOT = Path(__file__).parent.parent
@@ -25,14 +24,6 @@ GENAI_VENV = ROOT / ".venv-genai"
 FOREIGN = ROOT / "tests" / "data" / "foreign"
 GENAI_PACKAGE = "onnxruntime-genai==0.18.0"
 PROMPT = [464, 6766, 318, 4171]
-
-
-@pytest.fixture(scope="module")
-def ort_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> Path:
-    """The tiny model (seed 1, like ``tiny_export``) with the in-place cache."""
-    out = tmp_path_factory.mktemp("examples") / "tiny-ort"
-    export_gpt2(out, str(tiny_config), random_init=True, seed=1, target="ort-cpu")
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -58,18 +49,18 @@ def _example(name: str) -> ModuleType:
 
 
 @pytest.mark.parametrize("layout", ["concat", "shared-buffer"])
-def test_greedy_example_follows_the_manifest_layout(layout: str, tiny_export: Path, ort_export: Path) -> None:
-    directory = tiny_export if layout == "concat" else ort_export
+def test_greedy_example_follows_the_manifest_layout(layout: str, tiny_export: Path, tiny_ort_export: Path) -> None:
+    directory = tiny_export if layout == "concat" else tiny_ort_export
     assert json.loads((directory / "kvexport.json").read_text())["cache"]["layout"] == layout
     tokens = _example("greedy_onnxruntime").generate(str(directory), PROMPT, 10)
     expected = Generator(directory).generate([PROMPT], 10, eos_token_id=-1)[0, len(PROMPT) :]
     assert tokens == expected.tolist()
 
 
-def test_genai_files_only_for_the_in_place_layout(tiny_export: Path, ort_export: Path) -> None:
-    written = json.loads((ort_export / "kvexport.json").read_text())["genai"]
+def test_genai_files_only_for_the_in_place_layout(tiny_export: Path, tiny_ort_export: Path) -> None:
+    written = json.loads((tiny_ort_export / "kvexport.json").read_text())["genai"]
     assert written == {"written": True, "files": ["genai_config.json", "tokenizer_config.json"], "decoder": "prefill.onnx"}
-    config = json.loads((ort_export / "genai_config.json").read_text())
+    config = json.loads((tiny_ort_export / "genai_config.json").read_text())
     assert config["model"]["context_length"] == 64 and config["model"]["eos_token_id"] == 50256
     assert config["model"]["decoder"]["session_options"]["provider_options"] == []  # ort-cpu
     assert config["model"]["decoder"]["session_options"]["intra_op_num_threads"] == 0  # ORT picks
@@ -95,7 +86,7 @@ def _genai_python() -> Path:
 @pytest.mark.parametrize("which", ["exported", "imported"])
 def test_onnxruntime_genai_runs_the_export_as_the_generator_does(which: str, request: pytest.FixtureRequest) -> None:
     """Our own in-place export, and Optimum's graph after ``kvexport import``."""
-    directory: Path = request.getfixturevalue("ort_export" if which == "exported" else "imported_export")
+    directory: Path = request.getfixturevalue("tiny_ort_export" if which == "exported" else "imported_export")
     prompt = PROMPT if which == "exported" else [5, 17, 300, 42]
     eos = Generator(directory).eos_token_id
     python = _genai_python()

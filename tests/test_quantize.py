@@ -16,24 +16,14 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
-from kvexport import export_gpt2, verify
+from kvexport import verify
 from kvexport.cli import main
 from kvexport.directory import QUANTIZATION_SCHEMES, QUANTIZATION_TOLERANCES
 from kvexport.runtime import Generator
 from kvexport.testing import export_foreign
+from tests.conftest import TRAINED
 
-TRAINED = Path(__file__).parent / "data" / "tiny-trained"
 HELDOUT = TRAINED / "heldout.txt"
-
-
-@pytest.fixture(scope="module")
-def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The trained model as ort-cpu exports: float, int8 and int4 (read-only)."""
-    root = tmp_path_factory.mktemp("quantized")
-    return {
-        scheme: export_gpt2(root / scheme, str(TRAINED), target="ort-cpu", quantize=scheme).out_dir  # type: ignore[arg-type]
-        for scheme in ("none", "int8", "int4")
-    }
 
 
 def _export_bytes(directory: Path) -> int:

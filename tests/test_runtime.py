@@ -66,20 +66,10 @@ def test_cache_stays_in_two_preallocated_banks_and_is_handed_over_by_pointer(
         )
 
 
-@pytest.fixture(scope="module")
-def shared_buffer_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path) -> Path:
-    """The tiny model (seed 1, as ``tiny_export``) for --target ort-cpu: fused, in-place cache."""
-    from kvexport import export_gpt2
-
-    out = tmp_path_factory.mktemp("exports") / "tiny-ort-cpu"
-    export_gpt2(out, str(tiny_config), random_init=True, seed=1, target="ort-cpu")
-    return out
-
-
 def test_shared_buffer_cache_is_one_buffer_read_and_written_in_place(
-    shared_buffer_export: Path, generator: Generator
+    tiny_ort_export: Path, generator: Generator
 ) -> None:
-    shared = Generator(shared_buffer_export, trace_cache=True)
+    shared = Generator(tiny_ort_export, trace_cache=True)
     assert shared.manifest.cache_layout == "shared-buffer"
     rows = [[464, 6766, 318, 4171, 290], [40, 1101]]
     out = shared.generate(rows, 8, eos_token_id=-1)
@@ -235,7 +225,7 @@ def test_truncate_keeps_the_last_tokens_and_matches_the_short_prompt(tiny_export
 
 
 def test_bench_writes_json_and_plot_with_every_system(
-    tiny_export: Path, shared_buffer_export: Path, tmp_path: Path
+    tiny_export: Path, tiny_ort_export: Path, tmp_path: Path
 ) -> None:
     results = tmp_path / "bench"
     export = shutil.copytree(tiny_export, tmp_path / "export")  # the pre-packed cache goes in it
@@ -245,7 +235,7 @@ def test_bench_writes_json_and_plot_with_every_system(
             "bench",
             str(export),
             "--compare",
-            str(shared_buffer_export),
+            str(tiny_ort_export),
             "--contexts",
             "8,24",
             "--batches",
@@ -277,7 +267,7 @@ def test_bench_writes_json_and_plot_with_every_system(
         assert data["ratios"][name] == pytest.approx(decode[(system, 1, 8)] / decode[(baseline, 1, 8)], abs=1.5e-3)
     assert set(data["variant_memory"]) == {"kvexport-prepacked", "kvexport-shared", "kvexport[ort]"}
     assert data["disk_bytes"]["kvexport[ort]"] == sum(
-        f.stat().st_size for f in shared_buffer_export.iterdir() if f.is_file()
+        f.stat().st_size for f in tiny_ort_export.iterdir() if f.is_file()
     )
     floors = {(m["system"], m["batch"], m["context"]): m["decode_ms_per_token"] for m in data["measurements"]}
     for floor in ("floor", "floor[ort]"):  # one bandwidth for the run: the floor grows with the cache

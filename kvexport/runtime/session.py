@@ -69,19 +69,20 @@ def resolve_provider(provider: str) -> Literal["cpu", "cuda"]:
     raise ProviderError(f"--provider {provider}: choose cpu, cuda or auto")
 
 
-def session_options(intra_op_threads: int | None = None) -> ort.SessionOptions:
+def session_options(intra_op_threads: int | None = None, *, spinning: bool = False) -> ort.SessionOptions:
     """Kvexport's session settings: all graph optimisations, warnings and worse only, no spinning.
 
     Each session has its own intra-op thread pool, and by default its threads spin for a
     while after every run. With prefill and decode loaded side by side, one session's
     spinning threads then compete with the other's workers for the same cores: measured
     on 2 cores (GPT-2 124M), TTFT went from ~127 to ~165 ms from the second generation
-    on. Threads that sleep between runs cost less than that.
+    on. Threads that sleep between runs cost less than that. ``spinning`` is for a process
+    with one session (the serving engine), where nothing competes with them.
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     if intra_op_threads:
         options.intra_op_num_threads = intra_op_threads
     return options

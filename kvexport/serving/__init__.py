@@ -1,0 +1,25 @@
+"""Serving above the runtime: the continuous-batching engine and the OpenAI-compatible HTTP app.
+
+Nothing in :mod:`kvexport.runtime` imports this package. The engine needs only the base
+install; the HTTP app needs the ``serve`` extra (FastAPI, uvicorn, prometheus-client).
+"""
+
+from kvexport.serving.engine import (
+    Engine,
+    EngineClosed,
+    EngineFull,
+    EngineStats,
+    RequestHandle,
+    SamplingParams,
+    TokenEvent,
+)
+
+__all__ = [
+    "Engine",
+    "EngineClosed",
+    "EngineFull",
+    "EngineStats",
+    "RequestHandle",
+    "SamplingParams",
+    "TokenEvent",
+]

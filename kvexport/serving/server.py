@@ -1,0 +1,73 @@
+"""``kvexport serve``: the HTTP app on uvicorn, on one machine.
+
+The engine is built first (the export checked and loaded), then uvicorn serves the app on
+a socket bound here, so ``--port 0`` works and the address is known before the first
+request. SIGTERM or Ctrl-C: uvicorn stops taking connections and lets the running
+requests finish; then the engine drains and stops, and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+from kvexport.serving.engine import DEFAULT_CHUNK, Engine
+
+
+def model_name(directory: Path) -> str:
+    """The name a served export answers to: its directory's name."""
+    return directory.resolve().name
+
+
+def serve(
+    directory: str | Path,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    slots: int = 8,
+    max_context: int | None = None,
+    max_queue: int = 64,
+    chunk: int = DEFAULT_CHUNK,
+    provider: str = "cpu",
+    name: str | None = None,
+    say: Callable[[str], None] = lambda message: None,
+) -> None:
+    """Serve ``directory`` until SIGTERM or SIGINT; returns after a clean shutdown."""
+    import uvicorn
+
+    from kvexport.serving.app import create_app
+
+    path = Path(directory)
+    engine = Engine(path, slots=slots, max_context=max_context, max_queue=max_queue, chunk=chunk, provider=provider)
+    served = name or model_name(path)
+    app = create_app(engine, served)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        engine.close(drain=False)
+        from kvexport.errors import KvexportError
+
+        raise KvexportError(f"--host {host} --port {port}: can't listen there ({exc.strerror}); pick another port") from None
+    bound_port = listener.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+    server = uvicorn.Server(config)
+    # uvicorn takes SIGTERM / SIGINT while it serves and raises them again once it has
+    # shut down gracefully; ignored then, they end nothing more
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    say(
+        f"serving {path} as {served!r} on http://{host}:{bound_port} ({engine.slots} slots of {engine.capacity} tokens, "
+        f"{engine.provider}); stop with Ctrl-C or SIGTERM"
+    )
+    try:
+        server.run(sockets=[listener])
+    finally:
+        say("shutting down: finishing the requests already admitted")
+        engine.close(drain=True)
+        listener.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    say("stopped")

@@ -1,0 +1,415 @@
+"""The continuous-batching engine and ``kvexport serve``, against the Generator run alone.
+
+The engine is judged by the Generator's tokens for each prompt alone (itself checked
+against PyTorch in test_runtime); the server by the ``openai`` client, raw HTTP and SSE,
+and a real ``kvexport serve`` process stopped with SIGTERM. Servers listen on 127.0.0.1,
+on a free port; every load loop is bounded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from tokenizers import Tokenizer
+
+from kvexport import KvexportError
+from kvexport.runtime import Generator
+from kvexport.serving import Engine, EngineFull, SamplingParams
+from kvexport.serving.app import create_app
+from tests.conftest import TRAINED
+
+HELDOUT_IDS = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode((TRAINED / "heldout.txt").read_text()).ids
+
+
+def _prompts(count: int, shortest: int = 2, longest: int = 120, seed: int = 0) -> list[list[int]]:
+    """Windows of the held-out text, each of its own length."""
+    rng = random.Random(seed)
+    lengths = np.linspace(shortest, longest, count).astype(int).tolist()
+    prompts = []
+    for length in lengths:
+        start = rng.randrange(0, len(HELDOUT_IDS) - length)
+        prompts.append(HELDOUT_IDS[start : start + length])
+    return prompts
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8"])
+def test_sixteen_greedy_requests_at_once_give_each_prompts_own_tokens(trained_exports: dict[str, Path], scheme: str) -> None:
+    export = trained_exports[scheme]
+    prompts = _prompts(16)
+    alone = Generator(export)
+    want = [alone.generate([p], 24, eos_token_id=-1)[0, len(p) :].tolist() for p in prompts]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with Engine(export, slots=16, max_context=160, chunk=48) as engine:
+        handles = [engine.submit(p, greedy) for p in prompts]  # all at once
+        got = [h.result() for h in handles]
+        stats = engine.stats()
+    assert [tokens for tokens, _, _ in got] == want
+    assert {reason for _, _, reason in got} == {"length"}
+    assert stats.slots_in_use == 0 and stats.waiting == 0 and stats.finished == {"length": 16}
+    assert stats.prompt_tokens == sum(len(p) for p in prompts)
+    # the 16 rows decoded together: far fewer batched steps than tokens generated
+    assert stats.generated_tokens == 16 * 24 and stats.steps < 16 * 24 / 4
+
+
+def test_more_requests_than_slots_queue_and_keep_their_tokens(trained_exports: dict[str, Path]) -> None:
+    export = trained_exports["none"]
+    prompts = _prompts(7, longest=70, seed=1)
+    alone = Generator(export)
+    want = [alone.generate([p], 12, eos_token_id=-1)[0, len(p) :].tolist() for p in prompts]
+    with Engine(export, slots=3, max_context=96, chunk=16) as engine:  # prompts over 16 tokens prefill in chunks
+        handles = [engine.submit(p, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)) for p in prompts]
+        assert [h.result()[0] for h in handles] == want
+
+
+def test_sampling_follows_each_requests_seed_whatever_runs_beside_it(trained_exports: dict[str, Path]) -> None:
+    prompt = _prompts(1, 10, 10)[0]
+    sampled = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
+    with Engine(trained_exports["none"], slots=4, max_context=64) as engine:
+        alone = engine.submit(prompt, sampled).result()[0]
+        others = [engine.submit(p, SamplingParams(max_tokens=16, temperature=1.0, seed=i)) for i, p in enumerate(_prompts(3, seed=2, longest=40))]
+        together = engine.submit(prompt, sampled).result()[0]
+        for handle in others:
+            handle.result()
+        other_seed = engine.submit(prompt, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=8, ignore_eos=True)).result()[0]
+    assert together == alone
+    assert other_seed != alone
+
+
+def test_stop_strings_end_the_text_before_them(trained_exports: dict[str, Path]) -> None:
+    prompt = _prompts(1, 20, 20, seed=3)[0]
+    with Engine(trained_exports["none"], slots=2, max_context=96) as engine:
+        _, text, reason = engine.submit(prompt, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)).result()
+        assert reason == "length" and len(text) > 20
+        stop = text[12:16]
+        before = text[: text.index(stop)]
+        pieces = [e.text for e in engine.submit(prompt, SamplingParams(max_tokens=40, temperature=0, stop=(stop, "\x00never"), ignore_eos=True))]
+    assert "".join(pieces) == before
+    assert stop not in "".join(pieces)
+
+
+def test_eos_ends_a_request_unless_ignored(trained_exports: dict[str, Path], tmp_path: Path) -> None:
+    prompt = _prompts(1, 12, 12, seed=4)[0]
+    greedy = Generator(trained_exports["none"]).generate([prompt], 6, eos_token_id=-1)[0, len(prompt) :].tolist()
+    # a copy whose manifest names the third greedy token as EOS
+    export = Path(shutil.copytree(trained_exports["none"], tmp_path / "export"))
+    manifest = json.loads((export / "kvexport.json").read_text())
+    manifest["tokenizer"]["eos_token_id"] = eos = greedy[2]
+    (export / "kvexport.json").write_text(json.dumps(manifest))
+    stop_at = greedy.index(eos) + 1
+    with Engine(export, slots=2, max_context=64) as engine:
+        tokens, _, reason = engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0)).result()
+        assert (tokens, reason) == (greedy[:stop_at], "stop")
+        tokens, _, reason = engine.submit(prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)).result()
+        assert (tokens, reason) == (greedy, "length")
+
+
+def test_cancel_frees_the_slot_and_a_full_queue_refuses(trained_exports: dict[str, Path]) -> None:
+    with Engine(trained_exports["none"], slots=1, max_context=200, max_queue=1) as engine:
+        long = SamplingParams(max_tokens=190, temperature=0, ignore_eos=True)
+        running = engine.submit([5, 6, 7], long)
+        waiting = engine.submit([5, 6, 7], long)
+        with pytest.raises(EngineFull, match="requests are waiting for a slot; retry shortly$"):
+            engine.submit([5, 6, 7], long)
+        next(iter(running))  # it has a slot and streams
+        running.cancel()
+        assert [e.finish_reason for e in running][-1] == "cancelled"
+        first = next(iter(waiting))  # the freed slot went to the waiting request
+        assert first.token_id is not None
+        waiting.cancel()
+        deadline = time.monotonic() + 5
+        while engine.stats().slots_in_use and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.stats().slots_in_use == 0
+        assert engine.stats().finished.get("cancelled") == 2
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "message"),
+    [
+        ([], SamplingParams(), "the prompt is empty; pass at least one token"),
+        ([5, 99999], SamplingParams(), "token id 99999 is outside the vocabulary (0..2047)"),
+        (
+            [5] * 60,
+            SamplingParams(max_tokens=10),
+            "this model's maximum context length is 64 tokens, but 70 were requested (60 in the prompt, 10 for the "
+            "completion); shorten the prompt or ask for fewer tokens",
+        ),
+        ([5], SamplingParams(max_tokens=0), "max_tokens 0: must be a positive integer"),
+        ([5], SamplingParams(top_p=0.0), "top_p 0.0: must be in (0, 1] (1 disables it)"),
+    ],
+)
+def test_bad_requests_are_one_line(trained_exports: dict[str, Path], prompt: list[int], params: SamplingParams, message: str) -> None:
+    with Engine(trained_exports["none"], slots=1, max_context=64) as engine:
+        with pytest.raises(KvexportError) as caught:
+            engine.submit(prompt, params)
+    assert str(caught.value) == message
+
+
+def test_a_concat_export_is_refused_in_one_line(tiny_export: Path) -> None:
+    with pytest.raises(KvexportError) as caught:
+        Engine(tiny_export)
+    assert str(caught.value) == (
+        f"{tiny_export}: has the concat cache layout; the engine needs the in-place cache: export with "
+        "--target ort-cpu or ort-cuda (or --cache shared-buffer)"
+    )
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+@contextlib.contextmanager
+def _server(directory: Path, **engine_options: object) -> Iterator[tuple[str, Engine]]:
+    """The app on uvicorn in a thread, on 127.0.0.1 and a free port."""
+    engine = Engine(directory, **engine_options)  # type: ignore[arg-type]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, "trained"), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", engine
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        engine.close(drain=False)
+        listener.close()
+
+
+@pytest.fixture(scope="module")
+def served(trained_exports: dict[str, Path]) -> Iterator[tuple[str, Engine]]:
+    with _server(trained_exports["none"], slots=4, max_context=128, max_queue=8) as running:
+        yield running
+
+
+def _text_alone(export: Path, prompt: str, tokens: int) -> str:
+    generator = Generator(export)
+    ids = generator.encode(prompt)
+    out = generator.generate([ids], tokens, eos_token_id=-1)[0, len(ids) :].tolist()
+    assert generator.tokenizer is not None
+    return generator.tokenizer.decode(out)
+
+
+def test_the_openai_client_works_unchanged(served: tuple[str, Engine], trained_exports: dict[str, Path]) -> None:
+    from openai import OpenAI
+
+    url, _ = served
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    assert [m.id for m in client.models.list().data] == ["trained"]
+    want = _text_alone(trained_exports["none"], "The help topic", 20)
+    prompt_tokens = len(Generator(trained_exports["none"]).encode("The help topic"))
+    done = client.completions.create(model="trained", prompt="The help topic", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
+    assert done.choices[0].text == want and done.choices[0].finish_reason == "length"
+    assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (prompt_tokens, 20)
+    chunks = list(
+        client.completions.create(
+            model="trained", prompt="The help topic", max_tokens=20, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        )
+    )
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want
+    assert len([c for c in chunks if c.choices]) == 20  # one chunk per token
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.total_tokens == prompt_tokens + 20
+
+
+def test_the_stream_is_sse_ending_in_done(served: tuple[str, Engine]) -> None:
+    url, _ = served
+    body = {"prompt": [5, 17, 300], "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines) and lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[6:]) for line in lines[:-1]]
+    assert [c["object"] for c in chunks] == ["text_completion"] * 4
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "length"]
+
+
+@pytest.mark.parametrize(
+    ("request_body", "status", "message", "param"),
+    [
+        (b"{not json", 400, "the request body is not valid JSON; send a JSON object", None),
+        ({"prompt": "x", "max_tokens": "10"}, 400, "max_tokens: Input should be a valid integer", "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1", "max_tokens"),
+        ({"prompt": "x", "temperature": 3.0}, 400, "temperature: Input should be less than or equal to 2", "temperature"),
+        ({"max_tokens": 3}, 400, "prompt: Field required", "prompt"),
+        ({"prompt": "x", "n": 2}, 400, "n: only n=1 is supported", "n"),
+        (
+            {"prompt": [5] * 120, "max_tokens": 20},
+            400,
+            "this model's maximum context length is 128 tokens, but 140 were requested (120 in the prompt, 20 for "
+            "the completion); shorten the prompt or ask for fewer tokens",
+            "prompt",
+        ),
+        ({"model": "gpt-9", "prompt": "x"}, 404, "the model `gpt-9` does not exist; this server serves `trained`", "model"),
+    ],
+)
+def test_bad_requests_get_openais_error_shape(
+    served: tuple[str, Engine], request_body: object, status: int, message: str, param: str | None
+) -> None:
+    url, _ = served
+    if isinstance(request_body, bytes):
+        response = httpx.post(f"{url}/v1/completions", content=request_body, headers={"content-type": "application/json"})
+    else:
+        response = httpx.post(f"{url}/v1/completions", json=request_body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert (error["message"], error["param"]) == (message, param)
+    assert set(error) == {"message", "type", "param", "code"}
+
+
+def test_unknown_routes_are_404_in_openais_shape(served: tuple[str, Engine]) -> None:
+    url, _ = served
+    response = httpx.get(f"{url}/v1/chat/nothing")
+    assert response.status_code == 404
+    assert response.json()["error"]["message"] == "no route GET /v1/chat/nothing; see /v1/completions, /v1/models"
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+
+
+def _wait_idle(engine: Engine, seconds: float = 10) -> None:
+    deadline = time.monotonic() + seconds
+    while (engine.stats().slots_in_use or engine.stats().waiting) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_client_that_hangs_up_frees_its_slot(served: tuple[str, Engine]) -> None:
+    url, engine = served
+    before = engine.stats().finished.get("cancelled", 0)
+    body = {"prompt": "x", "max_tokens": 100, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as response:
+        for index, _ in enumerate(response.iter_lines()):
+            if index == 3:
+                break  # leave mid-stream
+    steps = engine.stats().steps
+    _wait_idle(engine)
+    stats = engine.stats()
+    assert stats.slots_in_use == 0 and stats.finished.get("cancelled", 0) == before + 1
+    assert stats.steps - steps < 100  # it did not run to max_tokens
+
+
+def test_metrics_count_what_was_served(served: tuple[str, Engine]) -> None:
+    url, engine = served
+    _wait_idle(engine)
+    before = engine.stats()
+    httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}, timeout=30)
+    text = httpx.get(f"{url}/metrics").text
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")
+    }
+    model = '{model="trained"}'
+    assert values[f"kvexport_prompt_tokens_total{model}"] == before.prompt_tokens + 4
+    assert values[f"kvexport_generation_tokens_total{model}"] == before.generated_tokens + 6
+    assert values[f"kvexport_slots{model}"] == 4 and values[f"kvexport_slots_in_use{model}"] == 0
+    assert values[f"kvexport_requests_running{model}"] == 0 and values[f"kvexport_requests_waiting{model}"] == 0
+    assert values['kvexport_requests_total{finish_reason="length",model="trained"}'] >= 1
+    assert values[f"kvexport_time_to_first_token_seconds_count{model}"] >= 1
+    assert values[f"kvexport_inter_token_latency_seconds_count{model}"] >= 5
+
+
+def test_a_full_queue_is_503_with_retry_after(trained_exports: dict[str, Path]) -> None:
+    with _server(trained_exports["none"], slots=1, max_context=256, max_queue=1) as (url, engine):
+        barrier = threading.Barrier(6)
+        responses: list[httpx.Response] = []
+
+        def client() -> None:
+            barrier.wait()  # six requests at once for one slot and one place in the queue
+            responses.append(httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 250, "ignore_eos": True}, timeout=60))
+
+        threads = [threading.Thread(target=client) for _ in range(6)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        refused = [r for r in responses if r.status_code == 503]
+        served = [r for r in responses if r.status_code == 200]
+        assert len(refused) + len(served) == 6 and len(refused) >= 4 and len(served) >= 1
+        for response in refused:
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["error"]["type"] == "server_overloaded"
+            assert response.json()["error"]["message"].endswith("requests are waiting for a slot; retry shortly")
+        assert engine.stats().finished == {"length": len(served)}
+
+
+def test_a_short_soak_with_random_hang_ups_loses_nothing(served: tuple[str, Engine]) -> None:
+    url, engine = served
+    _wait_idle(engine)
+    before = engine.stats()
+    rng = random.Random(0)
+    plans = [(rng.randint(1, 40), rng.random() < 0.4, rng.randint(1, 6)) for _ in range(48)]
+    results: list[str] = []
+
+    def client(plan: tuple[int, bool, int]) -> None:
+        tokens, hang_up, after = plan
+        body = {"prompt": HELDOUT_IDS[:5], "max_tokens": tokens, "stream": True, "ignore_eos": True, "temperature": 0.8}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            if response.status_code == 503:
+                results.append("refused")
+                return
+            for index, line in enumerate(response.iter_lines()):
+                if hang_up and index >= after:
+                    results.append("hung up")
+                    return
+                if line == "data: [DONE]":
+                    results.append("done")
+                    return
+        results.append("incomplete")
+
+    threads = [threading.Thread(target=client, args=(plan,)) for plan in plans]
+    for index in range(0, len(threads), 8):  # 8 clients at a time, bounded
+        for thread in threads[index : index + 8]:
+            thread.start()
+        for thread in threads[index : index + 8]:
+            thread.join(60)
+    _wait_idle(engine)
+    after = engine.stats()
+    ended = {reason: after.finished.get(reason, 0) - before.finished.get(reason, 0) for reason in after.finished}
+    assert "incomplete" not in results and len(results) == len(plans)
+    accepted = len(plans) - results.count("refused")
+    assert sum(ended.values()) == accepted  # every accepted request completed or was cancelled
+    assert ended.get("cancelled", 0) <= results.count("hung up")
+    assert after.slots_in_use == 0 and after.waiting == 0
+
+
+def test_sigterm_finishes_the_running_request_and_exits_0(trained_exports: dict[str, Path]) -> None:
+    command = [sys.executable, "-m", "kvexport.cli", "serve", str(trained_exports["none"]), "--port", "0", "--slots", "2", "--max-context", "200"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert process.stderr is not None
+        first = process.stderr.readline()
+        assert first.startswith("kvexport: serving ") and " as 'none' on http://127.0.0.1:" in first
+        url = first.split(" on ")[1].split(" ")[0]
+        lines: list[str] = []
+        body = {"prompt": "x", "max_tokens": 120, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
+            iterator = response.iter_lines()
+            lines.append(next(iterator))
+            process.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.ConnectError):  # it takes no new connections
+                httpx.get(f"{url}/health", timeout=2)
+            lines += [line for line in iterator if line]
+        assert lines[-1] == "data: [DONE]" and len(lines) == 121  # the running request finished
+        assert process.wait(30) == 0
+        rest = process.stderr.read()
+        assert "shutting down: finishing the requests already admitted" in rest and "Traceback" not in rest
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
