@@ -8,6 +8,8 @@ Library entry points:
 - :func:`import_decoder` turns a one-graph decoder another tool made (Optimum's) into
   such a directory.
 - :class:`Generator` runs an export with ONNX Runtime (the cache stays on the device).
+- :class:`Engine` serves many requests at once over one in-place cache (continuous
+  batching); ``kvexport serve`` puts an OpenAI-compatible HTTP server in front of it.
 
 ``import kvexport`` is cheap and imports neither torch nor transformers: each name is
 loaded on first use. Only export and verify need torch and transformers, which the
@@ -35,11 +37,14 @@ if TYPE_CHECKING:
     from kvexport.import_graph import import_decoder
     from kvexport.manifest import Manifest, read_manifest
     from kvexport.runtime.generator import Generator
+    from kvexport.serving.engine import Engine, SamplingParams
     from kvexport.verify import VerifyReport, verify
 
 # public name -> the module that defines it (imported on first use)
 _LAZY = {
+    "Engine": "kvexport.serving.engine",
     "ExportOptions": "kvexport.directory",
+    "SamplingParams": "kvexport.serving.engine",
     "ExportResult": "kvexport.export",
     "export_gpt2": "kvexport.export",
     "Generator": "kvexport.runtime.generator",
@@ -68,6 +73,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "Engine",
     "ExportError",
     "ExportOptions",
     "ExportResult",
@@ -76,6 +82,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "ProviderError",
+    "SamplingParams",
     "VerifyReport",
     "__version__",
     "export_gpt2",

@@ -348,18 +348,16 @@ class _StepRunner:
         return result
 
 
-def _compare_step(
+def _compare_cache(
     case: str,
     step: int,
     got: dict[str, np.ndarray],
-    want_logits: np.ndarray,
     cache: DynamicCache,
     mask: np.ndarray,
     dtype: str,
     report: VerifyReport,
 ) -> None:
-    """fp32/fp16 parity of one step: the logits and every present tensor (unpadded rows)."""
-    report.tensors.append(_compare(case, step, "logits", got["logits"], want_logits, dtype))
+    """fp32/fp16 parity of every present tensor after one step (unpadded rows)."""
     for layer_index, (keys, values) in enumerate(cache_layers(cache)):
         for which, tensor in (("key", keys), ("value", values)):
             name = f"present.{layer_index}.{which}"
@@ -422,17 +420,10 @@ def _judge_step(
     manifest: Manifest,
     report: VerifyReport,
 ) -> np.ndarray:
-    """Record one step's checks (quality when quantized, else parity) and greedy tokens; PyTorch's tokens."""
-    if report.quantized:
-        report.quality.append(_quality(case, step, got["logits"][:, -1, :], want_logits[:, -1, :]))
-    else:
-        _compare_step(case, step, got, want_logits, cache, mask, manifest.dtype, report)
-    onnx_tokens = got["logits"][:, -1, :].argmax(-1)
-    torch_tokens = want_logits[:, -1, :].argmax(-1)
-    report.tokens.append(
-        TokenCheck(case, step, onnx_tokens.tolist(), torch_tokens.tolist(), bool((onnx_tokens == torch_tokens).all()))
-    )
-    return torch_tokens
+    """Record one step's checks (quality when quantized, else parity of logits and cache) and greedy tokens; PyTorch's tokens."""
+    if not report.quantized:
+        _compare_cache(case, step, got, cache, mask, manifest.dtype, report)
+    return _judge_logits(case, step, got["logits"], want_logits, manifest, report)
 
 
 def _next_inputs(mask: np.ndarray, tokens: np.ndarray) -> dict[str, np.ndarray]:
@@ -474,6 +465,107 @@ def _run_case(
         inputs = _next_inputs(inputs["attention_mask"], tokens)
         if not runner.in_place:
             pasts = {past: got[present] for past, present in zip(past_names, present_names, strict=True)}
+
+
+SLOTS_CASE = "slots-ragged"
+_SLOT_LENGTHS = (11, 6, 3)
+
+
+class _Slots:
+    """One in-place buffer of a row per prompt, as the serving engine holds it."""
+
+    def __init__(self, manifest: Manifest, provider: str, rows: int, capacity: int) -> None:
+        dims = manifest.dims
+        self.dtype = np.float16 if manifest.dtype == "fp16" else np.float32
+        self.row_shape = (dims.n_head, capacity, dims.head_dim)
+        self.rows = rows
+        self.past = cache_names("past", dims.n_layer)
+        self.present = cache_names("present", dims.n_layer)
+        row = int(np.prod(self.row_shape))
+        self.row_bytes = row * np.dtype(self.dtype).itemsize
+        device = "cuda" if provider == "cuda" else "cpu"
+        self.banks = CacheBanks(len(self.past), rows * row, self.dtype, device, banks=1)
+
+    def run(self, session: Any, inputs: dict[str, np.ndarray], first_row: int, rows: int) -> np.ndarray:
+        """One call over ``rows`` rows from ``first_row``, bound by address; the logits."""
+        binding = session.io_binding()
+        for name, value in inputs.items():
+            binding.bind_cpu_input(name, value)
+        binding.bind_output("logits", "cpu")
+        shape = [rows, *self.row_shape]
+        for index, (past, present) in enumerate(zip(self.past, self.present, strict=True)):
+            pointer = self.banks.pointers[0][index] + first_row * self.row_bytes
+            binding.bind_input(past, self.banks.device, 0, self.dtype, shape, pointer)
+            binding.bind_output(present, self.banks.device, 0, self.dtype, shape, pointer)
+        session.run_with_iobinding(binding)
+        return np.asarray(binding.get_outputs()[0].numpy())
+
+    def row_cache(self, index: int, row: int, length: int) -> np.ndarray:
+        """Cache tensor ``index`` of one row, its first ``length`` positions: [1, H, length, D]."""
+        return self.banks.read(0, index, (self.rows, *self.row_shape))[row : row + 1, :, :length]
+
+
+def _run_slots_case(
+    manifest: Manifest, sessions: dict[str, Any], model: GPT2LMHeadModel, steps: int, report: VerifyReport
+) -> None:
+    """In-place exports: prompts of different lengths in rows of one buffer, decoded together.
+
+    Each prompt is prefilled alone at batch 1 into its own row (bound by address), then
+    every decode step runs all rows in one call over a mask as wide as the buffer, each row
+    with its own length; PyTorch runs each row alone. Logits (or quality) and greedy tokens
+    at every step, and each row's cache at the end; both sides continue on PyTorch's tokens.
+    """
+    dims = manifest.dims
+    lengths = [min(length, dims.n_positions - steps) for length in _SLOT_LENGTHS]
+    capacity = max(lengths) + steps
+    prompts = [np.random.default_rng(row).integers(0, dims.vocab_size, (1, n), dtype=np.int64) for row, n in enumerate(lengths)]
+    slots = _Slots(manifest, report.provider, len(prompts), capacity)
+    caches = [DynamicCache(config=model.config) for _ in prompts]
+    got_rows, want_rows = [], []
+    for row, prompt in enumerate(prompts):
+        inputs = {"input_ids": prompt, "attention_mask": np.ones_like(prompt), "position_ids": np.arange(prompt.shape[1])[None]}
+        got_rows.append(slots.run(sessions["prefill"], inputs, row, 1))
+        want_rows.append(_torch_logits(model, inputs, caches[row], last_only=True))
+    for step in range(steps + 1):
+        got, want = np.concatenate(got_rows), np.concatenate(want_rows)
+        tokens = _judge_logits(SLOTS_CASE, step, got, want, manifest, report)
+        if step == steps:
+            break
+        mask = np.zeros((len(prompts), capacity), np.int64)
+        for row, length in enumerate(lengths):
+            mask[row, : length + 1] = 1
+        inputs = {
+            "input_ids": tokens.reshape(-1, 1).astype(np.int64),
+            "attention_mask": mask,
+            "position_ids": np.array(lengths, np.int64).reshape(-1, 1),
+        }
+        got_rows = [slots.run(sessions["decode"], inputs, 0, len(prompts))]
+        want_rows = [
+            _torch_logits(model, {name: value[row : row + 1, : lengths[row] + 1] if name == "attention_mask" else value[row : row + 1] for name, value in inputs.items()}, caches[row], last_only=True)
+            for row in range(len(prompts))
+        ]
+        lengths = [length + 1 for length in lengths]
+    if report.quantized:
+        return
+    for row, cache in enumerate(caches):
+        for layer, (keys, values) in enumerate(cache_layers(cache)):
+            for which, tensor in (("key", keys), ("value", values)):
+                index = 2 * layer + (which == "value")
+                got_cache = slots.row_cache(index, row, lengths[row])
+                report.tensors.append(_compare(SLOTS_CASE, steps, f"present.{layer}.{which}[row {row}]", got_cache, tensor.float().numpy(), manifest.dtype))
+
+
+def _judge_logits(case: str, step: int, got: np.ndarray, want: np.ndarray, manifest: Manifest, report: VerifyReport) -> np.ndarray:
+    """Logits parity (or quality when quantized) and greedy tokens of one step; PyTorch's tokens."""
+    if report.quantized:
+        report.quality.append(_quality(case, step, got[:, -1, :], want[:, -1, :]))
+    else:
+        report.tensors.append(_compare(case, step, "logits", got, want, manifest.dtype))
+    onnx_tokens, torch_tokens = got[:, -1, :].argmax(-1), want[:, -1, :].argmax(-1)
+    report.tokens.append(
+        TokenCheck(case, step, onnx_tokens.tolist(), torch_tokens.tolist(), bool((onnx_tokens == torch_tokens).all()))
+    )
+    return torch_tokens
 
 
 def _read_text(text_file: Path) -> str:
@@ -641,6 +733,9 @@ def verify(
     for case, (ids, mask) in _cases(manifest.dims.vocab_size, manifest.dims.n_positions, steps).items():
         say(f"running {case}")
         _run_case(case, ids, mask, manifest, sessions, model, steps, report)
+    if manifest.cache_layout == "shared-buffer":
+        say(f"running {SLOTS_CASE}")
+        _run_slots_case(manifest, sessions, model, steps, report)
     if text is not None and text_content is not None:
         say(f"teacher-forcing {text} (at most {text_tokens} tokens)")
         report.text = _text_quality(

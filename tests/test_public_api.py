@@ -8,6 +8,7 @@ import passes
 
 def test_kvexport_public_names() -> None:
     assert set(kvexport.__all__) == {
+        "Engine",
         "ExportError",
         "ExportOptions",
         "ExportResult",
@@ -16,6 +17,7 @@ def test_kvexport_public_names() -> None:
         "Manifest",
         "ManifestError",
         "ProviderError",
+        "SamplingParams",
         "VerifyReport",
         "__version__",
         "export_gpt2",

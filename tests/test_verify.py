@@ -113,3 +113,14 @@ def test_verify_rejects_what_it_cannot_check(tiny_export: Path, tmp_path: Path) 
         verify(corrupt_graph)
     with pytest.raises(KvexportError, match="--steps 0: must be at least 1"):
         verify(tiny_export, steps=0)
+
+
+def test_in_place_exports_verify_rows_of_different_lengths_decoded_together(tiny_ort_export: Path, tiny_export: Path) -> None:
+    report = verify(tiny_ort_export, steps=3, record=False)
+    assert report.ok, report.failures()
+    slots = [t for t in report.tokens if t.case == "slots-ragged"]
+    assert len(slots) == 4 and all(len(t.onnx_tokens) == 3 for t in slots)  # prefill + 3 steps, three rows
+    cache_rows = {t.name for t in report.tensors if t.case == "slots-ragged" and t.name != "logits"}
+    assert cache_rows == {f"present.{layer}.{kind}[row {row}]" for layer in range(2) for kind in ("key", "value") for row in range(3)}
+    # the concat layout has no shared buffer to hold rows of different lengths
+    assert not [t for t in verify(tiny_export, steps=2, record=False).tokens if t.case == "slots-ragged"]
