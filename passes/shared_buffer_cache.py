@@ -46,6 +46,7 @@ from passes.cache_names import canonical_slot
 from passes.values import initializer
 
 CAPACITY_DIM = "max_sequence"
+TOTAL_DIM = "total_sequence"
 _MS = "com.microsoft"
 
 
@@ -253,5 +254,30 @@ class SharedBufferCachePass(InPlacePass):
         if new_inputs:
             new_inputs.sort(key=lambda v: (int((v.name or "").split(".")[1]), v.name))
             graph.inputs.extend(new_inputs)
+        self.counts["mask_dim_separated"] = int(_separate_mask_dim(graph, mask, queries))
         TopologicalSortPass()(model)  # the length nodes were appended; put them before their users
         return PassResult(model, modified=True)
+
+
+def _separate_mask_dim(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None) -> bool:
+    """Give the mask's width a dim of its own where the exporter named it as the tokens' length.
+
+    With the in-place cache the mask spans the cache (a prompt chunk after a past, one token
+    over a mask as wide as the buffer), so ``attention_mask`` [batch, sequence] beside
+    ``input_ids`` [batch, sequence] would tell ONNX Runtime that two different sizes are
+    equal, and its planner may then reuse one's buffer for the other. The mask becomes
+    [batch, total_sequence], and the shapes the exporter noted on the values in between
+    (derived under that equality) are dropped, so ONNX Runtime infers them from the inputs.
+    """
+    if queries is None or mask.shape is None or queries.shape is None or len(mask.shape) != 2:
+        return False
+    width, length = mask.shape[1], queries.shape[1]
+    if not isinstance(width, ir.SymbolicDim) or str(width) != str(length):
+        return False
+    mask.shape = ir.Shape([mask.shape[0], TOTAL_DIM])
+    outputs = {id(value) for value in graph.outputs}
+    for node in graph.all_nodes():
+        for value in node.outputs:
+            if id(value) not in outputs:
+                value.shape = None
+    return True

@@ -101,3 +101,23 @@ def test_onnxruntime_genai_runs_the_export_as_the_generator_does(which: str, req
     expected = Generator(directory).generate([prompt], 12, eos_token_id=-1)[0, len(prompt) :].tolist()
     stop = expected.index(eos) + 1 if eos in expected else 12  # onnxruntime-genai stops at EOS
     assert tokens == expected[:stop]
+
+
+def test_onnxruntime_genai_batches_prompts_of_different_lengths_as_the_generator_runs_each(tiny_ort_export: Path) -> None:
+    """onnxruntime-genai right-pads a batch; each row's length reaches the graph through the mask."""
+    prompts = [PROMPT, [7, 8], [300], [5, 17, 300, 42, 9, 11]]
+    python = _genai_python()
+    done = subprocess.run(
+        [str(python), str(ROOT / "examples" / "genai_generate.py"), str(tiny_ort_export), "--ids=" + ";".join(",".join(map(str, p)) for p in prompts), "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = json.loads(done.stdout)["tokens"]
+    generator = Generator(tiny_ort_export)
+    eos = generator.eos_token_id
+    for prompt, tokens in zip(prompts, rows, strict=True):
+        expected = generator.generate([prompt], 8, eos_token_id=-1)[0, len(prompt) :].tolist()
+        stop = expected.index(eos) + 1 if eos in expected else 8
+        assert tokens[:stop] == expected[:stop]

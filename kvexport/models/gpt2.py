@@ -218,8 +218,13 @@ def _lm_head(model: GPT2LMHeadModel, hidden: torch.Tensor) -> torch.Tensor:
 class PrefillModule(torch.nn.Module):
     """Prompt graph: ``(input_ids, attention_mask, position_ids) -> (logits, *present)``.
 
-    With ``all_logits=False`` the LM head runs on the last position only (left padding
-    puts every row's last real token there), giving logits ``[batch, 1, V]``.
+    With ``all_logits=False`` the LM head runs on one position per row, giving logits
+    ``[batch, 1, V]``: the row's last real token, the last 1 of its mask. Left padding puts
+    it in the last column; right-padded prompts (onnxruntime-genai's convention) end
+    earlier. The mask may be wider than the tokens fed (a chunk after a past, or one token
+    over a mask as wide as an in-place buffer): the tokens end where the row's mask ends,
+    so the index is the tokens' length less one less the columns after the row's last 1,
+    and at least 0.
     """
 
     def __init__(self, model: GPT2LMHeadModel, all_logits: bool = False) -> None:
@@ -236,7 +241,14 @@ class PrefillModule(torch.nn.Module):
             self.model, input_ids, cache, attention_mask, position_ids
         )  # [batch, sequence, n_embd]
         if not self.all_logits:
-            hidden = hidden[:, -1:, :]  # [batch, 1, n_embd]
+            # The mask's width and the tokens' length share one dim name in this graph, so any
+            # length read off a shape is the mask's: count the columns after each row's last 1
+            # from the mask's values, and the tokens fed from their values (ids are >= 0).
+            ones_from_here = attention_mask.sum(-1, keepdim=True) - attention_mask.cumsum(-1) + attention_mask
+            trailing = (ones_from_here == 0).sum(-1)  # [batch]
+            fed = (input_ids != -1).sum(-1)  # [batch]
+            index = (fed - 1 - trailing).clamp(min=0)
+            hidden = hidden.gather(1, index.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # [batch, 1, n_embd]
         return (_lm_head(self.model, hidden), *_flatten_cache(cache))
 
 

@@ -42,7 +42,11 @@ def test_attention_becomes_gqa_over_capacity_sized_shared_buffers(tiny_export: P
     assert _ops(model).count("MultiHeadAttention") == layers
     shared = SharedBufferCachePass()
     assert shared(model).modified
-    assert shared.counts == {"attention_converted": layers, "bias_replaced": layers}
+    # prefill's mask spans the cache, not the tokens fed: it gets a dim of its own
+    separated = int(graph == "prefill")
+    assert shared.counts == {"attention_converted": layers, "bias_replaced": layers, "mask_dim_separated": separated}
+    mask = next(v for v in model.graph.inputs if v.name == "attention_mask")
+    assert mask.shape is not None and str(mask.shape[1]) == "total_sequence"  # decode: the export named it so
     assert _ops(model).count("GroupQueryAttention") == layers
     assert "MultiHeadAttention" not in _ops(model)
     past = [v for v in model.graph.inputs if (v.name or "").startswith("past.")]
