@@ -42,12 +42,31 @@ import numpy as np
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 SCHEMES = (("none", "F32"), ("int8", "Q8_0"), ("int4", "Q4_0"))
-# AVX-512 (VNNI, BF16, VBMI) and AVX-VNNI, named rather than -march=native: native also turns
-# on AMX, whose tile instructions die with SIGILL where the kernel grants no AMX state.
-_ISA_FLAGS = [
-    "-DGGML_NATIVE=OFF",
-    *(f"-DGGML_{isa}=ON" for isa in ("AVX", "AVX2", "FMA", "F16C", "AVX512", "AVX512_VBMI", "AVX512_VNNI", "AVX512_BF16", "AVX_VNNI")),
-]
+# ggml's ISA switches by the /proc/cpuinfo flag that says the CPU has them. Named from the
+# host rather than -march=native, which also turns on AMX, whose tile instructions die with
+# SIGILL where the kernel grants no AMX state; and from the host rather than a fixed list,
+# since this machine type is sometimes an AVX-512 Xeon and sometimes an AVX2-only EPYC.
+_GGML_ISA = {
+    "avx": "AVX",
+    "avx2": "AVX2",
+    "fma": "FMA",
+    "f16c": "F16C",
+    "avx512f": "AVX512",
+    "avx512vbmi": "AVX512_VBMI",
+    "avx512_vnni": "AVX512_VNNI",
+    "avx512_bf16": "AVX512_BF16",
+    "avx_vnni": "AVX_VNNI",
+}
+
+
+def isa_flags() -> list[str]:
+    """``-DGGML_<ISA>=ON|OFF`` for each switch, by what this CPU reports."""
+    try:
+        line = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+        have = set(line.split(":", 1)[1].split())
+    except (OSError, StopIteration):  # not Linux: leave ggml's defaults
+        return []
+    return ["-DGGML_NATIVE=OFF", *(f"-DGGML_{isa}={'ON' if flag in have else 'OFF'}" for flag, isa in _GGML_ISA.items())]
 
 
 def _run(command: list[str], **kwargs: Any) -> str:
@@ -74,7 +93,7 @@ def build_llama_cpp(work: Path, targets: tuple[str, ...] = TOOLS) -> Path:
     missing = [target for target in targets if not (build / "bin" / target).exists()]
     if missing:
         server = ["-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF"] if "llama-server" in missing else []
-        _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *_ISA_FLAGS, "-DLLAMA_BUILD_TESTS=OFF", *server])
+        _run(["cmake", "-S", str(source), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", *isa_flags(), "-DLLAMA_BUILD_TESTS=OFF", *server])
         _run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *missing])
     return source
 

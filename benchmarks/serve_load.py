@@ -1,0 +1,293 @@
+#!/usr/bin/env python
+"""Serving load: ``kvexport serve`` beside ``llama-server`` on the same weights, one interleaved run.
+
+Outside CI (it builds llama.cpp, minutes on 2 cores). An async OpenAI-compatible client
+sends fixed-length prompts of random token ids and asks for a fixed number of tokens
+(``ignore_eos``, streamed with ``include_usage``) at each concurrency level, and reports
+vLLM's serving metrics with vLLM's definitions (``benchmarks/benchmark_serving.py``):
+
+- TTFT: request sent to first streamed token; E2EL: request sent to the last byte;
+- TPOT: (E2EL - TTFT) / (output tokens - 1), per request; ITL: every gap between two
+  successive streamed chunks, pooled over requests;
+- request throughput: completed requests / wall time of the level; output throughput:
+  output tokens / wall time;
+- mean, median and p99 of each latency.
+
+Systems, all started before the first level and left idle while the others run:
+``kvexport serve`` of the ``--target ort-cpu --quantize int8|int4`` exports (``--slots
+N``, one slot per concurrent request) and ``llama-server -np N`` (continuous batching on
+by default) of the Q8_0 / Q4_0 GGUFs converted from the same weights. Each level runs
+every system before the next level starts, so a drifting host treats them alike.
+
+    .venv/bin/python benchmarks/serve_load.py --model gpt2 --random-init --work /tmp/llama
+
+Writes ``serve_load.json`` and ``serve_load.png`` (output tokens/s and p99 TTFT against
+concurrency, one line per system) under ``--work``. Servers listen on 127.0.0.1 only, every
+level sends a bounded number of requests, and every server started here is stopped by its
+process id at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parent))
+import llama_cpp_compare as llama
+
+PAIRS = (("int8", "Q8_0"), ("int4", "Q4_0"))
+
+
+@dataclass
+class RequestResult:
+    """One request as the client saw it."""
+
+    ok: bool
+    ttft: float = 0.0
+    e2el: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    """A streamed completion, timed chunk by chunk."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    started = time.perf_counter()
+    result = RequestResult(ok=False)
+    last = started
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("choices"):
+                    if result.ttft == 0.0:
+                        result.ttft = now - started
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                if chunk.get("usage"):
+                    result.output_tokens = int(chunk["usage"]["completion_tokens"])
+        result.e2el = time.perf_counter() - started
+        result.ok = result.output_tokens > 0
+    except httpx.HTTPError as exc:
+        result.error = type(exc).__name__
+    return result
+
+
+async def run_level(url: str, model: str, vocab: int, concurrency: int, requests: int, input_len: int, output_len: int, seed: int) -> dict[str, Any]:
+    """``requests`` requests, at most ``concurrency`` in flight; vLLM's metrics over them."""
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(100, vocab - 100, input_len).tolist() for _ in range(requests)]
+    limit = asyncio.Semaphore(concurrency)
+    timeout = httpx.Timeout(300.0)
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=concurrency + 2)) as client:
+
+        async def bounded(prompt: list[int]) -> RequestResult:
+            async with limit:
+                return await one_request(client, url, model, prompt, output_len)
+
+        started = time.perf_counter()
+        results = await asyncio.gather(*(bounded(p) for p in prompts))
+        wall = time.perf_counter() - started
+    done = [r for r in results if r.ok]
+
+    def stats(values: list[float]) -> dict[str, float]:
+        if not values:
+            return {"mean_ms": 0.0, "median_ms": 0.0, "p99_ms": 0.0}
+        array = np.array(values) * 1000
+        return {"mean_ms": float(array.mean()), "median_ms": float(np.median(array)), "p99_ms": float(np.percentile(array, 99))}
+
+    output = sum(r.output_tokens for r in done)
+    return {
+        "concurrency": concurrency,
+        "requests": requests,
+        "completed": len(done),
+        "errors": sorted({r.error for r in results if not r.ok}),
+        "duration_s": wall,
+        "request_throughput": len(done) / wall,
+        "output_throughput": output / wall,
+        "ttft": stats([r.ttft for r in done]),
+        "tpot": stats([(r.e2el - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]),
+        "itl": stats([gap for r in done for gap in r.itl]),
+        "e2el": stats([r.e2el for r in done]),
+    }
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with {process.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url}: not healthy after {seconds} s")
+
+
+def start_kvexport(export: Path, slots: int, context: int, log: Path) -> tuple[str, subprocess.Popen[Any]]:
+    port = free_port()
+    command = [sys.executable, "-m", "kvexport.cli", "serve", str(export), "--port", str(port), "--slots", str(slots), "--max-context", str(context)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process)
+    return url, process
+
+
+def start_llama(source: Path, gguf: Path, slots: int, context: int, threads: int, log: Path) -> tuple[str, subprocess.Popen[Any]]:
+    port = free_port()
+    command = [
+        str(source / "build/bin/llama-server"), "-m", str(gguf), "-np", str(slots), "-c", str(slots * context),
+        "-t", str(threads), "--host", "127.0.0.1", "--port", str(port),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process)
+    return url, process
+
+
+def write_plot(levels: dict[str, list[dict[str, Any]]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system, rows in levels.items():
+        x = [r["concurrency"] for r in rows]
+        style = "-" if system.startswith("kvexport") else "--"
+        throughput.plot(x, [r["output_throughput"] for r in rows], style, marker="o", label=system)
+        ttft.plot(x, [r["ttft"]["p99_ms"] for r in rows], style, marker="o", label=system)
+    throughput.set(xlabel="concurrency", ylabel="output tokens/s", title="output throughput", xscale="log", xticks=[1, 4, 16])
+    ttft.set(xlabel="concurrency", ylabel="p99 TTFT (ms)", title="p99 time to first token", xscale="log", yscale="log", xticks=[1, 4, 16])
+    for axes in (throughput, ttft):
+        axes.set_xticklabels(["1", "4", "16"])
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt2")
+    parser.add_argument("--random-init", action="store_true")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/llama"))
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--requests", type=int, default=0, help="Requests per level [default: 2 x concurrency, at least 4].")
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--slots", type=int, default=16)
+    parser.add_argument("--context", type=int, default=320, help="Tokens per slot, both servers.")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--schemes", default="int8,int4")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.work.mkdir(parents=True, exist_ok=True)
+    source = llama.build_llama_cpp(args.work, (*llama.TOOLS, "llama-server"))
+    name = Path(args.model).name
+    hf_dir = llama.hf_directory(args.model, args.random_init, args.work / f"hf-{name}")
+    ggufs = {kind: args.work / f"hf-{name}" / f"model-{kind}.gguf" for _, kind in PAIRS}
+    if not all(g.exists() for g in ggufs.values()):
+        ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}"))
+    exports = llama.kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", [])
+    vocab = json.loads((exports["int8"] / "kvexport.json").read_text())["model"]["config"]["vocab_size"]
+    schemes = args.schemes.split(",")
+    servers: dict[str, tuple[str, subprocess.Popen[Any], str]] = {}
+    levels: dict[str, list[dict[str, Any]]] = {}
+    try:
+        for scheme, kind in PAIRS:
+            if scheme not in schemes:
+                continue
+            url, process = start_kvexport(exports[scheme], args.slots, args.context, args.work / f"serve-{scheme}.log")
+            servers[f"kvexport {scheme}"] = (url, process, exports[scheme].name)
+            url, process = start_llama(source, ggufs[kind], args.slots, args.context, args.threads, args.work / f"llama-server-{kind}.log")
+            servers[f"llama-server {kind}"] = (url, process, ggufs[kind].name)
+        for url, _, model in servers.values():  # warm up: one short request each
+            asyncio.run(run_level(url, model, vocab, 1, 1, 16, 4, seed=99))
+        started = time.perf_counter()
+        for concurrency in [int(c) for c in args.concurrency.split(",")]:
+            count = args.requests or max(4, 2 * concurrency)
+            for system, (url, _, model) in servers.items():
+                print(f"{system}: concurrency {concurrency}, {count} requests", file=sys.stderr, flush=True)
+                row = asyncio.run(run_level(url, model, vocab, concurrency, count, args.input_len, args.output_len, seed=concurrency))
+                levels.setdefault(system, []).append(row)
+                print(
+                    f"  {row['output_throughput']:.1f} tok/s, TTFT p99 {row['ttft']['p99_ms']:.0f} ms, "
+                    f"TPOT median {row['tpot']['median_ms']:.1f} ms, completed {row['completed']}/{count}",
+                    file=sys.stderr, flush=True,
+                )
+    finally:
+        for _, process, _ in servers.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for _, process, _ in servers.values():
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    print(f"{'system':<20} {'conc':>4} {'out tok/s':>10} {'req/s':>7} {'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'ITL p99':>8} {'E2EL med':>9}")
+    for system, rows in levels.items():
+        for r in rows:
+            print(
+                f"{system:<20} {r['concurrency']:>4} {r['output_throughput']:>10.1f} {r['request_throughput']:>7.2f} "
+                f"{r['ttft']['median_ms']:>9.0f} {r['ttft']['p99_ms']:>9.0f} {r['tpot']['median_ms']:>9.1f} "
+                f"{r['itl']['p99_ms']:>8.1f} {r['e2el']['median_ms']:>9.0f}"
+            )
+    result = {
+        "model": args.model,
+        "random_init": args.random_init,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "slots": args.slots,
+        "context": args.context,
+        "threads": args.threads,
+        "levels": levels,
+        "seconds": round(time.perf_counter() - started, 1) if levels else 0.0,
+    }
+    (args.work / "serve_load.json").write_text(json.dumps(result, indent=2))
+    write_plot(levels, args.work / "serve_load.png")
+    print(f"wrote {args.work / 'serve_load.json'} and {args.work / 'serve_load.png'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
