@@ -209,6 +209,10 @@ class Generator:
             one line.
         trace_cache: record in ``last_stats.cache_pointers`` the device pointers each
             binding gives the cache (for tests and ``gpu_check``; off in serving).
+        decode_graph: for an in-place export, run the decode steps through ``decode.onnx`` in
+            a second session, as exports with the concat layout always do. By default the
+            prefill graph serves them (it takes a past too): one session, spinning threads
+            on CPU, the weights loaded once.
 
     """
 
@@ -223,6 +227,7 @@ class Generator:
         prepack_dir: str | Path | None = None,
         check: bool = False,
         trace_cache: bool = False,
+        decode_graph: bool = False,
     ) -> None:
         self.directory = Path(directory)
         found = preflight(self.directory, hash_files=check)
@@ -252,22 +257,27 @@ class Generator:
         paths = {graph: self.directory / self.manifest.graphs[graph].file for graph in GRAPH_NAMES}
         if prepacked:
             paths = prepacked_graphs(self.directory, prepack_dir)
+        # the in-place layout: past and present are one buffer, bound once for every step
+        self._in_place = self.manifest.cache_layout == "shared-buffer"
+        # An in-place prefill graph also takes a past, so it serves the decode steps too:
+        # one session (the weights once), whose threads may spin between runs since no
+        # second session's pool competes with them for the cores.
+        graphs = ("prefill",) if self._in_place and not decode_graph else GRAPH_NAMES
         self.sessions: dict[str, ort.InferenceSession] = {}
-        for graph in GRAPH_NAMES:
-            options = session_options(intra_op_threads)
+        for graph in graphs:
+            options = session_options(intra_op_threads, spinning=len(graphs) == 1 and self.provider == "cpu")
             if self._weights is not None:
                 self._weights.add_to(options, protos[graph])
                 # pre-packing would give each session a private re-laid copy of every weight
                 options.add_session_config_entry("session.disable_prepacking", "1")
             self.sessions[graph] = open_session(paths[graph], self.provider, options)
+        self.sessions.setdefault("decode", self.sessions["prefill"])
         self.tokenizer: Tokenizer | None = None
         tokenizer_file = self.manifest.tokenizer.get("file")
         if tokenizer_file:
             self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file))
         self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
         self.trace_cache = trace_cache
-        # the in-place layout: past and present are one buffer, bound once for every step
-        self._in_place = self.manifest.cache_layout == "shared-buffer"
         self.last_stats = GenerationStats()
 
     # ---------------------------------------------------------------- inputs

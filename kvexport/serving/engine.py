@@ -9,9 +9,10 @@ its admission until it finishes.
 One thread runs the loop; each iteration
 
 - admits waiting requests into free slots (lowest slot first);
-- prefills one chunk (``chunk`` tokens, default 256) of the oldest admitted prompt, at
-  batch 1, straight into its slot's region of the buffer (bound by address, no copy), so
-  a long prompt holds up the running streams for one chunk at most;
+- prefills up to ``chunk`` prompt tokens (default 256), the oldest admitted prompts first,
+  each at batch 1 straight into its slot's region of the buffer (bound by address, no
+  copy), so prompts that arrive together get their first tokens sooner, and a long prompt
+  holds up the running streams for one chunk at most;
 - runs **one** call for every running row: each row its own token, position and mask row
   (ones up to its own length), over a mask as wide as the capacity. The binding for a
   given number of rows is made once and kept, so shapes and addresses stay the same from
@@ -454,7 +455,7 @@ class Engine:
                 self._admit()
             self._drop_cancelled()
             try:
-                self._prefill_chunk()
+                self._prefill()
                 self._decode_step()
             except Exception as exc:  # a failed run ends the requests it held, not the engine
                 self._fail_all(exc)
@@ -490,14 +491,19 @@ class Engine:
     def _slot_pointer(self, tensor: int, slot: int) -> int:
         return self._cache.pointers[0][tensor] + slot * self._row_bytes
 
-    def _prefill_chunk(self) -> None:
-        """The next chunk of the oldest admitted prompt, at batch 1, into its slot's rows."""
-        sequence = next((s for s in self._active.values() if not s.running), None)
-        if sequence is None:
-            return
+    def _prefill(self) -> None:
+        """Up to ``chunk`` prompt tokens this iteration: the oldest admitted prompts first, each at batch 1."""
+        budget = self.chunk
+        for sequence in sorted((s for s in self._active.values() if not s.running), key=lambda s: s.handle.submitted):
+            if budget == 0:
+                return
+            budget -= self._prefill_chunk(sequence, budget)
+
+    def _prefill_chunk(self, sequence: _Sequence, budget: int) -> int:
+        """The next ``budget`` tokens (at most) of one prompt, at batch 1, into its slot's rows; how many."""
         prompt = sequence.handle.prompt
         start = sequence.prefilled
-        piece = prompt[start : start + self.chunk]
+        piece = prompt[start : start + budget]
         end = start + len(piece)
         binding = self.session.io_binding()
         binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
@@ -518,6 +524,7 @@ class Engine:
             sequence.running = True
             token = int(choose_tokens(logits[:, -1, :].astype(np.float32), sequence.sampling, sequence.rng)[0])
             self._emit(sequence, token, first=True)
+        return len(piece)
 
     def _decode_binding(self, rows: int) -> ort.IOBinding:
         """The binding of the first ``rows`` slots, made once per row count and kept."""
