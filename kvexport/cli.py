@@ -7,7 +7,6 @@ exit, never a traceback.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from kvexport.choices import (
     values,
 )
 from kvexport.errors import KvexportError
-from kvexport.extras import require_export_extra
+from kvexport.extras import require_export_extra, require_extra
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -663,12 +662,7 @@ def serve_command(
     Many requests decode together (continuous batching over the in-place cache): the
     export needs --target ort-cpu / ort-cuda. Needs the serve extra: pip install 'kvexport[serve]'.
     """
-    missing = [name for name in ("fastapi", "uvicorn", "prometheus_client") if importlib.util.find_spec(name) is None]
-    if missing:
-        raise UserError(
-            f"kvexport serve needs {', '.join(missing)}, which the base install leaves out; "
-            "install them with: pip install 'kvexport[serve]'"
-        )
+    _run(lambda: require_extra("serve", "kvexport serve"))
     from kvexport.serving.server import serve
 
     _run(

@@ -2,7 +2,8 @@
 
 ``pip install kvexport`` is what a serving image needs: ONNX Runtime, onnx, the passes,
 numpy and tokenizers. Export and verify also need torch and transformers, which come
-with ``pip install 'kvexport[export]'`` (as ``optimum[exporters]`` adds its exporters).
+with ``pip install 'kvexport[export]'`` (as ``optimum[exporters]`` adds its exporters), and
+``kvexport serve`` FastAPI, uvicorn and prometheus-client with ``kvexport[serve]``.
 """
 
 from __future__ import annotations
@@ -11,14 +12,18 @@ import importlib.util
 
 from kvexport.errors import KvexportError
 
+# extra -> the packages it adds that kvexport imports
+EXTRAS: dict[str, tuple[str, ...]] = {
+    "export": ("torch", "transformers"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client"),
+}
 EXPORT_EXTRA = "kvexport[export]"
-EXPORT_PACKAGES = ("torch", "transformers")
 
 
-def missing_export_packages() -> list[str]:
-    """The packages of the ``export`` extra that can't be imported here."""
+def missing_packages(packages: tuple[str, ...]) -> list[str]:
+    """The ``packages`` that can't be imported here."""
     missing = []
-    for name in EXPORT_PACKAGES:
+    for name in packages:
         try:
             found = importlib.util.find_spec(name) is not None
         except (ImportError, ValueError):  # a finder refused it, or a half-removed install
@@ -28,11 +33,17 @@ def missing_export_packages() -> list[str]:
     return missing
 
 
+def require_extra(extra: str, what: str) -> None:
+    """Refuse ``what`` with one line when a package of ``kvexport[extra]`` is missing."""
+    missing = missing_packages(EXTRAS[extra])
+    if missing:
+        names = missing[0] if len(missing) == 1 else f"{', '.join(missing[:-1])} and {missing[-1]}"
+        raise KvexportError(
+            f"{what} needs {names}, which the base install leaves out; "
+            f"install them with: pip install 'kvexport[{extra}]'"
+        )
+
+
 def require_export_extra(what: str) -> None:
     """Refuse ``what`` with one line when torch or transformers is missing."""
-    missing = missing_export_packages()
-    if missing:
-        raise KvexportError(
-            f"{what} needs {' and '.join(missing)}, which the base install leaves out; "
-            f"install them with: pip install '{EXPORT_EXTRA}'"
-        )
+    require_extra("export", what)

@@ -96,3 +96,12 @@ def test_the_library_names_that_need_torch_raise_the_same_line() -> None:
         "kvexport.export_gpt2 needs torch and transformers, which the base install leaves out; "
         "install them with: pip install 'kvexport[export]'"
     )
+
+
+def test_serve_without_the_serve_extra_says_so_in_one_line(tiny_ort_export: Path) -> None:
+    done = run_cli_without(("fastapi", "uvicorn"), ["serve", str(tiny_ort_export), "--port", "0"])
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-2] == (
+        "Error: kvexport serve needs fastapi and uvicorn, which the base install leaves out; "
+        "install them with: pip install 'kvexport[serve]'"
+    )
