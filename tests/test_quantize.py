@@ -35,7 +35,10 @@ def test_quality_within_the_scheme_tolerances(trained_exports: dict[str, Path], 
     report = verify(trained_exports[scheme], steps=8, text=HELDOUT, text_tokens=100_000, record=False)
     assert report.ok, report.failures()
     assert report.quantized and not report.tensors  # judged by quality, not fp32 parity
-    assert len(report.quality) == 2 * 9  # two cases, prefill and 8 decode steps
+    # three cases (batch 1, left-padded batch 2, rows of different lengths in one in-place
+    # buffer), each prefill and 8 decode steps
+    assert len(report.quality) == 3 * 9
+    assert {q.case for q in report.quality} == {"batch1", "batch2-left-padded", "slots-ragged"}
     tolerances = QUANTIZATION_TOLERANCES[scheme]
     assert report.tolerances == tolerances
     text = report.text
