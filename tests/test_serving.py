@@ -413,3 +413,25 @@ def test_sigterm_finishes_the_running_request_and_exits_0(trained_exports: dict[
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+@pytest.mark.parametrize("stop", [(), ("東京",), ("sky", "\n\t")])
+def test_streamed_text_is_the_decoded_text_cut_at_the_first_stop(stop: tuple[str, ...]) -> None:
+    from kvexport.serving.engine import _TextStream
+    from kvexport.tokenizer import gpt2_tokenizer
+
+    tokenizer = gpt2_tokenizer()
+    rng = random.Random(0)
+    for ids in (tokenizer.encode("naïve café — 東京 🙂 The sky is blue.\n\tend " * 3).ids, [rng.randrange(50257) for _ in range(300)]):
+        whole = tokenizer.decode(ids)
+        stream = _TextStream(tokenizer, stop)
+        pieces, stopped = [], False
+        for token in ids:  # one token at a time, as the engine feeds it
+            piece, stopped = stream.add(token)
+            pieces.append(piece)
+            if stopped:
+                break
+        if not stopped:
+            pieces.append(stream.flush())
+        cut = min((whole.find(s) for s in stop if s in whole), default=len(whole))
+        assert "".join(pieces) == whole[:cut]
