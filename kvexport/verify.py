@@ -38,7 +38,7 @@ from kvexport.errors import KvexportError, ManifestError
 from kvexport.integrity import preflight
 from kvexport.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
-from kvexport.runtime.generator import CacheBanks, positions_from_mask
+from kvexport.runtime.generator import CacheBanks, SlotCache, numpy_dtype, positions_from_mask
 from kvexport.runtime.session import open_session, resolve_provider
 from passes.cache_names import cache_names
 
@@ -311,7 +311,7 @@ class _StepRunner:
         n_layer, dims = manifest.dims.n_layer, manifest.dims
         self.past_names = cache_names("past", n_layer)
         self.present_names = cache_names("present", n_layer)
-        dtype = np.float16 if manifest.dtype == "fp16" else np.float32
+        dtype = numpy_dtype(manifest.dtype)
         # the Generator's own cache buffers and binding: one bank, past and present alike
         self.shape = (batch, dims.n_head, capacity, dims.head_dim)
         self.banks = (
@@ -471,38 +471,15 @@ SLOTS_CASE = "slots-ragged"
 _SLOT_LENGTHS = (11, 6, 3)
 
 
-class _Slots:
-    """One in-place buffer of a row per prompt, as the serving engine holds it."""
-
-    def __init__(self, manifest: Manifest, provider: str, rows: int, capacity: int) -> None:
-        dims = manifest.dims
-        self.dtype = np.float16 if manifest.dtype == "fp16" else np.float32
-        self.row_shape = (dims.n_head, capacity, dims.head_dim)
-        self.rows = rows
-        self.past = cache_names("past", dims.n_layer)
-        self.present = cache_names("present", dims.n_layer)
-        row = int(np.prod(self.row_shape))
-        self.row_bytes = row * np.dtype(self.dtype).itemsize
-        device = "cuda" if provider == "cuda" else "cpu"
-        self.banks = CacheBanks(len(self.past), rows * row, self.dtype, device, banks=1)
-
-    def run(self, session: Any, inputs: dict[str, np.ndarray], first_row: int, rows: int) -> np.ndarray:
-        """One call over ``rows`` rows from ``first_row``, bound by address; the logits."""
-        binding = session.io_binding()
-        for name, value in inputs.items():
-            binding.bind_cpu_input(name, value)
-        binding.bind_output("logits", "cpu")
-        shape = [rows, *self.row_shape]
-        for index, (past, present) in enumerate(zip(self.past, self.present, strict=True)):
-            pointer = self.banks.pointers[0][index] + first_row * self.row_bytes
-            binding.bind_input(past, self.banks.device, 0, self.dtype, shape, pointer)
-            binding.bind_output(present, self.banks.device, 0, self.dtype, shape, pointer)
-        session.run_with_iobinding(binding)
-        return np.asarray(binding.get_outputs()[0].numpy())
-
-    def row_cache(self, index: int, row: int, length: int) -> np.ndarray:
-        """Cache tensor ``index`` of one row, its first ``length`` positions: [1, H, length, D]."""
-        return self.banks.read(0, index, (self.rows, *self.row_shape))[row : row + 1, :, :length]
+def _run_rows(slots: SlotCache, session: Any, inputs: dict[str, np.ndarray], first: int, rows: int) -> np.ndarray:
+    """One call over ``rows`` rows of ``slots`` from ``first``, bound by address; the logits."""
+    binding = session.io_binding()
+    for name, value in inputs.items():
+        binding.bind_cpu_input(name, value)
+    binding.bind_output("logits", "cpu")
+    slots.bind(binding, first, rows)
+    session.run_with_iobinding(binding)
+    return np.asarray(binding.get_outputs()[0].numpy())
 
 
 def _run_slots_case(
@@ -519,12 +496,12 @@ def _run_slots_case(
     lengths = [min(length, dims.n_positions - steps) for length in _SLOT_LENGTHS]
     capacity = max(lengths) + steps
     prompts = [np.random.default_rng(row).integers(0, dims.vocab_size, (1, n), dtype=np.int64) for row, n in enumerate(lengths)]
-    slots = _Slots(manifest, report.provider, len(prompts), capacity)
+    slots = SlotCache(manifest, report.provider, len(prompts), capacity)
     caches = [DynamicCache(config=model.config) for _ in prompts]
     got_rows, want_rows = [], []
     for row, prompt in enumerate(prompts):
         inputs = {"input_ids": prompt, "attention_mask": np.ones_like(prompt), "position_ids": np.arange(prompt.shape[1])[None]}
-        got_rows.append(slots.run(sessions["prefill"], inputs, row, 1))
+        got_rows.append(_run_rows(slots, sessions["prefill"], inputs, row, 1))
         want_rows.append(_torch_logits(model, inputs, caches[row], last_only=True))
     for step in range(steps + 1):
         got, want = np.concatenate(got_rows), np.concatenate(want_rows)
@@ -539,7 +516,7 @@ def _run_slots_case(
             "attention_mask": mask,
             "position_ids": np.array(lengths, np.int64).reshape(-1, 1),
         }
-        got_rows = [slots.run(sessions["decode"], inputs, 0, len(prompts))]
+        got_rows = [_run_rows(slots, sessions["decode"], inputs, 0, len(prompts))]
         want_rows = [
             _torch_logits(model, {name: value[row : row + 1, : lengths[row] + 1] if name == "attention_mask" else value[row : row + 1] for name, value in inputs.items()}, caches[row], last_only=True)
             for row in range(len(prompts))
@@ -551,7 +528,7 @@ def _run_slots_case(
         for layer, (keys, values) in enumerate(cache_layers(cache)):
             for which, tensor in (("key", keys), ("value", values)):
                 index = 2 * layer + (which == "value")
-                got_cache = slots.row_cache(index, row, lengths[row])
+                got_cache = slots.read(index, row, lengths[row])
                 report.tensors.append(_compare(SLOTS_CASE, steps, f"present.{layer}.{which}[row {row}]", got_cache, tensor.float().numpy(), manifest.dtype))
 
 

@@ -42,7 +42,14 @@ from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import open_session, resolve_provider, session_options
 from passes.cache_names import cache_names
 
-_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
+_NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.float16}
+
+
+def numpy_dtype(dtype: str) -> type[np.floating[Any]]:
+    """The numpy type of a manifest's ``dtype`` (fp32, fp16), or one line saying it is unknown."""
+    if dtype not in _NP_DTYPES:
+        raise ManifestError(f"manifest dtype {dtype!r} is not one the runner knows (fp32, fp16)")
+    return _NP_DTYPES[dtype]
 
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
 
@@ -187,6 +194,40 @@ def _left_padded(input_ids: Sequence[int] | Sequence[Sequence[int]], pad: int) -
     return ids, mask
 
 
+class SlotCache:
+    """An in-place cache of ``slots`` rows: one ``[slots, H, capacity, D]`` buffer per cache tensor.
+
+    Rows are bound by address, a run at a time: ``bind(binding, first, rows)`` binds every
+    ``past.*`` input and its ``present.*`` output to the same rows ``first..first+rows``, so
+    a prompt can be prefilled at batch 1 into its own row and rows of different lengths
+    decoded together (the serving engine, and verify's case for it).
+    """
+
+    def __init__(self, manifest: Manifest, provider: str, slots: int, capacity: int) -> None:
+        dims = manifest.dims
+        self.dtype = numpy_dtype(manifest.dtype)
+        self.slots = slots
+        self.row_shape = (dims.n_head, capacity, dims.head_dim)
+        self.past = cache_names("past", dims.n_layer)
+        self.present = cache_names("present", dims.n_layer)
+        row = int(np.prod(self.row_shape))
+        self.row_bytes = row * np.dtype(self.dtype).itemsize
+        device = "cuda" if provider == "cuda" else "cpu"
+        self.banks = CacheBanks(len(self.past), slots * row, self.dtype, device, banks=1)
+
+    def bind(self, binding: ort.IOBinding, first: int, rows: int) -> None:
+        """Bind past and present of every layer to rows ``first..first+rows`` of the buffers."""
+        shape = [rows, *self.row_shape]
+        for index, (past, present) in enumerate(zip(self.past, self.present, strict=True)):
+            pointer = self.banks.pointers[0][index] + first * self.row_bytes
+            binding.bind_input(past, self.banks.device, 0, self.dtype, shape, pointer)
+            binding.bind_output(present, self.banks.device, 0, self.dtype, shape, pointer)
+
+    def read(self, index: int, row: int, length: int) -> np.ndarray:
+        """A host copy of cache tensor ``index`` of one row, its first ``length`` positions: [1, H, length, D]."""
+        return self.banks.read(0, index, (self.slots, *self.row_shape))[row : row + 1, :, :length]
+
+
 class Generator:
     """Generate from a kvexport directory on ONNX Runtime (CPU or CUDA) with IO binding.
 
@@ -240,11 +281,7 @@ class Generator:
             raise KvexportError(
                 f"prepacked: pre-packing is ONNX Runtime's CPU GEMM layout; it does not apply to {self.provider}"
             )
-        if self.manifest.dtype not in _NP_DTYPES:
-            raise ManifestError(
-                f"manifest dtype {self.manifest.dtype!r} is not one the runner knows (fp32, fp16)"
-            )
-        self.dtype = _NP_DTYPES[self.manifest.dtype]
+        self.dtype = numpy_dtype(self.manifest.dtype)
         dims = self.manifest.dims
         self.n_layer, self.n_head, self.head_dim = dims.n_layer, dims.n_head, dims.head_dim
         self.vocab_size, self.n_positions = dims.vocab_size, dims.n_positions

@@ -44,12 +44,10 @@ from tokenizers import Tokenizer
 
 from kvexport.errors import KvexportError
 from kvexport.integrity import preflight
-from kvexport.runtime.generator import CacheBanks
+from kvexport.runtime.generator import SlotCache, numpy_dtype
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import open_session, resolve_provider, session_options
-from passes.cache_names import cache_names
 
-_NP_DTYPES = {"fp32": np.float32, "fp16": np.float16}
 DEFAULT_CHUNK = 256
 
 
@@ -349,20 +347,14 @@ class Engine:
             raise KvexportError(f"max_context {self.capacity}: must be 2..{dims.n_positions} (the model's positions)")
         self.slots, self.max_queue, self.chunk = slots, max_queue, chunk
         self.provider = resolve_provider(provider)
-        self.dtype = _NP_DTYPES[manifest.dtype]
+        self.dtype = numpy_dtype(manifest.dtype)
         self.vocab_size = dims.vocab_size
         self.eos_token_id: int | None = manifest.tokenizer.get("eos_token_id")
         tokenizer_file = manifest.tokenizer.get("file")
         self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file)) if tokenizer_file else None
         options = session_options(intra_op_threads, spinning=spinning)
         self.session = open_session(self.directory / manifest.graphs["prefill"].file, self.provider, options)
-        self._past = cache_names("past", dims.n_layer)
-        self._present = cache_names("present", dims.n_layer)
-        self._row_shape = (dims.n_head, self.capacity, dims.head_dim)
-        row = int(np.prod(self._row_shape))
-        device = "cuda" if self.provider == "cuda" else "cpu"
-        self._cache = CacheBanks(len(self._past), slots * row, self.dtype, device, banks=1)
-        self._row_bytes = row * np.dtype(self.dtype).itemsize
+        self._cache = SlotCache(manifest, self.provider, slots, self.capacity)
         # decode-step inputs and logits, one row per slot; a binding views their first rows
         self._ids = np.zeros((slots, 1), np.int64)
         self._positions = np.zeros((slots, 1), np.int64)
@@ -504,9 +496,6 @@ class Engine:
             if sequence.handle.cancelled:
                 self._finish(sequence, "cancelled")
 
-    def _slot_pointer(self, tensor: int, slot: int) -> int:
-        return self._cache.pointers[0][tensor] + slot * self._row_bytes
-
     def _prefill(self) -> None:
         """Up to ``chunk`` prompt tokens this iteration: the oldest admitted prompts first, each at batch 1."""
         budget = self.chunk
@@ -527,11 +516,7 @@ class Engine:
         binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
         logits = np.empty((1, 1, self.vocab_size), self.dtype)
         binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
-        shape = [1, *self._row_shape]
-        for index, (past, present) in enumerate(zip(self._past, self._present, strict=True)):
-            pointer = self._slot_pointer(index, sequence.slot)
-            binding.bind_input(past, self._cache.device, 0, self.dtype, shape, pointer)
-            binding.bind_output(present, self._cache.device, 0, self.dtype, shape, pointer)
+        self._cache.bind(binding, sequence.slot, 1)
         self.session.run_with_iobinding(binding)
         sequence.prefilled = sequence.length = end
         with self._lock:
@@ -551,11 +536,7 @@ class Engine:
         for name, array in (("input_ids", self._ids), ("position_ids", self._positions), ("attention_mask", self._mask)):
             binding.bind_input(name, "cpu", 0, np.int64, [rows, *array.shape[1:]], array.ctypes.data)
         binding.bind_output("logits", "cpu", 0, self.dtype, [rows, 1, self.vocab_size], self._logits.ctypes.data)
-        shape = [rows, *self._row_shape]
-        for index, (past, present) in enumerate(zip(self._past, self._present, strict=True)):
-            pointer = self._slot_pointer(index, 0)
-            binding.bind_input(past, self._cache.device, 0, self.dtype, shape, pointer)
-            binding.bind_output(present, self._cache.device, 0, self.dtype, shape, pointer)
+        self._cache.bind(binding, 0, rows)
         self._bindings[rows] = binding
         return binding
 
