@@ -42,7 +42,7 @@ import numpy as np
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from kvexport.errors import KvexportError
+from kvexport.errors import KvexportError, first_line
 from kvexport.integrity import preflight
 from kvexport.runtime.generator import SlotCache, numpy_dtype
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
@@ -616,6 +616,6 @@ class Engine:
             listener.on_finish(reason, sequence.handle.prompt_tokens, sequence.generated)
 
     def _fail_all(self, exc: Exception) -> None:
-        message = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+        message = f"{type(exc).__name__}: {first_line(exc)[:300]}"
         for sequence in list(self._active.values()):
             self._finish(sequence, "error", message)

@@ -13,6 +13,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+from kvexport.errors import KvexportError
 from kvexport.serving.engine import DEFAULT_CHUNK, Engine
 
 
@@ -49,8 +50,6 @@ def serve(
         listener.bind((host, port))
     except OSError as exc:
         engine.close(drain=False)
-        from kvexport.errors import KvexportError
-
         raise KvexportError(f"--host {host} --port {port}: can't listen there ({exc.strerror}); pick another port") from None
     bound_port = listener.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
