@@ -22,7 +22,8 @@ Outside CI (it builds llama.cpp, minutes on 2 cores). Steps:
         --text tests/data/tiny-trained/heldout.txt --work /tmp/llama
 
 Prints one table (medians over the interleaved rounds) and writes ``compare.json`` under
-``--work``. ``--int4-blocks 32,128`` adds int4 exports at other block sizes.
+``--work``. ``--int4-blocks 32,128`` adds int4 exports at other block sizes,
+``--int8-per-channel`` an int8 export with ``--per-channel`` weights.
 """
 
 from __future__ import annotations
@@ -180,8 +181,11 @@ def llama_perplexity(source: Path, gguf: Path, text: Path, context: int, threads
     return float(found[-1])
 
 
-def kvexport_exports(model: str, random_init: bool, work: Path, int4_blocks: list[int]) -> dict[str, Path]:
-    """ort-cpu exports by row label: none, int8, int4 (defaults) and int4 at other block sizes."""
+def kvexport_exports(
+    model: str, random_init: bool, work: Path, int4_blocks: list[int], int8_per_channel: bool = False
+) -> dict[str, Path]:
+    """ort-cpu exports by row label: none, int8, int4 (defaults), int4 at other block sizes, and
+    ``int8 pc`` (``--per-channel``) when asked."""
     import dataclasses
 
     from kvexport import export_gpt2
@@ -191,6 +195,8 @@ def kvexport_exports(model: str, random_init: bool, work: Path, int4_blocks: lis
     for block in int4_blocks:
         if block != QUANTIZATION_SCHEMES["int4"].block_size:
             wanted[f"int4 b{block}"] = ("int4", dataclasses.replace(QUANTIZATION_SCHEMES["int4"], block_size=block))
+    if int8_per_channel:
+        wanted["int8 pc"] = ("int8", dataclasses.replace(QUANTIZATION_SCHEMES["int8"], per_channel=True))
     exports = {}
     for label, (scheme, knobs) in wanted.items():
         out = work / f"kvexport-{label.replace(' ', '-')}"
@@ -220,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="Interleaved timing rounds.")
     parser.add_argument("--int4-blocks", default="32", help="int4 block sizes to time (comma-separated).")
+    parser.add_argument("--int8-per-channel", action="store_true", help="Add an int8 --per-channel export.")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -229,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     hf_dir = hf_directory(args.model, args.random_init, args.work / f"hf-{name}")
     ggufs = gguf_files(source, hf_dir, args.work / f"hf-{name}")
     blocks = [int(b) for b in args.int4_blocks.split(",")]
-    exports = kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", blocks)
+    exports = kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", blocks, args.int8_per_channel)
     rows: dict[str, dict[str, Any]] = {}
     timings: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.rounds):  # interleaved: a drifting host treats both sides alike

@@ -219,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=320, help="Tokens per slot, both servers.")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--schemes", default="int8,int4")
+    parser.add_argument("--int8-per-channel", action="store_true", help="Also serve an int8 --per-channel export.")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     ggufs = {kind: args.work / f"hf-{name}" / f"model-{kind}.gguf" for _, kind in PAIRS}
     if not all(g.exists() for g in ggufs.values()):
         ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}"))
-    exports = llama.kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", [])
+    exports = llama.kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", [], args.int8_per_channel)
     vocab = json.loads((exports["int8"] / "kvexport.json").read_text())["model"]["config"]["vocab_size"]
     schemes = args.schemes.split(",")
     servers: dict[str, tuple[str, subprocess.Popen[Any], str]] = {}
@@ -237,8 +238,10 @@ def main(argv: list[str] | None = None) -> int:
         for scheme, kind in PAIRS:
             if scheme not in schemes:
                 continue
-            url, process = start_kvexport(exports[scheme], args.slots, args.context, args.work / f"serve-{scheme}.log")
-            servers[f"kvexport {scheme}"] = (url, process, exports[scheme].name)
+            for label in [label for label in exports if label.split()[0] == scheme]:
+                log = args.work / f"serve-{label.replace(' ', '-')}.log"
+                url, process = start_kvexport(exports[label], args.slots, args.context, log)
+                servers[f"kvexport {label}"] = (url, process, exports[label].name)
             url, process = start_llama(source, ggufs[kind], args.slots, args.context, args.threads, args.work / f"llama-server-{kind}.log")
             servers[f"llama-server {kind}"] = (url, process, ggufs[kind].name)
         for url, _, model in servers.values():  # warm up: one short request each

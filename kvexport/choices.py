@@ -130,7 +130,7 @@ class QuantizationChoice:
     """``--quantize`` and the knobs given beside it, as the user gave them.
 
     ``overrides`` holds only the knobs given (``block_size``, ``symmetric``,
-    ``accuracy_level``, ``head_bits``); :func:`kvexport.directory.quantization_config`
+    ``accuracy_level``, ``head_bits``, ``per_channel``); :func:`kvexport.directory.quantization_config`
     lays them over the scheme's defaults.
     """
 

@@ -106,6 +106,7 @@ def quantization_options(function: F) -> F:
         asymmetric: bool,
         accuracy_level: int | None,
         head_bits: str | None,
+        per_channel: bool,
         **kwargs: Any,
     ) -> Any:
         given = {
@@ -113,6 +114,7 @@ def quantization_options(function: F) -> F:
             "symmetric": False if asymmetric else None,
             "accuracy_level": accuracy_level,
             "head_bits": int(head_bits) if head_bits is not None else None,
+            "per_channel": True if per_channel else None,
         }
         overrides = {knob: value for knob, value in given.items() if value is not None}
         choice = _run(lambda: QuantizationChoice(QuantizeKind(quantize), overrides))
@@ -126,6 +128,12 @@ def quantization_options(function: F) -> F:
                 default=QuantizeKind.NONE.value,
                 show_default=True,
                 help="Weight-only quantization with ONNX Runtime's MatMulNBits / GatherBlockQuantized (ort attention only).",
+            ),
+            click.option(
+                "--per-channel",
+                is_flag=True,
+                help="int8, fp32: 7-bit weights per output channel for DynamicQuantizeMatMul; faster on CPU, "
+                "but activations are quantized per call, so a request's logits depend on the rows batched with it.",
             ),
             click.option(
                 "--block-size",

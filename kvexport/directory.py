@@ -91,8 +91,13 @@ def quantization_config(choice: QuantizationChoice) -> QuantizationConfig | None
         raise KvexportError(f"--quantize {choice.scheme.value}: {exc}") from None
 
 
-def _scheme_knobs(quantize: QuantizeKind, knobs: QuantizationConfig | None) -> QuantizationConfig | None:
-    """The knobs for ``quantize`` (None for float weights), or one clear error."""
+def _scheme_knobs(
+    quantize: QuantizeKind, knobs: QuantizationConfig | None, dtype: DtypeKind
+) -> QuantizationConfig | None:
+    """The knobs for ``quantize`` (None for float weights), or one clear error.
+
+    Per-channel int8 needs fp32 weights (``DynamicQuantizeMatMul`` is an fp32 CPU kernel).
+    """
     if quantize is QuantizeKind.NONE:
         if knobs is not None:
             raise KvexportError(KNOBS_WITHOUT_SCHEME)
@@ -103,7 +108,13 @@ def _scheme_knobs(quantize: QuantizeKind, knobs: QuantizationConfig | None) -> Q
             f"--quantize {quantize.value} with {knobs.bits}-bit block weights: the scheme's blocks are "
             f"{scheme.bits}-bit; pick the scheme with that width"
         )
-    return knobs or scheme
+    knobs = knobs or scheme
+    if knobs.per_channel and dtype is not DtypeKind.FP32:
+        raise KvexportError(
+            f"--per-channel needs fp32 weights (DynamicQuantizeMatMul is an fp32 CPU kernel), not {dtype.value}; "
+            "drop it for an fp16 export"
+        )
+    return knobs
 
 
 @dataclass(frozen=True)
@@ -153,7 +164,7 @@ class ExportOptions:
             dtype=dtype_kind,
             cache=cache_kind,
             quantize=quantize_kind,
-            quantization=_scheme_knobs(quantize_kind, quantization),
+            quantization=_scheme_knobs(quantize_kind, quantization, dtype_kind),
             opset=opset,
             all_logits=all_logits,
         )

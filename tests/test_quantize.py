@@ -150,6 +150,16 @@ def test_verify_text_on_the_command_line(trained_exports: dict[str, Path]) -> No
             ["--target", "ort-cpu", "--head-bits", "4"],
             "Error: quantization options given without --quantize; add --quantize int8 or int4",
         ),
+        (
+            ["--target", "ort-cpu", "--quantize", "int4", "--per-channel"],
+            "Error: --quantize int4: per-channel weights are symmetric 8-bit, the head included; "
+            "other knobs need block weights",
+        ),
+        (
+            ["--target", "ort-cuda", "--quantize", "int8", "--per-channel"],
+            "Error: --per-channel needs fp32 weights (DynamicQuantizeMatMul is an fp32 CPU kernel), not fp16; "
+            "drop it for an fp16 export",
+        ),
     ],
 )
 def test_bad_quantization_options_get_one_line(tmp_path: Path, args: list[str], message: str) -> None:
@@ -157,6 +167,27 @@ def test_bad_quantization_options_get_one_line(tmp_path: Path, args: list[str], 
     assert result.exit_code == 2
     assert result.stderr.strip() == message
     assert not (tmp_path / "o").exists()
+
+
+def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "int8-per-channel"
+    result = CliRunner().invoke(
+        main, ["gpt2", "--out", str(out), "--model", str(TRAINED), "--target", "ort-cpu", "--quantize", "int8", "--per-channel"]
+    )
+    assert result.exit_code == 0, result.output
+    ops = [node.op_type for node in onnx.load(str(out / "prefill.onnx"), load_external_data=False).graph.node]
+    n_layer = 4
+    assert ops.count("DynamicQuantizeMatMul") == 4 * n_layer + 1  # the blocks and the head
+    assert "MatMulNBits" not in ops and "MatMul" not in ops and "Gemm" not in ops
+    assert json.loads((out / "kvexport.json").read_text())["quantization"]["per_channel"] is True
+    # the tied embedding reads the head's int8 bytes: smaller than the block export
+    assert _export_bytes(out) < _export_bytes(trained_exports["int8"])
+    report = verify(out, steps=4, text=HELDOUT, text_tokens=100_000, record=False)
+    assert report.ok, report.failures()
+    assert report.text is not None and report.text.top1_agreement >= QUANTIZATION_TOLERANCES["int8"]["min_top1_agreement"]
+    # further from fp32 than the blocks, which quantize activations per row in blocks of 32
+    blocks = verify(trained_exports["int8"], steps=1, text=HELDOUT, text_tokens=100_000, record=False)
+    assert blocks.text is not None and report.text.mean_kl > blocks.text.mean_kl
 
 
 def test_verify_text_needs_a_tokenizer_and_a_file(trained_exports: dict[str, Path], tmp_path: Path) -> None:

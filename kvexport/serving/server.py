@@ -57,6 +57,11 @@ def serve(
     # uvicorn takes SIGTERM / SIGINT while it serves and raises them again once it has
     # shut down gracefully; ignored then, they end nothing more
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    if (engine.manifest.quantization or {}).get("per_channel"):
+        say(
+            "note: per-channel int8 quantizes activations over each call's rows, so a request's output can "
+            "depend on the requests batched with it; export with the default int8 blocks where that matters"
+        )
     say(
         f"serving {path} as {served!r} on http://{host}:{bound_port} ({engine.slots} slots of {engine.capacity} tokens, "
         f"{engine.provider}); stop with Ctrl-C or SIGTERM"

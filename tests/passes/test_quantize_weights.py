@@ -93,6 +93,56 @@ def test_weights_become_nbits_ops_with_the_head_and_embedding_sharing_bytes(bits
     assert relative < (0.02 if min(bits, head_bits) == 8 else 0.4)
 
 
+def _channel_dequantized(weight_k_by_n: np.ndarray) -> np.ndarray:
+    """Symmetric 7-bit weights with one scale per column, in numpy: the reference."""
+    scale = np.abs(weight_k_by_n).max(axis=0) / 63
+    return np.clip(np.round(weight_k_by_n / scale), -63, 63) * scale
+
+
+def test_per_channel_weights_become_dynamic_quantize_matmuls_with_the_tied_table_reading_the_head() -> None:
+    proto, weights = _tied_decoder()
+    ids = np.array([0, 5, V - 1], dtype=np.int64)
+    model = ir.from_proto(proto)
+    graph_pass = QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True))
+    assert graph_pass(model).modified
+    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0}
+    matmuls = [node for node in model.graph if node.op_type == "DynamicQuantizeMatMul"]
+    assert len(matmuls) == 3
+    assert not [node for node in model.graph if node.op_type in ("MatMul", "Gemm", "MatMulNBits")]
+    head = matmuls[-1]
+    gathers = [node for node in model.graph if node.op_type == "Gather"]
+    # the embedding gathers columns of the head's int8 [C, V] and scales them by the head's scales
+    assert {node.inputs[0] for node in gathers} == {head.inputs[1], head.inputs[2]}
+    assert head.inputs[1].const_value.dtype == ir.DataType.INT8
+    assert head.inputs[1].const_value.shape == (C, V)
+    assert np.abs(head.inputs[1].const_value.numpy()).max() == 63
+    assert set(model.graph.initializers) == {
+        v.name for node in model.graph for v in node.inputs if v is not None and v.const_value is not None
+    }  # the float weights are gone
+
+    table = _channel_dequantized(weights["E"].T).T  # [V, C]
+    expected = table[ids] @ _channel_dequantized(weights["W1"]) @ _channel_dequantized(weights["W2"]) @ table.T
+    # the activations are quantized to uint8 per call too: close to, not equal to, the reference
+    got = _run(model, ids)
+    assert np.abs(got - expected).max() < 0.03 * np.abs(expected).max()
+    reference = _run(proto, ids)
+    assert np.abs(got - reference).max() < 0.05 * np.abs(reference).max()
+    # the embedding alone is exact: ids straight to the dequantized rows
+    embedded = ir.from_proto(proto)
+    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True))(embedded)
+    embedded.graph.outputs[0] = next(n for n in embedded.graph if n.op_type == "Mul").outputs[0]
+    np.testing.assert_allclose(_run(embedded, ids), table[ids], rtol=1e-6, atol=1e-6)
+
+
+def test_per_channel_keeps_blocks_for_fp16_weights() -> None:
+    proto, _ = _tied_decoder()
+    half = ir.from_proto(proto)
+    for value in half.graph.initializers.values():
+        value.const_value = ir.tensor(value.const_value.numpy().astype(np.float16), name=value.name)
+    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True))(half)
+    assert [node.op_type for node in half.graph] == ["GatherBlockQuantized", "MatMulNBits", "MatMulNBits", "MatMulNBits"]
+
+
 def test_asymmetric_blocks_carry_zero_points_and_stay_close() -> None:
     proto, _ = _tied_decoder()
     ids = np.arange(V, dtype=np.int64)
@@ -166,6 +216,8 @@ def test_graph_without_weights_is_left_alone() -> None:
         ({"bits": 3}, "bits 3: choose 4 or 8"),
         ({"block_size": 48}, "block size 48: use a power of two, at least 16"),
         ({"accuracy_level": 7}, "accuracy level 7: choose 0-4"),
+        ({"bits": 4, "per_channel": True}, "per-channel weights are symmetric 8-bit"),
+        ({"bits": 8, "head_bits": 4, "per_channel": True}, "per-channel weights are symmetric 8-bit"),
     ],
 )
 def test_bad_knobs_are_refused(knobs: dict[str, int], message: str) -> None:
