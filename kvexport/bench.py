@@ -17,6 +17,11 @@ Systems measured in the same process, on the same weights:
   lower bound, so it uses the best bandwidth seen, never a cell's slower one: it cannot
   fall as the context grows.
 
+- ``engine[cold]`` / ``engine[prefix-cached]`` (in-place exports, ``prefix`` > 0): the
+  serving :class:`~kvexport.serving.Engine`'s TTFT for a prompt of ``prefix`` tokens plus
+  16 more, first with a prefix it has never seen, then sharing the prefix with the
+  request before it (the prefix cache reuses its rows and prefills the 16);
+
 For each batch and context it reports TTFT (prefill of ``context`` tokens and the first
 token) and decode ms per step (median over the steps). Resident memory (RSS, and PSS,
 which counts a page mapped by both sessions once) of each Generator is measured as it
@@ -134,6 +139,9 @@ class BenchReport:
             if system.startswith("kvexport["):
                 own_floor = "floor[" + system[len("kvexport[") :]
                 candidates[f"decode_{system}_vs_its_floor_ctx{first}"] = self._ratio(system, own_floor, first, decode)
+        cached = next((m for m in self.measurements if m.system == "engine[prefix-cached]"), None)
+        if cached is not None:
+            candidates["ttft_prefix_cached_vs_cold"] = self._ratio(cached.system, "engine[cold]", cached.context, "ttft_ms")
         result = {k: v for k, v in candidates.items() if v is not None}
         weights = max(1, self.weight_bytes)
         result["generator_rss_vs_weights"] = self.generator_rss_mb * 2**20 / weights
@@ -234,6 +242,28 @@ def time_generator(
         ttfts.append(generator.last_stats.ttft_s)
         steps.extend(generator.last_stats.step_s)
     return Measurement(system, batch, context, 1000 * min(ttfts), 1000 * float(np.median(steps)))
+
+
+PREFIX_SUFFIX = 16  # the tokens after the shared prefix in the prefix-cache rows
+
+
+def time_prefix_cache(directory: str | Path, provider: str, prefix: int, repeats: int) -> list[Measurement]:
+    """The engine's TTFT for ``prefix`` + 16 tokens: a new prefix, then the same prefix again (best of ``repeats``)."""
+    from kvexport.serving.engine import Engine, SamplingParams
+
+    first_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    length = prefix + PREFIX_SUFFIX
+    times: dict[str, list[float]] = {"engine[cold]": [], "engine[prefix-cached]": []}
+    with Engine(directory, slots=2, max_context=length + 1, provider=provider) as engine:
+        rng = np.random.default_rng(0)
+        for _ in range(repeats + 1):  # the first round warms the engine up and is dropped
+            shared = rng.integers(0, engine.vocab_size, prefix).tolist()
+            for system in times:
+                prompt = shared + rng.integers(0, engine.vocab_size, PREFIX_SUFFIX).tolist()
+                started = time.perf_counter()
+                next(iter(engine.submit(prompt, first_token)))
+                times[system].append(time.perf_counter() - started)
+    return [Measurement(system, 1, length, 1000 * min(samples[1:]), None) for system, samples in times.items()]
 
 
 def warm_up(generator: Generator) -> None:
@@ -410,11 +440,14 @@ def run_bench(
     baselines: bool = True,
     memory_variants: bool = True,
     compare: Sequence[str | Path] = (),
+    prefix: int = 512,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Measure kvexport and the baselines; see the module docstring.
 
     ``memory_variants`` adds the memory-saving Generators (pre-packed, shared weights).
+    ``prefix`` > 0 adds the engine's prefix-cache rows for an in-place export (the prefix
+    shortened to fit the model's positions).
     ``compare`` names other exports of the same weights (e.g. ``--target ort-cpu``);
     each is timed in the same run as system ``kvexport[<attention>]``.
     """
@@ -460,6 +493,10 @@ def run_bench(
     bandwidths = [bandwidth, *_time_cells(report, systems, model, batches, contexts, new_tokens, repeats, say)]
     report.bandwidth_gb_s = round(max(bandwidths), 2)
     _floors(report, floors, max(bandwidths), manifest.dims, batches, contexts)
+    if prefix > 0 and manifest.cache_layout == "shared-buffer":
+        prefix = min(prefix, manifest.dims.n_positions - PREFIX_SUFFIX - 1)
+        say(f"engine: TTFT with and without a cached {prefix}-token prefix")
+        report.measurements.extend(time_prefix_cache(directory, provider, prefix, repeats))
     report.rss_peak_mb = round(rss_mb(peak=True), 1)
     del generator, systems, variants, compared
     gc.collect()

@@ -578,6 +578,13 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     help="Another export of the same weights (e.g. --target ort-cpu) to time in the same run; repeatable.",
 )
 @click.option(
+    "--prefix",
+    default=512,
+    show_default=True,
+    type=click.IntRange(0),
+    help="In-place exports: the serving engine's TTFT with a cached prefix of this many tokens against cold (0 skips).",
+)
+@click.option(
     "--results",
     default=Path("bench-results"),
     show_default=True,
@@ -595,6 +602,7 @@ def bench_command(
     no_baselines: bool,
     no_memory_variants: bool,
     compare: tuple[Path, ...],
+    prefix: int,
     results: Path,
     provider: str,
     as_json: bool,
@@ -614,6 +622,7 @@ def bench_command(
             baselines=not no_baselines,
             memory_variants=not no_memory_variants,
             compare=compare,
+            prefix=prefix,
             progress=_progress,
         )
     )
@@ -623,11 +632,11 @@ def bench_command(
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    click.echo(f"{'system':<18} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'decode ms/token':>16}")
+    click.echo(f"{'system':<22} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'decode ms/token':>16}")
     for m in sorted(report.measurements, key=lambda m: (m.batch, m.context, m.system)):
         ttft = f"{m.ttft_ms:.1f}" if m.ttft_ms is not None else "-"
         decode = f"{m.decode_ms_per_token:.2f}" if m.decode_ms_per_token is not None else "-"
-        click.echo(f"{m.system:<18} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
+        click.echo(f"{m.system:<22} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
     memory = [f"kvexport RSS {report.generator_rss_mb:.0f} / PSS {report.generator_pss_mb:.0f} MiB"]
     memory += [
         f"{system} RSS {m['rss_mb']:.0f} / PSS {m['pss_mb']:.0f} MiB"
@@ -653,6 +662,9 @@ def bench_command(
 @click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0), help="Requests that may wait for a slot; more get 503.")
 @click.option("--chunk", default=256, show_default=True, type=click.IntRange(1), help="Prompt tokens prefilled per engine step.")
 @click.option("--model-name", default=None, help="The model name clients use [default: the directory's name].")
+@click.option(
+    "--no-prefix-cache", is_flag=True, help="Prefill every prompt whole instead of reusing the cached rows of a shared prefix."
+)
 @provider_option
 def serve_command(
     directory: Path,
@@ -663,6 +675,7 @@ def serve_command(
     max_queue: int,
     chunk: int,
     model_name: str | None,
+    no_prefix_cache: bool,
     provider: str,
 ) -> None:
     """Serve DIRECTORY over HTTP with an OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics).
@@ -684,6 +697,7 @@ def serve_command(
             chunk=chunk,
             provider=provider,
             name=model_name,
+            prefix_cache=not no_prefix_cache,
             say=_progress,
         )
     )

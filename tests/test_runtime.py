@@ -290,6 +290,20 @@ def test_bench_writes_json_and_plot_with_every_system(
     assert (results / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_bench_times_the_engine_with_and_without_a_cached_prefix(tiny_ort_export: Path, tmp_path: Path) -> None:
+    results = tmp_path / "bench"
+    args = ["bench", str(tiny_ort_export), "--no-baselines", "--no-memory-variants", "--contexts", "8", "--batches", "1"]
+    args += ["--new-tokens", "2", "--repeats", "1", "--prefix", "40", "--results", str(results)]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads((results / "bench.json").read_text())
+    ttft = {m["system"]: m["ttft_ms"] for m in data["measurements"] if m["context"] == 40 + 16}
+    assert set(ttft) == {"engine[cold]", "engine[prefix-cached]"} and all(t > 0 for t in ttft.values())
+    assert data["ratios"]["ttft_prefix_cached_vs_cold"] == pytest.approx(
+        ttft["engine[prefix-cached]"] / ttft["engine[cold]"], abs=1.5e-3
+    )
+
+
 def test_bench_compare_refuses_other_weights(tiny_export: Path, tiny_odd_torchscript_export: Path) -> None:
     result = CliRunner().invoke(
         main, ["bench", str(tiny_export), "--compare", str(tiny_odd_torchscript_export)]

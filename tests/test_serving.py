@@ -91,6 +91,71 @@ def test_sampling_follows_each_requests_seed_whatever_runs_beside_it(trained_exp
     assert other_seed != alone
 
 
+def _alone(export: Path, prompt: list[int], tokens: int) -> list[int]:
+    return Generator(export).generate([prompt], tokens, eos_token_id=-1)[0, len(prompt) :].tolist()
+
+
+def test_a_cached_prefix_is_reused_in_place_and_changes_no_tokens(trained_exports: dict[str, Path]) -> None:
+    export = trained_exports["none"]
+    shared = HELDOUT_IDS[100:160]
+    first, second = shared + HELDOUT_IDS[400:410], shared + HELDOUT_IDS[700:712]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with Engine(export, slots=4, max_context=128) as engine:
+        one = engine.submit(first, greedy)
+        got_first = one.result()[0]
+        # a chat-like follow-up: the first prompt, its answer and more; rows written by
+        # decode steps are reused as well (the last answer token was never fed)
+        follow = first + got_first + HELDOUT_IDS[900:905]
+        three = engine.submit(follow, greedy)
+        got_follow = three.result()[0]
+        two = engine.submit(second, greedy)  # shares only the first 60 tokens
+        got_second = two.result()[0]
+        stats = engine.stats()
+    assert (one.cached_tokens, two.cached_tokens) == (0, len(shared))
+    assert three.cached_tokens == len(first) + len(got_first) - 1
+    assert got_first == _alone(export, first, 8) and got_second == _alone(export, second, 8)
+    assert got_follow == _alone(export, follow, 8)
+    assert stats.prefix_hits == 2 and stats.cached_tokens == two.cached_tokens + three.cached_tokens
+    assert stats.prompt_tokens + stats.cached_tokens == len(first) + len(second) + len(follow)
+
+
+def test_a_prefix_cached_in_a_busy_slot_is_copied_and_registered_prefixes_stay(trained_exports: dict[str, Path]) -> None:
+    export = trained_exports["none"]
+    shared = HELDOUT_IDS[200:250]
+    long_running = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompts = [shared + HELDOUT_IDS[500 + 20 * i : 507 + 20 * i] for i in range(3)]
+    with Engine(export, slots=4, max_context=128, chunk=64) as engine:
+        busy = engine.submit(prompts[0], long_running)
+        next(iter(busy))  # its prompt is in slot 0 and it keeps decoding
+        copied = engine.submit(prompts[1], greedy)  # slot 1, rows copied from slot 0
+        got_copied = copied.result()[0]
+        busy.cancel()
+        busy.result()
+        assert engine.register_prefix(shared) == len(shared)
+        assert engine.stats().pinned == 1
+        for _ in range(2):  # fill the low slots with other text, then come back to the prefix
+            engine.submit(HELDOUT_IDS[1000:1030], greedy).result()
+        registered = engine.submit(prompts[2], greedy)
+        got_registered = registered.result()[0]
+        assert engine.unregister_prefix(shared) and not engine.unregister_prefix(shared)
+        assert engine.stats().pinned == 0
+    assert copied.cached_tokens == len(shared) and registered.cached_tokens == len(shared)
+    assert got_copied == _alone(export, prompts[1], 6) and got_registered == _alone(export, prompts[2], 6)
+
+
+def test_without_the_prefix_cache_every_prompt_is_prefilled(trained_exports: dict[str, Path]) -> None:
+    prompt = HELDOUT_IDS[300:340]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with Engine(trained_exports["none"], slots=2, max_context=64, prefix_cache=False) as engine:
+        handles = [engine.submit(prompt, greedy) for _ in range(2)]
+        for handle in handles:
+            handle.result()
+        with pytest.raises(KvexportError, match="registered prefixes need the prefix cache"):
+            engine.register_prefix(prompt)
+        assert engine.stats().cached_tokens == 0 and engine.stats().prompt_tokens == 2 * len(prompt)
+
+
 def test_stop_strings_end_the_text_before_them(trained_exports: dict[str, Path]) -> None:
     prompt = _prompts(1, 20, 20, seed=3)[0]
     with Engine(trained_exports["none"], slots=2, max_context=96) as engine:
@@ -308,14 +373,20 @@ def test_metrics_count_what_was_served(served: tuple[str, Engine]) -> None:
     url, engine = served
     _wait_idle(engine)
     before = engine.stats()
-    httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6, 7, 8], "max_tokens": 6, "temperature": 0, "ignore_eos": True}, timeout=30)
+    body = {"prompt": [5, 6, 7, 8, 9, 10], "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    first = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()
+    again = httpx.post(f"{url}/v1/completions", json=body, timeout=30).json()  # all but its last token cached
+    assert again["usage"]["prompt_tokens_details"] == {"cached_tokens": 5}
+    cached = first["usage"]["prompt_tokens_details"]["cached_tokens"] + 5
     text = httpx.get(f"{url}/metrics").text
     values = {
         line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and not line.startswith("#")
     }
     model = '{model="trained"}'
-    assert values[f"kvexport_prompt_tokens_total{model}"] == before.prompt_tokens + 4
-    assert values[f"kvexport_generation_tokens_total{model}"] == before.generated_tokens + 6
+    assert values[f"kvexport_prompt_tokens_total{model}"] == before.prompt_tokens + 12 - cached
+    assert values[f"kvexport_prefix_cache_tokens_total{model}"] == before.cached_tokens + cached
+    assert values[f"kvexport_prefix_cache_hits_total{model}"] >= before.prefix_hits + 1
+    assert values[f"kvexport_generation_tokens_total{model}"] == before.generated_tokens + 12
     assert values[f"kvexport_slots{model}"] == 4 and values[f"kvexport_slots_in_use{model}"] == 0
     assert values[f"kvexport_requests_running{model}"] == 0 and values[f"kvexport_requests_waiting{model}"] == 0
     assert values['kvexport_requests_total{finish_reason="length",model="trained"}'] >= 1

@@ -154,6 +154,13 @@ class CacheBanks:
             else:
                 binding.bind_input(name, self.device, 0, self.dtype, list(shape), pointer)
 
+    def host_view(self, bank: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
+        """Buffer ``index`` of ``bank`` itself, viewed as ``shape`` (CPU buffers only)."""
+        owner = self._owners[bank * len(self.pointers[bank]) + index]
+        if not isinstance(owner, np.ndarray):
+            raise ValueError("the cache lives on the device; only CPU buffers have a host view")
+        return owner[: int(np.prod(shape))].reshape(shape)
+
     def read(self, bank: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
         """A host copy of the front of buffer ``index`` of ``bank``, viewed as ``shape``."""
         owner = self._owners[bank * len(self.pointers[bank]) + index]
@@ -222,6 +229,17 @@ class SlotCache:
             pointer = self.banks.pointers[0][index] + first * self.row_bytes
             binding.bind_input(past, self.banks.device, 0, self.dtype, shape, pointer)
             binding.bind_output(present, self.banks.device, 0, self.dtype, shape, pointer)
+
+    @property
+    def can_copy_rows(self) -> bool:
+        """Whether :meth:`copy_rows` works here (CPU buffers)."""
+        return self.banks.device == "cpu"
+
+    def copy_rows(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` positions of row ``source`` into row ``target``, every tensor (CPU)."""
+        for index in range(len(self.past)):
+            view = self.banks.host_view(0, index, (self.slots, *self.row_shape))
+            view[target, :, :length] = view[source, :, :length]
 
     def read(self, index: int, row: int, length: int) -> np.ndarray:
         """A host copy of cache tensor ``index`` of one row, its first ``length`` positions: [1, H, length, D]."""

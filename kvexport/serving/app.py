@@ -128,6 +128,7 @@ class ServerMetrics:
             ("kvexport_requests_waiting", "Requests waiting for a slot.", stats.waiting),
             ("kvexport_requests_prefilling", "Requests whose prompt is being prefilled.", stats.prefilling),
             ("kvexport_slots_in_use", "Cache slots held by requests.", stats.slots_in_use),
+            ("kvexport_slots_pinned", "Cache slots kept for registered prefixes.", stats.pinned),
             ("kvexport_slots", "Cache slots.", stats.slots),
         ):
             gauge = GaugeMetricFamily(name, help_text, labels=["model"])
@@ -135,6 +136,8 @@ class ServerMetrics:
             yield gauge
         for name, help_text, value in (
             ("kvexport_prompt_tokens", "Prompt tokens prefilled.", stats.prompt_tokens),
+            ("kvexport_prefix_cache_hits", "Requests that reused a cached prompt prefix.", stats.prefix_hits),
+            ("kvexport_prefix_cache_tokens", "Prompt tokens reused from the prefix cache, not prefilled.", stats.cached_tokens),
             ("kvexport_generation_tokens", "Tokens generated.", stats.generated_tokens),
             ("kvexport_decode_steps", "Batched decode calls.", stats.steps),
         ):
@@ -258,15 +261,16 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None) -> Fas
     return app
 
 
-def _usage(handle: RequestHandle) -> dict[str, int]:
+def _usage(handle: RequestHandle) -> dict[str, Any]:
     return {
         "prompt_tokens": handle.prompt_tokens,
         "completion_tokens": handle.completion_tokens,
         "total_tokens": handle.prompt_tokens + handle.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": handle.cached_tokens},
     }
 
 
-def _chunk(handle: RequestHandle, model: str, created: int, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+def _chunk(handle: RequestHandle, model: str, created: int, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> str:
     body = {"id": handle.id, "object": "text_completion", "created": created, "model": model, "choices": choices, "usage": usage}
     return f"data: {json.dumps(body)}\n\n"
 

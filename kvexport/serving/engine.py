@@ -8,7 +8,7 @@ its admission until it finishes.
 
 One thread runs the loop; each iteration
 
-- admits waiting requests into free slots (lowest slot first);
+- admits waiting requests into free slots, reusing any cached prefix of the prompt (below);
 - prefills up to ``chunk`` prompt tokens (default 256), the oldest admitted prompts first,
   each at batch 1 straight into its slot's region of the buffer (bound by address, no
   copy), so prompts that arrive together get their first tokens sooner, and a long prompt
@@ -20,6 +20,17 @@ One thread runs the loop; each iteration
   slots in between write one harmless row where their next real row will go);
 - samples each row with its own settings, streams each request its tokens, and frees a
   slot the step its request finishes or is cancelled.
+
+**Prefix cache.** A slot's rows stay valid after its request ends, and the engine keeps,
+per slot, the tokens they hold. A new prompt that starts with tokens cached in some slot
+reuses those rows and prefills only the rest (at batch 1 with past, as a chunk does):
+in place when the slot holding them is free and as cheap a place as any, else copied
+into the slot it gets (CPU; on CUDA only in place). Slots are handed out so the decode
+rows stay few: a free slot below the highest running one, least recently used first,
+else the lowest free one. :meth:`Engine.register_prefix` keeps a prompt's rows in a slot
+of their own (the highest free one) until :meth:`Engine.unregister_prefix`. Reused rows
+hold what a prefill of the same tokens would write, so the cache does not change a
+request's output.
 
 The prefill graph of an in-place export serves both phases, so the engine opens one
 ONNX Runtime session, whose intra-op threads may spin between runs without a second
@@ -49,6 +60,8 @@ from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import open_session, resolve_provider, session_options
 
 DEFAULT_CHUNK = 256
+# A cached prefix shorter than this is not worth copying from another slot
+MIN_COPIED_PREFIX = 16
 
 
 class EngineFull(KvexportError):
@@ -136,7 +149,9 @@ class RequestHandle:
         self.params = params
         self.submitted = time.perf_counter()
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens whose rows came from the prefix cache
         self.finish_reason: str | None = None
+        self.pin = False  # a prefix to keep (register_prefix), not a completion
         self._events: collections.deque[TokenEvent] = collections.deque()
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -207,6 +222,15 @@ class RequestHandle:
             pieces.append(event.text)
             reason = event.finish_reason or reason
         return tokens, "".join(pieces), reason
+
+
+def _common_prefix(cached: list[int], prompt: list[int], limit: int) -> int:
+    """How many leading tokens ``cached`` and ``prompt`` share, at most ``limit``."""
+    length = min(len(cached), limit)
+    if length <= 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(cached[:length]) != np.asarray(prompt[:length]))
+    return int(differ[0]) if differ.size else length
 
 
 class _TextStream:
@@ -282,8 +306,22 @@ class _Sequence:
 
 
 @dataclass
+class _Resident:
+    """What a slot's cache rows hold: the tokens of its first rows, valid after its request ends."""
+
+    tokens: list[int] = field(default_factory=list)
+    used: float = 0.0  # when they were last written or reused
+    pinned: bool = False  # a registered prefix: never handed to a request
+
+
+@dataclass
 class EngineStats:
-    """A snapshot of the engine's state (``/metrics`` and tests read it)."""
+    """A snapshot of the engine's state (``/metrics`` and tests read it).
+
+    ``prompt_tokens`` counts the prompt tokens prefilled; ``cached_tokens`` those reused
+    from the prefix cache instead, over ``prefix_hits`` requests; ``pinned`` the slots
+    kept for registered prefixes.
+    """
 
     slots: int
     slots_in_use: int
@@ -293,6 +331,9 @@ class EngineStats:
     steps: int
     prompt_tokens: int
     generated_tokens: int
+    prefix_hits: int = 0
+    cached_tokens: int = 0
+    pinned: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -312,6 +353,7 @@ class Engine:
             the engine has one session, so no second pool competes with them).
         check: compare every file's size and sha256 with the manifest before loading.
         listener: told of first tokens, inter-token times and finishes (metrics).
+        prefix_cache: reuse the cached rows of a prompt's prefix (see the module docstring).
 
     """
 
@@ -328,6 +370,7 @@ class Engine:
         spinning: bool = True,
         check: bool = False,
         listener: EngineListener | None = None,
+        prefix_cache: bool = True,
     ) -> None:
         self.directory = Path(directory)
         found = preflight(self.directory, hash_files=check)
@@ -355,6 +398,8 @@ class Engine:
         options = session_options(intra_op_threads, spinning=spinning)
         self.session = open_session(self.directory / manifest.graphs["prefill"].file, self.provider, options)
         self._cache = SlotCache(manifest, self.provider, slots, self.capacity)
+        self.prefix_cache = prefix_cache
+        self._residents = [_Resident() for _ in range(slots)]
         # decode-step inputs and logits, one row per slot; a binding views their first rows
         self._ids = np.zeros((slots, 1), np.int64)
         self._positions = np.zeros((slots, 1), np.int64)
@@ -368,7 +413,7 @@ class Engine:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
         self._closing = False
-        self._counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0}
+        self._counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefix_hits": 0, "cached_tokens": 0}
         self._finished: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="kvexport-engine", daemon=True)
         self._thread.start()
@@ -392,15 +437,49 @@ class Engine:
         params.validate()
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         self._check_prompt(ids, params)
-        handle = RequestHandle(f"cmpl-{next(self._ids_counter)}", ids, params)
+        return self._enqueue(RequestHandle(f"cmpl-{next(self._ids_counter)}", ids, params))
+
+    def _enqueue(self, handle: RequestHandle) -> RequestHandle:
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down; send the request to another replica")
-            if len(self._waiting) >= self.max_queue + max(0, self.slots - len(self._active)):
+            free = self.slots - len(self._active) - sum(r.pinned for r in self._residents)
+            if len(self._waiting) >= self.max_queue + max(0, free):
                 raise EngineFull(f"{len(self._waiting)} requests are waiting for a slot; retry shortly")
             self._waiting.append(handle)
             self._wake.notify()
         return handle
+
+    def register_prefix(self, prefix: str | Sequence[int]) -> int:
+        """Keep the cache rows of ``prefix`` in a slot of their own; returns its length in tokens.
+
+        Requests whose prompts start with it then prefill only the rest (the rows are copied
+        into their slots, so this needs the CPU provider). The slot stays taken, one fewer
+        for requests, until :meth:`unregister_prefix`. Blocks until the prefix is cached.
+        """
+        if not self.prefix_cache or not self._cache.can_copy_rows:
+            raise KvexportError("registered prefixes need the prefix cache on the CPU provider")
+        ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
+        self._check_prompt(ids, SamplingParams(max_tokens=1))
+        with self._lock:
+            if sum(r.pinned for r in self._residents) >= self.slots - 1:
+                raise KvexportError(f"all but one of the {self.slots} slots hold registered prefixes; unregister one first")
+        handle = RequestHandle(f"prefix-{next(self._ids_counter)}", ids, SamplingParams(max_tokens=1))
+        handle.pin = True
+        _, _, reason = self._enqueue(handle).result()
+        if reason != "pinned":
+            raise KvexportError(f"the prefix was not cached ({reason})")
+        return len(ids)
+
+    def unregister_prefix(self, prefix: str | Sequence[int]) -> bool:
+        """Free the slot kept for ``prefix`` (its rows stay cached until reused); False if none was."""
+        ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
+        with self._lock:
+            for resident in self._residents:
+                if resident.pinned and resident.tokens == ids:
+                    resident.pinned = False
+                    return True
+        return False
 
     def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
@@ -432,6 +511,9 @@ class Engine:
                 steps=self._counters["steps"],
                 prompt_tokens=self._counters["prompt_tokens"],
                 generated_tokens=self._counters["generated_tokens"],
+                prefix_hits=self._counters["prefix_hits"],
+                cached_tokens=self._counters["cached_tokens"],
+                pinned=sum(r.pinned for r in self._residents),
                 finished=dict(self._finished),
             )
 
@@ -469,21 +551,55 @@ class Engine:
                 self._fail_all(exc)
 
     def _admit(self) -> None:
-        """Waiting requests into free slots, lowest slot first (caller holds the lock)."""
-        free = [slot for slot in range(self.slots) if slot not in self._active]
+        """Waiting requests into free slots, with their cached prefixes (caller holds the lock)."""
+        free = [slot for slot in range(self.slots) if slot not in self._active and not self._residents[slot].pinned]
         while self._waiting and free:
             handle = self._waiting.popleft()
             if handle.cancelled:
                 self._finish_unadmitted(handle)
                 continue
-            slot, params = free.pop(0), handle.params
+            slot, reused = self._place(handle, free)
+            free.remove(slot)
+            self._residents[slot].tokens = handle.prompt[:reused]
+            self._residents[slot].used = time.perf_counter()
+            handle.cached_tokens = reused
+            if reused:
+                self._counters["prefix_hits"] += 1
+                self._counters["cached_tokens"] += reused
+            params = handle.params
             self._active[slot] = _Sequence(
                 handle=handle,
                 slot=slot,
                 sampling=params.sampling(),
                 rng=np.random.default_rng(params.seed),
                 text=_TextStream(self.tokenizer, params.stop),
+                prefilled=reused,
+                length=reused,
             )
+
+    def _place(self, handle: RequestHandle, free: list[int]) -> tuple[int, int]:
+        """The slot for a request and how many prompt tokens of it are cached there (copied if need be).
+
+        At least the prompt's last token is left to prefill: its logits give the first token.
+        """
+        if handle.pin:  # a registered prefix: out of the way of the decode rows
+            return max(free), 0
+        rows = max(self._active, default=-1) + 1
+        below = [slot for slot in free if slot < rows]
+        target = min(below, key=lambda slot: self._residents[slot].used) if below else min(free)
+        if not self.prefix_cache:
+            return target, 0
+        limit = len(handle.prompt) - 1
+        matches = [(_common_prefix(r.tokens, handle.prompt, limit), slot) for slot, r in enumerate(self._residents)]
+        best, source = max(matches, key=lambda match: (match[0], match[1] in free))
+        own = matches[target][0]
+        if best > own and source in free and (source < rows or source <= target):
+            return source, best  # in place, and no more decode rows than the target
+        if best > own and best >= MIN_COPIED_PREFIX and self._cache.can_copy_rows:
+            self._cache.copy_rows(source, target, best)
+            self._residents[source].used = time.perf_counter()
+            return target, best
+        return target, own
 
     def _finish_unadmitted(self, handle: RequestHandle) -> None:
         handle._push(TokenEvent(None, "", "cancelled"))
@@ -519,9 +635,15 @@ class Engine:
         self._cache.bind(binding, sequence.slot, 1)
         self.session.run_with_iobinding(binding)
         sequence.prefilled = sequence.length = end
+        self._residents[sequence.slot].tokens.extend(piece)
         with self._lock:
             self._counters["prompt_tokens"] += len(piece)
-        if end == len(prompt):
+        if end == len(prompt) and sequence.handle.pin:
+            with self._lock:
+                self._residents[sequence.slot].pinned = True
+                self._active.pop(sequence.slot)
+            sequence.handle._push(TokenEvent(None, "", "pinned"))
+        elif end == len(prompt):
             sequence.running = True
             token = int(choose_tokens(logits[:, -1, :].astype(np.float32), sequence.sampling, sequence.rng)[0])
             self._emit(sequence, token, first=True)
@@ -549,12 +671,15 @@ class Engine:
         self._mask[:rows] = 0
         for slot in range(rows):
             sequence = self._active.get(slot)
+            resident = self._residents[slot]
             if sequence is not None and sequence.running:
                 self._ids[slot, 0] = sequence.next_token
                 self._positions[slot, 0] = sequence.length
                 self._mask[slot, : sequence.length + 1] = 1
-            else:  # a free or prefilling slot writes one row where its next real row will go
-                cached = sequence.length if sequence is not None else 0
+                resident.tokens.append(sequence.next_token)
+            else:  # a free or prefilling slot writes one row just past the rows it keeps
+                del resident.tokens[self.capacity - 1 :]
+                cached = len(resident.tokens)
                 self._ids[slot, 0] = 0
                 self._positions[slot, 0] = cached
                 self._mask[slot, : cached + 1] = 1
@@ -612,6 +737,10 @@ class Engine:
         with self._lock:
             self._active.pop(sequence.slot, None)
             self._finished[reason] += 1
+            resident = self._residents[sequence.slot]
+            resident.used = time.perf_counter()
+            if reason == "error":  # a failed run may have left the rows half written
+                resident.tokens.clear()
         for listener in self._listeners:
             listener.on_finish(reason, sequence.handle.prompt_tokens, sequence.generated)
 

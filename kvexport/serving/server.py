@@ -33,6 +33,7 @@ def serve(
     chunk: int = DEFAULT_CHUNK,
     provider: str = "cpu",
     name: str | None = None,
+    prefix_cache: bool = True,
     say: Callable[[str], None] = lambda message: None,
 ) -> None:
     """Serve ``directory`` until SIGTERM or SIGINT; returns after a clean shutdown."""
@@ -41,7 +42,9 @@ def serve(
     from kvexport.serving.app import create_app
 
     path = Path(directory)
-    engine = Engine(path, slots=slots, max_context=max_context, max_queue=max_queue, chunk=chunk, provider=provider)
+    engine = Engine(
+        path, slots=slots, max_context=max_context, max_queue=max_queue, chunk=chunk, provider=provider, prefix_cache=prefix_cache
+    )
     served = name or model_name(path)
     app = create_app(engine, served)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
