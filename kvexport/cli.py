@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
 from types import FrameType
@@ -452,6 +452,39 @@ def sampling_options(function: F) -> F:
     return function
 
 
+def speculation_options(function: F) -> F:
+    """``--prompt-lookup`` / ``--draft DIR`` and ``--draft-tokens K``: speculative decoding."""
+    for option in reversed(
+        [
+            click.option(
+                "--prompt-lookup",
+                is_flag=True,
+                help="Speculative decoding with prompt lookup drafts (needs an --all-logits export).",
+            ),
+            click.option(
+                "--draft",
+                type=click.Path(path_type=Path),
+                default=None,
+                help="Speculative decoding with this smaller in-place export as the drafter (same tokenizer).",
+            ),
+            click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1), help="Drafts per step."),
+        ]
+    ):
+        function = option(function)
+    return function
+
+
+def _drafter(prompt_lookup: bool, draft: Path | None, provider: str) -> Any:
+    """The drafter the speculation options ask for (None: no speculation)."""
+    from kvexport.runtime.speculative import DraftModel, PromptLookup
+
+    if prompt_lookup and draft is not None:
+        raise UserError("--prompt-lookup and --draft: pick one drafter")
+    if draft is not None:
+        return _run(lambda: DraftModel(draft, provider))
+    return PromptLookup() if prompt_lookup else None
+
+
 @main.command("generate")
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option(
@@ -480,6 +513,7 @@ def sampling_options(function: F) -> F:
     help="Keep the prompt's last tokens when it leaves no room for --max-new-tokens (default: error).",
 )
 @sampling_options
+@speculation_options
 @provider_option
 def generate_command(
     directory: Path,
@@ -494,13 +528,23 @@ def generate_command(
     top_k: int,
     top_p: float,
     seed: int | None,
+    prompt_lookup: bool,
+    draft: Path | None,
+    draft_tokens: int,
     provider: str,
 ) -> None:
     """Stream generated text for PROMPT to stdout; TTFT and tokens/s go to stderr."""
-    from kvexport.runtime import Generator
+    from kvexport.runtime import Generator, SamplingConfig
 
     if not prompt:
         raise UserError("--prompt is empty; pass some text")
+    drafter = _drafter(prompt_lookup, draft, provider)
+    if drafter is not None:
+        if share_weights or prepacked or truncate:
+            raise UserError("--share-weights, --prepacked and --truncate are not for speculative decoding; drop them")
+        sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
+        _speculative_generate(directory, prompt, max_new_tokens, sampling, drafter, draft_tokens, provider)
+        return
     generator = _run(
         lambda: Generator(
             directory,
@@ -520,6 +564,17 @@ def generate_command(
         seed=seed,
         truncate=truncate,
     )
+    _echo_stream(prompt, pieces)
+    stats = generator.last_stats
+    click.echo(
+        f"kvexport: {stats.new_tokens} tokens, prompt {stats.prompt_tokens}; TTFT {stats.ttft_s * 1000:.1f} ms, "
+        f"decode {stats.decode_ms_per_token:.1f} ms/token, {stats.tokens_per_s:.1f} tokens/s ({generator.provider})",
+        err=True,
+    )
+
+
+def _echo_stream(prompt: str, pieces: Iterator[str]) -> None:
+    """The prompt, then each generated piece as it comes, to stdout."""
     click.echo(prompt, nl=False)
 
     def stream() -> None:
@@ -529,10 +584,22 @@ def generate_command(
 
     _run(stream)
     click.echo()
+
+
+def _speculative_generate(
+    directory: Path, prompt: str, max_new_tokens: int, sampling: Any, drafter: Any, draft_tokens: int, provider: str
+) -> None:
+    """``kvexport generate`` with a drafter: the text, then the speculation's figures on stderr."""
+    from kvexport.runtime.speculative import SpeculativeGenerator
+
+    generator = _run(lambda: SpeculativeGenerator(directory, drafter, draft_tokens=draft_tokens, provider=provider))
+    pieces = generator.stream_text(prompt, max_new_tokens, sampling)
+    _echo_stream(prompt, pieces)
     stats = generator.last_stats
     click.echo(
-        f"kvexport: {stats.new_tokens} tokens, prompt {stats.prompt_tokens}; TTFT {stats.ttft_s * 1000:.1f} ms, "
-        f"decode {stats.decode_ms_per_token:.1f} ms/token, {stats.tokens_per_s:.1f} tokens/s ({generator.provider})",
+        f"kvexport: {stats.new_tokens} tokens in {stats.rounds} verify calls; drafts accepted {stats.accepted}/"
+        f"{stats.proposed} ({100 * stats.acceptance_rate:.0f}%); TTFT {stats.ttft_s * 1000:.1f} ms, "
+        f"decode {stats.decode_ms_per_token:.1f} ms/token",
         err=True,
     )
 
@@ -665,6 +732,7 @@ def bench_command(
 @click.option(
     "--no-prefix-cache", is_flag=True, help="Prefill every prompt whole instead of reusing the cached rows of a shared prefix."
 )
+@speculation_options
 @provider_option
 def serve_command(
     directory: Path,
@@ -676,6 +744,9 @@ def serve_command(
     chunk: int,
     model_name: str | None,
     no_prefix_cache: bool,
+    prompt_lookup: bool,
+    draft: Path | None,
+    draft_tokens: int,
     provider: str,
 ) -> None:
     """Serve DIRECTORY over HTTP with an OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics).
@@ -685,6 +756,8 @@ def serve_command(
     """
     _run(lambda: require_extra("serve", "kvexport serve"))
     from kvexport.serving.server import serve
+
+    drafter = _drafter(prompt_lookup, draft, provider)
 
     _run(
         lambda: serve(
@@ -698,6 +771,8 @@ def serve_command(
             provider=provider,
             name=model_name,
             prefix_cache=not no_prefix_cache,
+            drafter=drafter,
+            draft_tokens=draft_tokens,
             say=_progress,
         )
     )

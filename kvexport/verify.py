@@ -501,7 +501,7 @@ def _run_slots_case(
     got_rows, want_rows = [], []
     for row, prompt in enumerate(prompts):
         inputs = {"input_ids": prompt, "attention_mask": np.ones_like(prompt), "position_ids": np.arange(prompt.shape[1])[None]}
-        got_rows.append(_run_rows(slots, sessions["prefill"], inputs, row, 1))
+        got_rows.append(_run_rows(slots, sessions["prefill"], inputs, row, 1)[:, -1:])  # all-logits: the last
         want_rows.append(_torch_logits(model, inputs, caches[row], last_only=True))
     for step in range(steps + 1):
         got, want = np.concatenate(got_rows), np.concatenate(want_rows)

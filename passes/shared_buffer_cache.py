@@ -91,6 +91,26 @@ def _mask_dim(graph: ir.Graph, mask: ir.Value, axis: int, created: list[ir.Node]
     return piece.outputs[0]
 
 
+def _read_token_shape_from_queries(graph: ir.Graph, mask: ir.Value, queries: ir.Value, total: ir.Value) -> None:
+    """Point every read of ``Shape(mask)`` but ``total``'s at ``Shape(queries)``, the same slice."""
+    keep: set[ir.Node] = set()
+    value: ir.Value | None = total
+    while value is not None and value is not mask and (producer := value.producer()) is not None:
+        keep.add(producer)
+        value = producer.inputs[0]
+    for use in list(mask.uses()):
+        shape = use.node
+        if shape.op_type != "Shape" or shape.domain not in ("", "ai.onnx"):
+            continue
+        moved = [u for u in shape.outputs[0].uses() if u.node not in keep]
+        if not moved:
+            continue
+        twin = ir.node("Shape", [queries], attributes={k: a.value for k, a in shape.attributes.items()})
+        graph.insert_after(shape, twin)
+        for consumer in moved:
+            consumer.node.replace_input_with(consumer.idx, twin.outputs[0])
+
+
 def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
     """``seqlens_k`` [batch] int32 and ``total_sequence_length`` int32 scalar for the mask.
 
@@ -254,12 +274,12 @@ class SharedBufferCachePass(InPlacePass):
         if new_inputs:
             new_inputs.sort(key=lambda v: (int((v.name or "").split(".")[1]), v.name))
             graph.inputs.extend(new_inputs)
-        self.counts["mask_dim_separated"] = int(_separate_mask_dim(graph, mask, queries))
+        self.counts["mask_dim_separated"] = int(_separate_mask_dim(graph, mask, queries, total))
         TopologicalSortPass()(model)  # the length nodes were appended; put them before their users
         return PassResult(model, modified=True)
 
 
-def _separate_mask_dim(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None) -> bool:
+def _separate_mask_dim(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, total: ir.Value) -> bool:
     """Give the mask's width a dim of its own where the exporter named it as the tokens' length.
 
     With the in-place cache the mask spans the cache (a prompt chunk after a past, one token
@@ -268,6 +288,9 @@ def _separate_mask_dim(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None
     equal, and its planner may then reuse one's buffer for the other. The mask becomes
     [batch, total_sequence], and the shapes the exporter noted on the values in between
     (derived under that equality) are dropped, so ONNX Runtime infers them from the inputs.
+    The exporter's own reads of the mask's shape meant the tokens' (an all-logits head
+    reshapes to [batch, sequence, vocab] with them): they read ``input_ids`` instead; only
+    ``total`` (``total_sequence_length``) keeps reading the mask's width.
     """
     if queries is None or mask.shape is None or queries.shape is None or len(mask.shape) != 2:
         return False
@@ -275,6 +298,7 @@ def _separate_mask_dim(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None
     if not isinstance(width, ir.SymbolicDim) or str(width) != str(length):
         return False
     mask.shape = ir.Shape([mask.shape[0], TOTAL_DIM])
+    _read_token_shape_from_queries(graph, mask, queries, total)
     outputs = {id(value) for value in graph.outputs}
     for node in graph.all_nodes():
         for value in node.outputs:

@@ -85,6 +85,14 @@ def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
 
 
 @pytest.fixture(scope="session")
+def trained_all_logits(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained test model as an in-place ort-cpu export with --all-logits (speculative decoding); read-only."""
+    from kvexport import export_gpt2
+
+    return export_gpt2(tmp_path_factory.mktemp("trained") / "all-logits", str(TRAINED), target="ort-cpu", all_logits=True).out_dir
+
+
+@pytest.fixture(scope="session")
 def tiny_odd_torchscript_export(
     tmp_path_factory: pytest.TempPathFactory, tiny_odd_config: Path
 ) -> Path:

@@ -40,6 +40,7 @@ from kvexport.manifest import GRAPH_NAMES, Manifest
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import open_session, resolve_provider, session_options
+from kvexport.runtime.text import text_pieces
 from passes.cache_names import cache_names
 
 _NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.float16}
@@ -594,18 +595,8 @@ class Generator:
         if not prompt:
             raise KvexportError("the prompt is empty; pass some text")
         eos = options.get("eos_token_id", self.eos_token_id)
-        generated: list[int] = []
-        emitted = ""
-        for tokens in self.stream(self.encode(prompt), max_new_tokens, **options):
-            token = int(tokens[0])
-            if eos is not None and token == eos:
-                break
-            generated.append(token)
-            text = tokenizer.decode(generated)
-            if text.endswith("\ufffd"):
-                continue  # a multi-byte character is not complete yet
-            yield text[len(emitted) :]
-            emitted = text
+        tokens = (int(step[0]) for step in self.stream(self.encode(prompt), max_new_tokens, **options))
+        yield from text_pieces(tokenizer, tokens, eos)
 
     def generate_text(self, prompt: str, max_new_tokens: int = 20, **options: Any) -> str:
         """The prompt followed by the generated text (batch 1)."""

@@ -41,6 +41,19 @@ def choose_tokens(
     """Pick one token per row from ``logits`` [batch, V]; returns int64 [batch]."""
     if not config.do_sample:
         return logits.argmax(-1).astype(np.int64)
+    return draw(token_probabilities(logits, config), rng)
+
+
+def token_probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarray:
+    """The distribution ``config`` samples from, per row of ``logits`` [batch, V] (float64).
+
+    Greedy (``do_sample=False``) is all the mass on the argmax; otherwise temperature,
+    then top-k, then top-p, as Hugging Face applies them.
+    """
+    if not config.do_sample:
+        probs = np.zeros(logits.shape, dtype=np.float64)
+        np.put_along_axis(probs, logits.argmax(-1)[:, None], 1.0, axis=-1)
+        return probs
     scores = logits.astype(np.float64) / config.temperature
     vocab = scores.shape[-1]
     if 0 < config.top_k < vocab:
@@ -55,12 +68,16 @@ def choose_tokens(
         drop = np.zeros_like(drop_sorted)
         np.put_along_axis(drop, order, drop_sorted, axis=-1)
         scores = np.where(drop, -np.inf, scores)
-    probs = _softmax(scores)
+    return _softmax(scores)
+
+
+def draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """One token per row of ``probs`` [batch, V] (rows need not sum to 1); int64 [batch]."""
     cdf = np.cumsum(probs, axis=-1)
     draws = rng.random((probs.shape[0], 1)) * cdf[:, -1:]
     # the first token whose cdf exceeds the draw; a zero-probability token never does
     chosen = (cdf <= draws).sum(-1)
-    return np.minimum(chosen, vocab - 1).astype(np.int64)
+    return np.minimum(chosen, probs.shape[-1] - 1).astype(np.int64)
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:

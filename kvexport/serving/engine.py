@@ -58,6 +58,14 @@ from kvexport.integrity import preflight
 from kvexport.runtime.generator import SlotCache, numpy_dtype
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import open_session, resolve_provider, session_options
+from kvexport.runtime.speculative import (
+    DEFAULT_DRAFT_TOKENS,
+    Drafter,
+    common_prefix,
+    require_all_logits,
+    verify_drafts,
+)
+from kvexport.runtime.text import TextStream
 
 DEFAULT_CHUNK = 256
 # A cached prefix shorter than this is not worth copying from another slot
@@ -224,70 +232,6 @@ class RequestHandle:
         return tokens, "".join(pieces), reason
 
 
-def _common_prefix(cached: list[int], prompt: list[int], limit: int) -> int:
-    """How many leading tokens ``cached`` and ``prompt`` share, at most ``limit``."""
-    length = min(len(cached), limit)
-    if length <= 0:
-        return 0
-    differ = np.flatnonzero(np.asarray(cached[:length]) != np.asarray(prompt[:length]))
-    return int(differ[0]) if differ.size else length
-
-
-class _TextStream:
-    """Token ids to text pieces, holding back an incomplete character or a possible stop string.
-
-    Decodes incrementally (vLLM's prefix and read offsets): each token decodes a short
-    window of the ids, not the whole text, so a long generation costs no more per token
-    than a short one.
-    """
-
-    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str]) -> None:
-        self.tokenizer = tokenizer
-        self.stop = list(stop)
-        self.ids: list[int] = []
-        self.prefix_offset = 0  # ids before it are decoded for good
-        self.read_offset = 0  # ids before it are in ``text``
-        self.text = ""  # everything decoded so far
-        self.emitted = 0  # characters of ``text`` already released
-
-    def _decode_new(self) -> None:
-        """Append the text the ids past ``read_offset`` complete, if they end a whole character."""
-        assert self.tokenizer is not None
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
-        window = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        if len(window) > len(prefix) and not window.endswith("\ufffd"):
-            self.text += window[len(prefix) :]
-            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-
-    def add(self, token: int | None) -> tuple[str, bool]:
-        """The text this token releases, and whether a stop string ended the text."""
-        if self.tokenizer is None:
-            return "", False
-        if token is not None:
-            self.ids.append(token)
-        self._decode_new()
-        text = self.text
-        for stop in self.stop:
-            found = text.find(stop, max(0, self.emitted - len(stop) + 1))
-            if found != -1:
-                return self._release(text[:found], found), True
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-        return self._release(text, len(text) - hold), False
-
-    def flush(self) -> str:
-        """What is still held back, at the end of the stream (an incomplete character as decoded)."""
-        if self.tokenizer is None:
-            return ""
-        tail = self.tokenizer.decode(self.ids[self.read_offset :]) if self.read_offset < len(self.ids) else ""
-        text = self.text + tail
-        return self._release(text, len(text))
-
-    def _release(self, text: str, upto: int) -> str:
-        piece = text[self.emitted : upto] if upto > self.emitted else ""
-        self.emitted = max(self.emitted, upto)
-        return piece
-
-
 @dataclass
 class _Sequence:
     """A request in a slot: its progress through the prompt, then through generation."""
@@ -296,7 +240,7 @@ class _Sequence:
     slot: int
     sampling: SamplingConfig
     rng: np.random.Generator
-    text: _TextStream
+    text: TextStream
     prefilled: int = 0  # prompt tokens in the cache so far
     length: int = 0  # tokens in the cache
     next_token: int = 0  # the token the next decode step feeds
@@ -320,7 +264,8 @@ class EngineStats:
 
     ``prompt_tokens`` counts the prompt tokens prefilled; ``cached_tokens`` those reused
     from the prefix cache instead, over ``prefix_hits`` requests; ``pinned`` the slots
-    kept for registered prefixes.
+    kept for registered prefixes; ``drafted_tokens`` / ``accepted_tokens`` the speculative
+    drafts proposed and kept.
     """
 
     slots: int
@@ -334,6 +279,8 @@ class EngineStats:
     prefix_hits: int = 0
     cached_tokens: int = 0
     pinned: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
@@ -354,6 +301,10 @@ class Engine:
         check: compare every file's size and sha256 with the manifest before loading.
         listener: told of first tokens, inter-token times and finishes (metrics).
         prefix_cache: reuse the cached rows of a prompt's prefix (see the module docstring).
+        drafter: speculative decoding while one request runs alone (a
+            :class:`~kvexport.runtime.speculative.PromptLookup` or ``DraftModel``); the
+            export needs ``--all-logits``.
+        draft_tokens: drafts per speculative step.
 
     """
 
@@ -371,6 +322,8 @@ class Engine:
         check: bool = False,
         listener: EngineListener | None = None,
         prefix_cache: bool = True,
+        drafter: Drafter | None = None,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     ) -> None:
         self.directory = Path(directory)
         found = preflight(self.directory, hash_files=check)
@@ -399,6 +352,9 @@ class Engine:
         self.session = open_session(self.directory / manifest.graphs["prefill"].file, self.provider, options)
         self._cache = SlotCache(manifest, self.provider, slots, self.capacity)
         self.prefix_cache = prefix_cache
+        if drafter is not None:
+            require_all_logits(self.directory, manifest)
+        self.drafter, self.draft_tokens = drafter, draft_tokens
         self._residents = [_Resident() for _ in range(slots)]
         # decode-step inputs and logits, one row per slot; a binding views their first rows
         self._ids = np.zeros((slots, 1), np.int64)
@@ -413,7 +369,9 @@ class Engine:
         self._waiting: collections.deque[RequestHandle] = collections.deque()
         self._active: dict[int, _Sequence] = {}  # slot -> sequence
         self._closing = False
-        self._counters = {"steps": 0, "prompt_tokens": 0, "generated_tokens": 0, "prefix_hits": 0, "cached_tokens": 0}
+        self._counters = dict.fromkeys(
+            ("steps", "prompt_tokens", "generated_tokens", "prefix_hits", "cached_tokens", "drafted_tokens", "accepted_tokens"), 0
+        )
         self._finished: collections.Counter[str] = collections.Counter()
         self._thread = threading.Thread(target=self._loop, name="kvexport-engine", daemon=True)
         self._thread.start()
@@ -514,6 +472,8 @@ class Engine:
                 prefix_hits=self._counters["prefix_hits"],
                 cached_tokens=self._counters["cached_tokens"],
                 pinned=sum(r.pinned for r in self._residents),
+                drafted_tokens=self._counters["drafted_tokens"],
+                accepted_tokens=self._counters["accepted_tokens"],
                 finished=dict(self._finished),
             )
 
@@ -572,7 +532,7 @@ class Engine:
                 slot=slot,
                 sampling=params.sampling(),
                 rng=np.random.default_rng(params.seed),
-                text=_TextStream(self.tokenizer, params.stop),
+                text=TextStream(self.tokenizer, params.stop),
                 prefilled=reused,
                 length=reused,
             )
@@ -590,7 +550,7 @@ class Engine:
         if not self.prefix_cache:
             return target, 0
         limit = len(handle.prompt) - 1
-        matches = [(_common_prefix(r.tokens, handle.prompt, limit), slot) for slot, r in enumerate(self._residents)]
+        matches = [(common_prefix(r.tokens, handle.prompt, limit), slot) for slot, r in enumerate(self._residents)]
         best, source = max(matches, key=lambda match: (match[0], match[1] in free))
         own = matches[target][0]
         if best > own and source in free and (source < rows or source <= target):
@@ -625,17 +585,8 @@ class Engine:
         prompt = sequence.handle.prompt
         start = sequence.prefilled
         piece = prompt[start : start + budget]
-        end = start + len(piece)
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
-        binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
-        binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
-        logits = np.empty((1, 1, self.vocab_size), self.dtype)
-        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
-        self._cache.bind(binding, sequence.slot, 1)
-        self.session.run_with_iobinding(binding)
-        sequence.prefilled = sequence.length = end
-        self._residents[sequence.slot].tokens.extend(piece)
+        logits = self._run_piece(sequence.slot, piece, start)
+        end = sequence.prefilled = sequence.length = start + len(piece)
         with self._lock:
             self._counters["prompt_tokens"] += len(piece)
         if end == len(prompt) and sequence.handle.pin:
@@ -645,9 +596,47 @@ class Engine:
             sequence.handle._push(TokenEvent(None, "", "pinned"))
         elif end == len(prompt):
             sequence.running = True
-            token = int(choose_tokens(logits[:, -1, :].astype(np.float32), sequence.sampling, sequence.rng)[0])
+            token = int(choose_tokens(logits[-1:], sequence.sampling, sequence.rng)[0])
             self._emit(sequence, token, first=True)
         return len(piece)
+
+    def _run_piece(self, slot: int, piece: Sequence[int], start: int) -> np.ndarray:
+        """``piece`` at batch 1 after the ``start`` tokens cached in ``slot``; its logits [n or 1, V] (fp32)."""
+        end = start + len(piece)
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
+        binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
+        binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
+        logits = np.empty((1, len(piece) if self.manifest.all_logits else 1, self.vocab_size), self.dtype)
+        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
+        self._cache.bind(binding, slot, 1)
+        self.session.run_with_iobinding(binding)
+        resident = self._residents[slot]
+        del resident.tokens[start:]
+        resident.tokens.extend(piece)
+        return logits[0].astype(np.float32)
+
+    def _speculative_step(self, sequence: _Sequence) -> None:
+        """One request alone: draft tokens, verify them in one call, stream the kept ones and the next."""
+        assert self.drafter is not None
+        resident = self._residents[sequence.slot]
+        pending = sequence.next_token
+        params = sequence.handle.params
+        room = min(self.draft_tokens, params.max_tokens - sequence.generated - 1, self.capacity - sequence.length - 1)
+        context = [*resident.tokens, pending]
+        drafts, draft_probs = self.drafter.propose(context, room, sequence.sampling, sequence.rng) if room > 0 else ([], None)
+        logits = self._run_piece(sequence.slot, [pending, *drafts], sequence.length)
+        kept, following = verify_drafts(logits, drafts, draft_probs, sequence.sampling, sequence.rng)
+        del resident.tokens[sequence.length + 1 + kept :]  # the rejected drafts' rows are free again
+        sequence.length = len(resident.tokens)
+        with self._lock:
+            self._counters["steps"] += 1
+            self._counters["drafted_tokens"] += len(drafts)
+            self._counters["accepted_tokens"] += kept
+        for token in [*drafts[:kept], following]:
+            self._emit(sequence, token)
+            if sequence.handle.finish_reason is not None:
+                return
 
     def _decode_binding(self, rows: int) -> ort.IOBinding:
         """The binding of the first ``rows`` slots, made once per row count and kept."""
@@ -666,6 +655,9 @@ class Engine:
         """One call for every running row; each row samples and streams its next token."""
         running = [s for s in self._active.values() if s.running]
         if not running:
+            return
+        if self.drafter is not None and len(self._active) == 1 and not self._waiting:
+            self._speculative_step(running[0])
             return
         rows = max(s.slot for s in running) + 1
         self._mask[:rows] = 0

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvexport.errors import KvexportError
+from kvexport.runtime.speculative import DEFAULT_DRAFT_TOKENS, Drafter
 from kvexport.serving.engine import DEFAULT_CHUNK, Engine
 
 
@@ -34,6 +35,8 @@ def serve(
     provider: str = "cpu",
     name: str | None = None,
     prefix_cache: bool = True,
+    drafter: Drafter | None = None,
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
     say: Callable[[str], None] = lambda message: None,
 ) -> None:
     """Serve ``directory`` until SIGTERM or SIGINT; returns after a clean shutdown."""
@@ -43,7 +46,15 @@ def serve(
 
     path = Path(directory)
     engine = Engine(
-        path, slots=slots, max_context=max_context, max_queue=max_queue, chunk=chunk, provider=provider, prefix_cache=prefix_cache
+        path,
+        slots=slots,
+        max_context=max_context,
+        max_queue=max_queue,
+        chunk=chunk,
+        provider=provider,
+        prefix_cache=prefix_cache,
+        drafter=drafter,
+        draft_tokens=draft_tokens,
     )
     served = name or model_name(path)
     app = create_app(engine, served)

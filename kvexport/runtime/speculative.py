@@ -1,0 +1,386 @@
+"""Speculative decoding of one sequence: draft tokens cheaply, verify them in one call.
+
+A decode step reads every weight to make one token. Verifying ``k`` drafted tokens costs
+one call of the prefill graph with a past (batch 1, the pending token and the ``k``
+drafts as ``k + 1`` new tokens), which reads the weights once too; every draft the
+target agrees with is a token won. In the in-place cache a rejected draft's rows need no
+undoing: the sequence's length goes back and the next call overwrites them.
+
+Drafters:
+
+- :class:`PromptLookup`: the tokens that followed the latest earlier occurrence of the
+  sequence's last n-gram (Hugging Face's ``prompt_lookup_num_tokens``); no second model.
+  Pays where the output repeats its context: editing or continuing a given passage.
+- :class:`DraftModel`: a smaller in-place export with the same tokenizer, which drafts
+  by decoding ``k`` tokens itself (Hugging Face's ``assistant_model``).
+
+Acceptance follows the standard rule (Leviathan et al. 2023; Chen et al. 2023): greedy
+keeps a draft while it is the target's argmax, so the output equals plain greedy
+decoding; sampling keeps draft ``x`` with probability ``min(1, p(x) / q(x))`` and on a
+rejection samples from ``max(0, p - q)`` renormalized, so every token follows the
+target's own distribution ``p`` (temperature, top-k and top-p applied). A lookup draft is
+a point mass (``q(x) = 1``).
+
+The target must be an in-place export whose prefill graph returns logits at every
+position (``--all-logits``): verification needs the target's distribution after each
+draft.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from kvexport.errors import KvexportError
+from kvexport.integrity import preflight
+from kvexport.manifest import Manifest
+from kvexport.runtime.generator import SlotCache, numpy_dtype
+from kvexport.runtime.sampling import SamplingConfig, draw, token_probabilities
+from kvexport.runtime.session import open_session, resolve_provider, session_options
+from kvexport.runtime.text import text_pieces
+
+DEFAULT_DRAFT_TOKENS = 4
+
+
+class Drafter(Protocol):
+    """Proposes up to ``count`` tokens to follow ``tokens``."""
+
+    def propose(
+        self, tokens: Sequence[int], count: int, sampling: SamplingConfig, rng: np.random.Generator
+    ) -> tuple[list[int], np.ndarray | None]:
+        """The drafts and, per draft, the distribution it was drawn from ([n, V]; None: point masses)."""
+
+
+class PromptLookup:
+    """Drafts by n-gram lookup in the sequence so far (prompt and output).
+
+    The last ``n`` tokens (``max_ngram`` down to ``min_ngram``) are searched for earlier
+    in the sequence, latest occurrence first; the tokens after the match are the drafts.
+    """
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise KvexportError(f"n-gram sizes {min_ngram}..{max_ngram}: need 1 <= min <= max")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(
+        self, tokens: Sequence[int], count: int, sampling: SamplingConfig, rng: np.random.Generator
+    ) -> tuple[list[int], np.ndarray | None]:
+        """The tokens after the latest earlier match of the sequence's tail (none if no match)."""
+        sequence = np.asarray(tokens)
+        for n in range(min(self.max_ngram, len(sequence) - 1), self.min_ngram - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(sequence[:-1], n)
+            hits = np.flatnonzero((windows == sequence[-n:]).all(-1))
+            if hits.size:
+                start = int(hits[-1]) + n
+                return sequence[start : start + count].tolist(), None
+        return [], None
+
+
+class _Row:
+    """One sequence in one row of an in-place cache, run a piece at a time at batch 1."""
+
+    def __init__(
+        self, directory: Path, provider: str, capacity: int, *, spinning: bool, intra_op_threads: int | None
+    ) -> None:
+        found = preflight(directory)
+        found.raise_first()
+        self.manifest: Manifest = found.manifest
+        if self.manifest.cache_layout != "shared-buffer":
+            raise KvexportError(
+                f"{directory}: has the {self.manifest.cache_layout} cache layout; speculative decoding rolls "
+                "rejected drafts back in the in-place cache: export with --target ort-cpu or ort-cuda"
+            )
+        self.provider = resolve_provider(provider)
+        self.dtype = numpy_dtype(self.manifest.dtype)
+        self.capacity = min(capacity, self.manifest.dims.n_positions)
+        options = session_options(intra_op_threads, spinning=spinning)
+        self.session = open_session(directory / self.manifest.graphs["prefill"].file, self.provider, options)
+        self.cache = SlotCache(self.manifest, self.provider, 1, self.capacity)
+        self.tokens: list[int] = []  # what the cache rows hold
+
+    def run(self, piece: Sequence[int]) -> np.ndarray:
+        """Feed ``piece`` after the cached tokens; the logits after each (all-logits graph) or the last: [n, V]."""
+        start, end = len(self.tokens), len(self.tokens) + len(piece)
+        if end > self.capacity:
+            raise KvexportError(f"{end} tokens: more than the {self.capacity} this sequence was given room for")
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
+        binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
+        binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
+        logits = np.empty((1, len(piece) if self.manifest.all_logits else 1, self.manifest.dims.vocab_size), self.dtype)
+        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
+        self.cache.bind(binding, 0, 1)
+        self.session.run_with_iobinding(binding)
+        self.tokens.extend(piece)
+        return logits[0].astype(np.float32)
+
+    def keep(self, count: int) -> None:
+        """Forget every cached token after the first ``count`` (their rows are overwritten later)."""
+        del self.tokens[count:]
+
+
+class DraftModel:
+    """Drafts with a smaller in-place export sharing the target's tokenizer.
+
+    Its cache follows the target's sequence: before drafting it keeps the tokens both
+    agree on, feeds the rest in one call, then decodes ``count`` tokens one at a time.
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        provider: str = "cpu",
+        *,
+        capacity: int | None = None,
+        spinning: bool = False,
+        intra_op_threads: int | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        found = preflight(self.directory)
+        found.raise_first()
+        room = capacity or found.manifest.dims.n_positions
+        self._row = _Row(self.directory, provider, room, spinning=spinning, intra_op_threads=intra_op_threads)
+        self.manifest = self._row.manifest
+
+    def propose(
+        self, tokens: Sequence[int], count: int, sampling: SamplingConfig, rng: np.random.Generator
+    ) -> tuple[list[int], np.ndarray | None]:
+        """``count`` tokens drawn from the draft model (greedy when ``sampling`` is), with their distributions."""
+        row = self._row
+        count = min(count, row.capacity - len(tokens))
+        if count <= 0:
+            return [], None
+        row.keep(common_prefix(row.tokens, tokens))
+        if len(row.tokens) == len(tokens):  # nothing new to feed: the last token's logits are needed again
+            row.keep(len(tokens) - 1)
+        logits = row.run(tokens[len(row.tokens) :])[-1:]
+        drafts, probabilities = [], []
+        for index in range(count):
+            probs = token_probabilities(logits, sampling)
+            token = int(draw(probs, rng)[0]) if sampling.do_sample else int(logits[0].argmax())
+            drafts.append(token)
+            probabilities.append(probs[0])
+            if index < count - 1:
+                logits = row.run([token])[-1:]
+        return drafts, np.stack(probabilities)
+
+
+@dataclass
+class SpeculativeStats:
+    """One generation's speculation: rounds (target calls), drafts proposed and accepted, timings."""
+
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0
+    decode_s: float = 0.0
+    round_tokens: list[int] = field(default_factory=list)  # tokens emitted by each round
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over proposed ones (0 when none were proposed)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def decode_ms_per_token(self) -> float:
+        """Decode time per token after the first."""
+        return 1000 * self.decode_s / max(1, self.new_tokens - 1)
+
+
+def require_all_logits(directory: Path, manifest: Manifest) -> None:
+    """Refuse, in one line, a target whose prefill graph returns only the last position's logits."""
+    if not manifest.all_logits:
+        raise KvexportError(
+            f"{directory}: its prefill graph returns the last position's logits only; speculative decoding "
+            "needs them at every position: export with --all-logits"
+        )
+
+
+def verify_drafts(
+    logits: np.ndarray,
+    drafts: Sequence[int],
+    draft_probs: np.ndarray | None,
+    sampling: SamplingConfig,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """How many drafts the target keeps, and the token after them.
+
+    ``logits`` [len(drafts) + 1, V] are the target's after the pending token and after
+    each draft. Greedy keeps a draft while it is the argmax; sampling applies the
+    accept / resample rule (see the module docstring).
+    """
+    if not sampling.do_sample:
+        argmax = logits.argmax(-1)
+        kept = 0
+        while kept < len(drafts) and argmax[kept] == drafts[kept]:
+            kept += 1
+        return kept, int(argmax[kept])
+    target = token_probabilities(logits, sampling)
+    for index, token in enumerate(drafts):
+        drafted = 1.0 if draft_probs is None else float(draft_probs[index, token])
+        if rng.random() * drafted < target[index, token]:  # accept with min(1, p / q)
+            continue
+        residual = target[index].copy()
+        if draft_probs is None:
+            residual[token] = 0.0
+        else:
+            residual = np.maximum(residual - draft_probs[index], 0.0)
+        if residual.sum() <= 0:  # p == q up to rounding: any draw from p is right
+            residual = target[index]
+        return index, int(draw(residual[None], rng)[0])
+    return len(drafts), int(draw(target[-1:], rng)[0])
+
+
+class SpeculativeGenerator:
+    """Generate one sequence at a time with speculative decoding (see the module docstring).
+
+    Args:
+        directory: an in-place export with ``--all-logits`` (the target).
+        drafter: :class:`PromptLookup` (the default) or :class:`DraftModel`.
+        draft_tokens: drafts per round.
+        provider: ``cpu``, ``cuda`` or ``auto``.
+        spinning: let the target's threads spin between runs (off by default beside a draft
+            model, whose own session would compete with them).
+        intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
+
+    """
+
+    def __init__(
+        self,
+        directory: str | Path,
+        drafter: Drafter | None = None,
+        *,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        provider: str = "cpu",
+        spinning: bool | None = None,
+        intra_op_threads: int | None = None,
+    ) -> None:
+        self.directory = Path(directory)
+        if draft_tokens < 1:
+            raise KvexportError(f"draft tokens {draft_tokens}: must be at least 1")
+        found = preflight(self.directory)
+        found.raise_first()
+        self.manifest = found.manifest
+        require_all_logits(self.directory, self.manifest)
+        self.drafter: Drafter = drafter or PromptLookup()
+        if isinstance(self.drafter, DraftModel) and self.drafter.manifest.dims.vocab_size != self.manifest.dims.vocab_size:
+            raise KvexportError(
+                f"--draft {self.drafter.directory}: its vocabulary has {self.drafter.manifest.dims.vocab_size} tokens, "
+                f"the target's {self.manifest.dims.vocab_size}; the draft must share the target's tokenizer"
+            )
+        self.draft_tokens = draft_tokens
+        self.provider = provider
+        self.spinning = not isinstance(self.drafter, DraftModel) if spinning is None else spinning
+        self.intra_op_threads = intra_op_threads
+        self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
+        tokenizer_file = self.manifest.tokenizer.get("file")
+        self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file)) if tokenizer_file else None
+        self._row = _Row(
+            self.directory, provider, self.manifest.dims.n_positions, spinning=self.spinning, intra_op_threads=intra_op_threads
+        )
+        self.last_stats = SpeculativeStats()
+
+    def stream(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int = 20,
+        sampling: SamplingConfig | None = None,
+        eos_token_id: int | None = None,
+    ) -> Iterator[int]:
+        """Yield the new tokens of one prompt as they are decided; ``last_stats`` is set when it ends."""
+        sampling = sampling or SamplingConfig()
+        if sampling.do_sample:
+            sampling.validate()
+        tokens = [int(t) for t in prompt]
+        limit = self.manifest.dims.n_positions
+        if not tokens or len(tokens) + max_new_tokens > limit or max_new_tokens < 1:
+            raise KvexportError(
+                f"{len(tokens)} prompt tokens and {max_new_tokens} new ones: need a prompt, at least one new token "
+                f"and at most {limit} in all"
+            )
+        eos = self.eos_token_id if eos_token_id is None else eos_token_id
+        rng = np.random.default_rng(sampling.seed)
+        row, stats = self._row, SpeculativeStats()
+        self.last_stats = stats
+        row.keep(0)
+        started = time.perf_counter()
+        pending = int(_choose(row.run(tokens)[-1:], sampling, rng))
+        stats.ttft_s = time.perf_counter() - started
+        emitted, produced = [pending], 0
+        while True:
+            yield from emitted
+            produced += len(emitted)
+            stats.new_tokens = produced
+            if emitted[-1] == eos or produced >= max_new_tokens:
+                return
+            started = time.perf_counter()
+            tokens.append(pending)
+            room = min(self.draft_tokens, max_new_tokens - produced - 1, limit - len(tokens))
+            drafts, draft_probs = self.drafter.propose(tokens, room, sampling, rng) if room > 0 else ([], None)
+            logits = row.run([pending, *drafts])
+            kept, pending = verify_drafts(logits, drafts, draft_probs, sampling, rng)
+            row.keep(len(tokens) + kept)
+            tokens.extend(drafts[:kept])
+            emitted = _until_eos([*drafts[:kept], pending], eos)
+            stats.rounds += 1
+            stats.proposed += len(drafts)
+            stats.accepted += kept
+            stats.round_tokens.append(len(emitted))
+            stats.decode_s += time.perf_counter() - started
+
+    def generate(
+        self,
+        prompt: Sequence[int],
+        max_new_tokens: int = 20,
+        sampling: SamplingConfig | None = None,
+        eos_token_id: int | None = None,
+    ) -> list[int]:
+        """The new tokens of one prompt, all at once."""
+        return list(self.stream(prompt, max_new_tokens, sampling, eos_token_id))
+
+    def stream_text(
+        self, prompt: str, max_new_tokens: int = 20, sampling: SamplingConfig | None = None
+    ) -> Iterator[str]:
+        """Yield decoded text pieces of one text prompt as tokens are decided; stops at EOS."""
+        if self.tokenizer is None:
+            raise KvexportError(f"{self.directory} has no tokenizer; pass token ids instead")
+        if not prompt:
+            raise KvexportError("the prompt is empty; pass some text")
+        tokens = self.stream(self.encode(prompt), max_new_tokens, sampling)
+        yield from text_pieces(self.tokenizer, tokens, self.eos_token_id)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` with the export's tokenizer."""
+        if self.tokenizer is None:
+            raise KvexportError(f"{self.directory} has no tokenizer; pass token ids instead")
+        return list(self.tokenizer.encode(text).ids)
+
+
+def _choose(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> int:
+    if not sampling.do_sample:
+        return int(logits[-1].argmax())
+    return int(draw(token_probabilities(logits[-1:], sampling), rng)[0])
+
+
+def _until_eos(tokens: list[int], eos: int | None) -> list[int]:
+    """``tokens`` up to and including the first EOS."""
+    if eos is not None and eos in tokens:
+        return tokens[: tokens.index(eos) + 1]
+    return tokens
+
+
+def common_prefix(cached: Sequence[int], tokens: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens ``cached`` and ``tokens`` share (at most ``limit``)."""
+    length = min(len(cached), len(tokens), len(tokens) if limit is None else limit)
+    if length <= 0:
+        return 0
+    differ = np.flatnonzero(np.asarray(cached[:length]) != np.asarray(tokens[:length]))
+    return int(differ[0]) if differ.size else length
