@@ -22,6 +22,13 @@ Systems measured in the same process, on the same weights:
   16 more, first with a prefix it has never seen, then sharing the prefix with the
   request before it (the prefix cache reuses its rows and prefills the 16);
 
+- ``plain[<task>]`` / ``speculative[<drafter>,<task>]`` (in-place ``--all-logits``
+  exports): greedy decode ms per token of one sequence, plainly and with speculative
+  decoding (prompt lookup, and a ``--draft`` export if given), on two tasks: ``repeat``
+  (a passage, then its first tokens again: continuing it repeats the context, where
+  lookup pays) and ``fresh`` (no passage to repeat). Acceptance rates go to
+  ``speculation``;
+
 For each batch and context it reports TTFT (prefill of ``context`` tokens and the first
 token) and decode ms per step (median over the steps). Resident memory (RSS, and PSS,
 which counts a page mapped by both sessions once) of each Generator is measured as it
@@ -84,6 +91,8 @@ class BenchReport:
     pss_after_load_mb: float = 0.0
     # kvexport-shared / kvexport-prepacked: {"rss_mb", "pss_mb"} each added as it loaded
     variant_memory: dict[str, dict[str, float]] = field(default_factory=dict)
+    # speculative[<drafter>,<task>]: {"acceptance_rate", "tokens_per_call"}
+    speculation: dict[str, dict[str, float]] = field(default_factory=dict)
     rss_peak_mb: float = 0.0  # the whole run: Generators and the PyTorch reference together
     # bytes on disk of each export (graphs, weights, tokenizer, manifest), by system
     disk_bytes: dict[str, int] = field(default_factory=dict)
@@ -139,6 +148,11 @@ class BenchReport:
             if system.startswith("kvexport["):
                 own_floor = "floor[" + system[len("kvexport[") :]
                 candidates[f"decode_{system}_vs_its_floor_ctx{first}"] = self._ratio(system, own_floor, first, decode)
+        for m in self.measurements:
+            if m.system.startswith("speculative["):
+                task = m.system.rstrip("]").rsplit(",", 1)[1]
+                ratio_name = f"decode_{m.system}_vs_plain"
+                candidates[ratio_name] = self._ratio(m.system, f"plain[{task}]", m.context, decode)
         cached = next((m for m in self.measurements if m.system == "engine[prefix-cached]"), None)
         if cached is not None:
             candidates["ttft_prefix_cached_vs_cold"] = self._ratio(cached.system, "engine[cold]", cached.context, "ttft_ms")
@@ -245,6 +259,59 @@ def time_generator(
 
 
 PREFIX_SUFFIX = 16  # the tokens after the shared prefix in the prefix-cache rows
+SPECULATION_TOKENS = 64  # greedy tokens per speculative measurement
+
+
+def speculation_prompts(vocab: int, positions: int, text: list[int] | None = None) -> dict[str, list[int]]:
+    """The speculative rows' tasks: a passage and its first tokens again (``repeat``), and a fresh one.
+
+    The passages are windows of ``text`` (token ids) where given, random ids otherwise.
+    """
+    rng = np.random.default_rng(0)
+    room = min(256, positions - SPECULATION_TOKENS - 1)
+    body = room - room // 6
+    if text is not None and len(text) >= 2 * room:
+        passage, fresh = text[:body], text[room : 2 * room]
+    else:
+        passage, fresh = rng.integers(0, vocab, body).tolist(), rng.integers(0, vocab, room).tolist()
+    return {"repeat": passage + passage[: room // 6], "fresh": fresh}
+
+
+def time_speculation(
+    report: BenchReport,
+    directory: str | Path,
+    provider: str,
+    repeats: int,
+    drafts: Sequence[str | Path] = (),
+    text: Path | None = None,
+) -> None:
+    """Plain and speculative greedy decode of one sequence per task, interleaved (see the module docstring)."""
+    from kvexport.runtime.speculative import DraftModel, PromptLookup, SpeculativeGenerator
+
+    plain = Generator(directory, provider=provider)
+    drafters: dict[str, Any] = {"lookup": PromptLookup()}
+    drafters.update({f"draft:{Path(d).name}": DraftModel(d, provider) for d in drafts})
+    speculative = {name: SpeculativeGenerator(directory, drafter, provider=provider) for name, drafter in drafters.items()}
+    ids = plain.encode(text.read_text(encoding="utf-8")) if text is not None else None
+    for task, prompt in speculation_prompts(plain.vocab_size, plain.manifest.dims.n_positions, ids).items():
+        plain_steps: list[float] = []
+        samples: dict[str, list[float]] = {name: [] for name in speculative}
+        for _ in range(repeats + 1):  # the first round warms up and is dropped
+            for _ in plain.stream([prompt], SPECULATION_TOKENS, eos_token_id=-1):
+                pass
+            plain_steps.append(plain.last_stats.decode_ms_per_token)
+            for name, generator in speculative.items():
+                generator.generate(prompt, SPECULATION_TOKENS, eos_token_id=-1)
+                samples[name].append(generator.last_stats.decode_ms_per_token)
+        report.measurements.append(Measurement(f"plain[{task}]", 1, len(prompt), None, float(np.median(plain_steps[1:]))))
+        for name, generator in speculative.items():
+            system = f"speculative[{name},{task}]"
+            report.measurements.append(Measurement(system, 1, len(prompt), None, float(np.median(samples[name][1:]))))
+            stats = generator.last_stats
+            report.speculation[system] = {
+                "acceptance_rate": round(stats.acceptance_rate, 3),
+                "tokens_per_call": round(sum(stats.round_tokens) / max(1, stats.rounds), 3),
+            }
 
 
 def time_prefix_cache(directory: str | Path, provider: str, prefix: int, repeats: int) -> list[Measurement]:
@@ -441,13 +508,17 @@ def run_bench(
     memory_variants: bool = True,
     compare: Sequence[str | Path] = (),
     prefix: int = 512,
+    drafts: Sequence[str | Path] = (),
+    text: Path | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> BenchReport:
     """Measure kvexport and the baselines; see the module docstring.
 
     ``memory_variants`` adds the memory-saving Generators (pre-packed, shared weights).
     ``prefix`` > 0 adds the engine's prefix-cache rows for an in-place export (the prefix
-    shortened to fit the model's positions).
+    shortened to fit the model's positions). An in-place ``--all-logits`` export also gets
+    the speculative rows: prompt lookup, and each export in ``drafts`` as a draft model, on
+    passages of ``text`` (random ids without it).
     ``compare`` names other exports of the same weights (e.g. ``--target ort-cpu``);
     each is timed in the same run as system ``kvexport[<attention>]``.
     """
@@ -497,6 +568,9 @@ def run_bench(
         prefix = min(prefix, manifest.dims.n_positions - PREFIX_SUFFIX - 1)
         say(f"engine: TTFT with and without a cached {prefix}-token prefix")
         report.measurements.extend(time_prefix_cache(directory, provider, prefix, repeats))
+    if manifest.cache_layout == "shared-buffer" and manifest.all_logits:
+        say("speculative decoding against plain decode, one sequence")
+        time_speculation(report, directory, provider, repeats, drafts, text)
     report.rss_peak_mb = round(rss_mb(peak=True), 1)
     del generator, systems, variants, compared
     gc.collect()

@@ -652,6 +652,19 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     help="In-place exports: the serving engine's TTFT with a cached prefix of this many tokens against cold (0 skips).",
 )
 @click.option(
+    "--draft",
+    "drafts",
+    multiple=True,
+    type=click.Path(path_type=Path),
+    help="An --all-logits export also gets speculative rows; this export drafts in one more (repeatable).",
+)
+@click.option(
+    "--text",
+    type=click.Path(path_type=Path, exists=True, dir_okay=False),
+    default=None,
+    help="Passages for the speculative rows (default: random token ids).",
+)
+@click.option(
     "--results",
     default=Path("bench-results"),
     show_default=True,
@@ -670,6 +683,8 @@ def bench_command(
     no_memory_variants: bool,
     compare: tuple[Path, ...],
     prefix: int,
+    drafts: tuple[Path, ...],
+    text: Path | None,
     results: Path,
     provider: str,
     as_json: bool,
@@ -690,6 +705,8 @@ def bench_command(
             memory_variants=not no_memory_variants,
             compare=compare,
             prefix=prefix,
+            drafts=drafts,
+            text=text,
             progress=_progress,
         )
     )
@@ -699,11 +716,11 @@ def bench_command(
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
         return
-    click.echo(f"{'system':<22} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'decode ms/token':>16}")
+    click.echo(f"{'system':<32} {'batch':>5} {'context':>7} {'TTFT ms':>9} {'decode ms/token':>16}")
     for m in sorted(report.measurements, key=lambda m: (m.batch, m.context, m.system)):
         ttft = f"{m.ttft_ms:.1f}" if m.ttft_ms is not None else "-"
         decode = f"{m.decode_ms_per_token:.2f}" if m.decode_ms_per_token is not None else "-"
-        click.echo(f"{m.system:<22} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
+        click.echo(f"{m.system:<32} {m.batch:>5} {m.context:>7} {ttft:>9} {decode:>16}")
     memory = [f"kvexport RSS {report.generator_rss_mb:.0f} / PSS {report.generator_pss_mb:.0f} MiB"]
     memory += [
         f"{system} RSS {m['rss_mb']:.0f} / PSS {m['pss_mb']:.0f} MiB"
@@ -714,6 +731,8 @@ def bench_command(
         + "; ".join(memory)
         + f" (process {report.rss_after_load_mb:.0f} MiB)"
     )
+    for system, figures in report.speculation.items():
+        click.echo(f"{system}: drafts accepted {100 * figures['acceptance_rate']:.0f}%, {figures['tokens_per_call']} tokens per call")
     click.echo("ratios: " + ", ".join(f"{k} {v}" for k, v in report.ratios().items()))
     click.echo(f"wrote {results / 'bench.json'} and {results / 'bench.png'}")
 

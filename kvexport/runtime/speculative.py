@@ -173,6 +173,27 @@ class DraftModel:
 
 
 @dataclass
+class DraftBudget:
+    """How many tokens to draft next: more while drafts are all kept, fewer after a rejection.
+
+    Hugging Face's schedule for assistant models: +2 after a round that kept every draft,
+    -1 (to at least 1) after one that did not; at most ``limit``. Where drafts keep
+    failing, a round costs little more than a plain step.
+    """
+
+    limit: int
+    current: int = 0
+
+    def __post_init__(self) -> None:
+        self.current = self.current or self.limit
+
+    def update(self, proposed: int, kept: int) -> None:
+        """Adjust after a round that proposed ``proposed`` drafts and kept ``kept``."""
+        if proposed:
+            self.current = min(self.limit, self.current + 2) if kept == proposed else max(1, self.current - 1)
+
+
+@dataclass
 class SpeculativeStats:
     """One generation's speculation: rounds (target calls), drafts proposed and accepted, timings."""
 
@@ -315,6 +336,7 @@ class SpeculativeGenerator:
         pending = int(_choose(row.run(tokens)[-1:], sampling, rng))
         stats.ttft_s = time.perf_counter() - started
         emitted, produced = [pending], 0
+        budget = DraftBudget(self.draft_tokens)
         while True:
             yield from emitted
             produced += len(emitted)
@@ -323,10 +345,11 @@ class SpeculativeGenerator:
                 return
             started = time.perf_counter()
             tokens.append(pending)
-            room = min(self.draft_tokens, max_new_tokens - produced - 1, limit - len(tokens))
+            room = min(budget.current, max_new_tokens - produced - 1, limit - len(tokens))
             drafts, draft_probs = self.drafter.propose(tokens, room, sampling, rng) if room > 0 else ([], None)
             logits = row.run([pending, *drafts])
             kept, pending = verify_drafts(logits, drafts, draft_probs, sampling, rng)
+            budget.update(len(drafts), kept)
             row.keep(len(tokens) + kept)
             tokens.extend(drafts[:kept])
             emitted = _until_eos([*drafts[:kept], pending], eos)

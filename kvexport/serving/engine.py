@@ -60,6 +60,7 @@ from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import open_session, resolve_provider, session_options
 from kvexport.runtime.speculative import (
     DEFAULT_DRAFT_TOKENS,
+    DraftBudget,
     Drafter,
     common_prefix,
     require_all_logits,
@@ -247,6 +248,7 @@ class _Sequence:
     generated: int = 0
     last_time: float = 0.0
     running: bool = False  # prompt done, decoding
+    draft_budget: DraftBudget | None = None  # speculative decoding, while it runs alone
 
 
 @dataclass
@@ -622,11 +624,13 @@ class Engine:
         resident = self._residents[sequence.slot]
         pending = sequence.next_token
         params = sequence.handle.params
-        room = min(self.draft_tokens, params.max_tokens - sequence.generated - 1, self.capacity - sequence.length - 1)
+        budget = sequence.draft_budget = sequence.draft_budget or DraftBudget(self.draft_tokens)
+        room = min(budget.current, params.max_tokens - sequence.generated - 1, self.capacity - sequence.length - 1)
         context = [*resident.tokens, pending]
         drafts, draft_probs = self.drafter.propose(context, room, sequence.sampling, sequence.rng) if room > 0 else ([], None)
         logits = self._run_piece(sequence.slot, [pending, *drafts], sequence.length)
         kept, following = verify_drafts(logits, drafts, draft_probs, sequence.sampling, sequence.rng)
+        budget.update(len(drafts), kept)
         del resident.tokens[sequence.length + 1 + kept :]  # the rejected drafts' rows are free again
         sequence.length = len(resident.tokens)
         with self._lock:
