@@ -9,7 +9,10 @@ Library entry points:
   such a directory.
 - :class:`Generator` runs an export with ONNX Runtime (the cache stays on the device).
 - :class:`Engine` serves many requests at once over one in-place cache (continuous
-  batching); ``kvexport serve`` puts an OpenAI-compatible HTTP server in front of it.
+  batching, a prefix cache); ``kvexport serve`` puts an OpenAI-compatible HTTP server in
+  front of it.
+- :class:`SpeculativeGenerator` decodes one sequence speculatively, with drafts from
+  :class:`PromptLookup` or a smaller export (:class:`DraftModel`).
 
 ``import kvexport`` is cheap and imports neither torch nor transformers: each name is
 loaded on first use. Only export and verify need torch and transformers, which the
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from kvexport.import_graph import import_decoder
     from kvexport.manifest import Manifest, read_manifest
     from kvexport.runtime.generator import Generator
+    from kvexport.runtime.speculative import DraftModel, PromptLookup, SpeculativeGenerator
     from kvexport.serving.engine import Engine, SamplingParams
     from kvexport.verify import VerifyReport, verify
 
@@ -48,6 +52,9 @@ _LAZY = {
     "ExportResult": "kvexport.export",
     "export_gpt2": "kvexport.export",
     "Generator": "kvexport.runtime.generator",
+    "DraftModel": "kvexport.runtime.speculative",
+    "PromptLookup": "kvexport.runtime.speculative",
+    "SpeculativeGenerator": "kvexport.runtime.speculative",
     "import_decoder": "kvexport.import_graph",
     "Manifest": "kvexport.manifest",
     "read_manifest": "kvexport.manifest",
@@ -73,6 +80,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DraftModel",
     "Engine",
     "ExportError",
     "ExportOptions",
@@ -81,8 +89,10 @@ __all__ = [
     "KvexportError",
     "Manifest",
     "ManifestError",
+    "PromptLookup",
     "ProviderError",
     "SamplingParams",
+    "SpeculativeGenerator",
     "VerifyReport",
     "__version__",
     "export_gpt2",

@@ -8,6 +8,7 @@ import passes
 
 def test_kvexport_public_names() -> None:
     assert set(kvexport.__all__) == {
+        "DraftModel",
         "Engine",
         "ExportError",
         "ExportOptions",
@@ -16,8 +17,10 @@ def test_kvexport_public_names() -> None:
         "KvexportError",
         "Manifest",
         "ManifestError",
+        "PromptLookup",
         "ProviderError",
         "SamplingParams",
+        "SpeculativeGenerator",
         "VerifyReport",
         "__version__",
         "export_gpt2",
