@@ -836,6 +836,11 @@ def inspect_command(path: Path, as_json: bool) -> None:
 
 def _quantization_line(q: dict[str, Any]) -> str:
     """The manifest's ``quantization`` as one line (export summary and ``inspect``)."""
+    if q.get("per_channel"):
+        return (
+            f"quantized {q['scheme']}: 7-bit weights per output channel, head included (DynamicQuantizeMatMul, "
+            "activations quantized per call)"
+        )
     return (
         f"quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings "
         f"{q['head_bits']}-bit, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']}"

@@ -175,6 +175,7 @@ def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: 
         main, ["gpt2", "--out", str(out), "--model", str(TRAINED), "--target", "ort-cpu", "--quantize", "int8", "--per-channel"]
     )
     assert result.exit_code == 0, result.output
+    assert "quantized int8: 7-bit weights per output channel, head included" in result.stdout
     ops = [node.op_type for node in onnx.load(str(out / "prefill.onnx"), load_external_data=False).graph.node]
     n_layer = 4
     assert ops.count("DynamicQuantizeMatMul") == 4 * n_layer + 1  # the blocks and the head
