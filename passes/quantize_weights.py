@@ -181,14 +181,7 @@ class QuantizeWeightsPass(InPlacePass):
         if array.shape[0] < 16:
             self.counts["left_float"] += 1
             return
-        if self.config.per_channel and array.dtype == np.float32:
-            channels = self._pack_channels(graph, weight, array, transposed=False, cache=packs.channels)
-            self._replace_with_dynamic(graph, node, activation, channels, bias=None)
-        else:
-            bits = self.config.embedding_bits if is_head else self.config.bits
-            packed = self._pack(graph, weight, array, bits, transposed=False, cache=packs.blocks)
-            self._replace_with_nbits(graph, node, activation, packed, bias=None)
-        self.counts["lm_head" if is_head else "matmul"] += 1
+        self._quantize_product(graph, node, activation, weight, array, is_head, packs, transposed=False, bias=None)
 
     def _gemm(self, graph: ir.Graph, node: ir.Node, is_head: bool, packs: _Packs) -> None:
         attrs = {name: attr.value for name, attr in node.attributes.items()}
@@ -204,6 +197,22 @@ class QuantizeWeightsPass(InPlacePass):
             self.counts["left_float"] += 1
             return
         bias = node.inputs[2] if len(node.inputs) > 2 else None
+        self._quantize_product(graph, node, activation, weight, array, is_head, packs, transposed=transposed, bias=bias)
+
+    def _quantize_product(
+        self,
+        graph: ir.Graph,
+        node: ir.Node,
+        activation: ir.Value,
+        weight: ir.Value,
+        array: np.ndarray,
+        is_head: bool,
+        packs: _Packs,
+        *,
+        transposed: bool,
+        bias: ir.Value | None,
+    ) -> None:
+        """Replace a MatMul / Gemm by its quantized form: per channel (fp32 weights) or in blocks."""
         if self.config.per_channel and array.dtype == np.float32:
             channels = self._pack_channels(graph, weight, array, transposed=transposed, cache=packs.channels)
             self._replace_with_dynamic(graph, node, activation, channels, bias=bias)

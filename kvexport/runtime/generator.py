@@ -40,7 +40,7 @@ from kvexport.manifest import GRAPH_NAMES, Manifest
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import open_session, resolve_provider, session_options
-from kvexport.runtime.text import text_pieces
+from kvexport.runtime.text import ExportTokenizer, text_pieces
 from passes.cache_names import cache_names
 
 _NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.float16}
@@ -328,10 +328,8 @@ class Generator:
                 options.add_session_config_entry("session.disable_prepacking", "1")
             self.sessions[graph] = open_session(paths[graph], self.provider, options)
         self.sessions.setdefault("decode", self.sessions["prefill"])
-        self.tokenizer: Tokenizer | None = None
-        tokenizer_file = self.manifest.tokenizer.get("file")
-        if tokenizer_file:
-            self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file))
+        self._tokenizer = ExportTokenizer(self.directory, self.manifest)
+        self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
         self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
         self.trace_cache = trace_cache
         self.last_stats = GenerationStats()
@@ -578,20 +576,13 @@ class Generator:
 
     # ---------------------------------------------------------------- text
 
-    def _require_tokenizer(self) -> Tokenizer:
-        if self.tokenizer is None:
-            raise KvexportError(
-                f"{self.directory} has no tokenizer ({self.manifest.tokenizer.get('source')}); pass token ids instead"
-            )
-        return self.tokenizer
-
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the exported tokenizer."""
-        return list(self._require_tokenizer().encode(text).ids)
+        return self._tokenizer.encode(text)
 
     def stream_text(self, prompt: str, max_new_tokens: int = 20, **options: Any) -> Iterator[str]:
         """Yield decoded text pieces as tokens arrive (batch 1); stops at EOS."""
-        tokenizer = self._require_tokenizer()
+        tokenizer = self._tokenizer.require()
         if not prompt:
             raise KvexportError("the prompt is empty; pass some text")
         eos = options.get("eos_token_id", self.eos_token_id)

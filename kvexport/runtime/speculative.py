@@ -43,7 +43,7 @@ from kvexport.manifest import Manifest
 from kvexport.runtime.generator import SlotCache, numpy_dtype
 from kvexport.runtime.sampling import SamplingConfig, draw, token_probabilities
 from kvexport.runtime.session import open_session, resolve_provider, session_options
-from kvexport.runtime.text import text_pieces
+from kvexport.runtime.text import ExportTokenizer, text_pieces
 
 DEFAULT_DRAFT_TOKENS = 4
 
@@ -302,8 +302,8 @@ class SpeculativeGenerator:
         self.spinning = not isinstance(self.drafter, DraftModel) if spinning is None else spinning
         self.intra_op_threads = intra_op_threads
         self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
-        tokenizer_file = self.manifest.tokenizer.get("file")
-        self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file)) if tokenizer_file else None
+        self._tokenizer = ExportTokenizer(self.directory, self.manifest)
+        self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
         self._row = _Row(
             self.directory, provider, self.manifest.dims.n_positions, spinning=self.spinning, intra_op_threads=intra_op_threads
         )
@@ -373,18 +373,15 @@ class SpeculativeGenerator:
         self, prompt: str, max_new_tokens: int = 20, sampling: SamplingConfig | None = None
     ) -> Iterator[str]:
         """Yield decoded text pieces of one text prompt as tokens are decided; stops at EOS."""
-        if self.tokenizer is None:
-            raise KvexportError(f"{self.directory} has no tokenizer; pass token ids instead")
+        tokenizer = self._tokenizer.require()
         if not prompt:
             raise KvexportError("the prompt is empty; pass some text")
         tokens = self.stream(self.encode(prompt), max_new_tokens, sampling)
-        yield from text_pieces(self.tokenizer, tokens, self.eos_token_id)
+        yield from text_pieces(tokenizer, tokens, self.eos_token_id)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the export's tokenizer."""
-        if self.tokenizer is None:
-            raise KvexportError(f"{self.directory} has no tokenizer; pass token ids instead")
-        return list(self.tokenizer.encode(text).ids)
+        return self._tokenizer.encode(text)
 
 
 def _choose(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generator) -> int:

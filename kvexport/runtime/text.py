@@ -3,8 +3,32 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from kvexport.errors import KvexportError
+from kvexport.manifest import Manifest
+
+
+class ExportTokenizer:
+    """An export directory's bundled tokenizer, if it has one (the Generators and the engine)."""
+
+    def __init__(self, directory: Path, manifest: Manifest) -> None:
+        self.directory = directory
+        self.source = manifest.tokenizer.get("source")
+        file = manifest.tokenizer.get("file")
+        self.tokenizer: Tokenizer | None = Tokenizer.from_file(str(directory / file)) if file else None
+
+    def require(self) -> Tokenizer:
+        """The tokenizer, or one line saying there is none."""
+        if self.tokenizer is None:
+            raise KvexportError(f"{self.directory} has no tokenizer ({self.source}); pass token ids instead")
+        return self.tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``."""
+        return list(self.require().encode(text).ids)
 
 
 class TextStream:

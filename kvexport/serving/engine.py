@@ -66,7 +66,7 @@ from kvexport.runtime.speculative import (
     require_all_logits,
     verify_drafts,
 )
-from kvexport.runtime.text import TextStream
+from kvexport.runtime.text import ExportTokenizer, TextStream
 
 DEFAULT_CHUNK = 256
 # A cached prefix shorter than this is not worth copying from another slot
@@ -348,8 +348,8 @@ class Engine:
         self.dtype = numpy_dtype(manifest.dtype)
         self.vocab_size = dims.vocab_size
         self.eos_token_id: int | None = manifest.tokenizer.get("eos_token_id")
-        tokenizer_file = manifest.tokenizer.get("file")
-        self.tokenizer = Tokenizer.from_file(str(self.directory / tokenizer_file)) if tokenizer_file else None
+        self._tokenizer = ExportTokenizer(self.directory, manifest)
+        self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
         options = session_options(intra_op_threads, spinning=spinning)
         self.session = open_session(self.directory / manifest.graphs["prefill"].file, self.provider, options)
         self._cache = SlotCache(manifest, self.provider, slots, self.capacity)
@@ -382,9 +382,7 @@ class Engine:
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the export's tokenizer."""
-        if self.tokenizer is None:
-            raise KvexportError(f"{self.directory} has no tokenizer; pass token ids instead")
-        return list(self.tokenizer.encode(text).ids)
+        return self._tokenizer.encode(text)
 
     def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestHandle:
         """Queue a request (text or token ids); iterate the returned handle for its tokens.
