@@ -213,6 +213,7 @@ class SlotCache:
 
     def __init__(self, manifest: Manifest, provider: str, slots: int, capacity: int) -> None:
         dims = manifest.dims
+        self.manifest = manifest
         self.dtype = numpy_dtype(manifest.dtype)
         self.slots = slots
         self.row_shape = (dims.n_head, capacity, dims.head_dim)
@@ -230,6 +231,24 @@ class SlotCache:
             pointer = self.banks.pointers[0][index] + first * self.row_bytes
             binding.bind_input(past, self.banks.device, 0, self.dtype, shape, pointer)
             binding.bind_output(present, self.banks.device, 0, self.dtype, shape, pointer)
+
+    def run_piece(self, session: ort.InferenceSession, row: int, piece: Sequence[int], start: int) -> np.ndarray:
+        """Run ``piece`` at batch 1 after the ``start`` tokens cached in ``row`` (the prefill graph).
+
+        Its keys and values land in the row's positions ``start..``; returns the logits
+        after each token (an ``--all-logits`` graph) or after the last: [n or 1, V], fp32.
+        """
+        end = start + len(piece)
+        binding = session.io_binding()
+        binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
+        binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
+        binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
+        rows = len(piece) if self.manifest.all_logits else 1
+        logits = np.empty((1, rows, self.manifest.dims.vocab_size), self.dtype)
+        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
+        self.bind(binding, row, 1)
+        session.run_with_iobinding(binding)
+        return logits[0].astype(np.float32)
 
     @property
     def can_copy_rows(self) -> bool:

@@ -40,7 +40,7 @@ from tokenizers import Tokenizer
 from kvexport.errors import KvexportError
 from kvexport.integrity import preflight
 from kvexport.manifest import Manifest
-from kvexport.runtime.generator import SlotCache, numpy_dtype
+from kvexport.runtime.generator import SlotCache
 from kvexport.runtime.sampling import SamplingConfig, draw, token_probabilities
 from kvexport.runtime.session import open_session, resolve_provider, session_options
 from kvexport.runtime.text import ExportTokenizer, text_pieces
@@ -98,7 +98,6 @@ class _Row:
                 "rejected drafts back in the in-place cache: export with --target ort-cpu or ort-cuda"
             )
         self.provider = resolve_provider(provider)
-        self.dtype = numpy_dtype(self.manifest.dtype)
         self.capacity = min(capacity, self.manifest.dims.n_positions)
         options = session_options(intra_op_threads, spinning=spinning)
         self.session = open_session(directory / self.manifest.graphs["prefill"].file, self.provider, options)
@@ -107,19 +106,11 @@ class _Row:
 
     def run(self, piece: Sequence[int]) -> np.ndarray:
         """Feed ``piece`` after the cached tokens; the logits after each (all-logits graph) or the last: [n, V]."""
-        start, end = len(self.tokens), len(self.tokens) + len(piece)
-        if end > self.capacity:
-            raise KvexportError(f"{end} tokens: more than the {self.capacity} this sequence was given room for")
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
-        binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
-        binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
-        logits = np.empty((1, len(piece) if self.manifest.all_logits else 1, self.manifest.dims.vocab_size), self.dtype)
-        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
-        self.cache.bind(binding, 0, 1)
-        self.session.run_with_iobinding(binding)
+        if len(self.tokens) + len(piece) > self.capacity:
+            raise KvexportError(f"{len(self.tokens) + len(piece)} tokens: more than the {self.capacity} this sequence has room for")
+        logits = self.cache.run_piece(self.session, 0, piece, len(self.tokens))
         self.tokens.extend(piece)
-        return logits[0].astype(np.float32)
+        return logits
 
     def keep(self, count: int) -> None:
         """Forget every cached token after the first ``count`` (their rows are overwritten later)."""

@@ -602,19 +602,11 @@ class Engine:
 
     def _run_piece(self, slot: int, piece: Sequence[int], start: int) -> np.ndarray:
         """``piece`` at batch 1 after the ``start`` tokens cached in ``slot``; its logits [n or 1, V] (fp32)."""
-        end = start + len(piece)
-        binding = self.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
-        binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
-        binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
-        logits = np.empty((1, len(piece) if self.manifest.all_logits else 1, self.vocab_size), self.dtype)
-        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
-        self._cache.bind(binding, slot, 1)
-        self.session.run_with_iobinding(binding)
+        logits = self._cache.run_piece(self.session, slot, piece, start)
         resident = self._residents[slot]
         del resident.tokens[start:]
         resident.tokens.extend(piece)
-        return logits[0].astype(np.float32)
+        return logits
 
     def _speculative_step(self, sequence: _Sequence) -> None:
         """One request alone: draft tokens, verify them in one call, stream the kept ones and the next."""
