@@ -24,7 +24,8 @@ Systems measured in the same process, on the same weights:
 
 - ``plain[<task>]`` / ``speculative[<drafter>,<task>]`` (in-place ``--all-logits``
   exports): greedy decode ms per token of one sequence, plainly and with speculative
-  decoding (prompt lookup, and a ``--draft`` export if given), on two tasks: ``repeat``
+  decoding (prompt lookup, a ``--draft`` export if given, and ``never-right``, drafts that
+  almost never pay, for what speculation costs then), on two tasks: ``repeat``
   (a passage, then its first tokens again: continuing it repeats the context, where
   lookup pays) and ``fresh`` (no passage to repeat). Acceptance rates go to
   ``speculation``;
@@ -277,6 +278,17 @@ def speculation_prompts(vocab: int, positions: int, text: list[int] | None = Non
     return {"repeat": passage + passage[: room // 6], "fresh": fresh}
 
 
+class _NeverRight:
+    """A drafter that rarely pays: it proposes the token after the last one, by id (speculation's cost row)."""
+
+    def __init__(self, vocab: int) -> None:
+        self.vocab = vocab
+
+    def propose(self, tokens: Sequence[int], count: int, sampling: Any, rng: Any) -> tuple[list[int], None]:
+        """``count`` copies of the last token's id plus one."""
+        return [(tokens[-1] + 1) % self.vocab] * count, None
+
+
 def time_speculation(
     report: BenchReport,
     directory: str | Path,
@@ -289,7 +301,7 @@ def time_speculation(
     from kvexport.runtime.speculative import DraftModel, PromptLookup, SpeculativeGenerator
 
     plain = Generator(directory, provider=provider)
-    drafters: dict[str, Any] = {"lookup": PromptLookup()}
+    drafters: dict[str, Any] = {"lookup": PromptLookup(), "never-right": _NeverRight(plain.vocab_size)}
     drafters.update({f"draft:{Path(d).name}": DraftModel(d, provider) for d in drafts})
     speculative = {name: SpeculativeGenerator(directory, drafter, provider=provider) for name, drafter in drafters.items()}
     ids = plain.encode(text.read_text(encoding="utf-8")) if text is not None else None

@@ -615,7 +615,7 @@ class Engine:
         pending = sequence.next_token
         params = sequence.handle.params
         budget = sequence.draft_budget = sequence.draft_budget or DraftBudget(self.draft_tokens)
-        room = min(budget.current, params.max_tokens - sequence.generated - 1, self.capacity - sequence.length - 1)
+        room = min(budget.next_count(), params.max_tokens - sequence.generated - 1, self.capacity - sequence.length - 1)
         context = [*resident.tokens, pending]
         drafts, draft_probs = self.drafter.propose(context, room, sequence.sampling, sequence.rng) if room > 0 else ([], None)
         logits = self._run_piece(sequence.slot, [pending, *drafts], sequence.length)
