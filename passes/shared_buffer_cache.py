@@ -102,8 +102,12 @@ def _read_token_shape_from_queries(graph: ir.Graph, mask: ir.Value, queries: ir.
         shape = use.node
         if shape.op_type != "Shape" or shape.domain not in ("", "ai.onnx"):
             continue
-        moved = [u for u in shape.outputs[0].uses() if u.node not in keep]
+        uses = list(shape.outputs[0].uses())
+        moved = [u for u in uses if u.node not in keep]
         if not moved:
+            continue
+        if len(moved) == len(uses):  # only the exporter reads it: read the tokens instead
+            shape.replace_input_with(0, queries)
             continue
         twin = ir.node("Shape", [queries], attributes={k: a.value for k, a in shape.attributes.items()})
         graph.insert_after(shape, twin)

@@ -65,8 +65,16 @@ def test_attention_becomes_gqa_over_capacity_sized_shared_buffers(tiny_export: P
             layer_inputs = [v.name for v in node.inputs[3:5] if v is not None]
             layer_outputs = [v.name for v in node.outputs[1:3]]
             assert [n.replace("past", "present") for n in layer_inputs] == layer_outputs
-    # lengths are computed once per graph from attention_mask, not once per layer
-    assert _ops(model).count("Shape") <= 4  # the mask's existing Shape nodes are reused
+    # lengths are computed once per graph from attention_mask, not once per layer; the
+    # mask's existing Shape nodes are reused, and in prefill the exporter's own reads of
+    # them (which meant the tokens' length) read input_ids instead: one Shape more at most
+    assert _ops(model).count("Shape") <= 4 + separated
+    mask_shapes = [use.node for use in mask.uses() if use.node.op_type == "Shape"]
+    total = next(n for n in model.graph if n.outputs[0].name == "kvexport.total_sequence_length")
+    total_chain = {total, *(v.producer() for v in total.inputs if v is not None)}
+    total_chain |= {v.producer() for n in list(total_chain) if n is not None for v in n.inputs if v is not None}
+    if separated:  # only total_sequence_length reads the mask's width
+        assert {u.node for shape in mask_shapes for u in shape.outputs[0].uses()} <= total_chain
     CleanupPass()(model)
     # GQA masks causally itself: the bias is the padding mask alone, and the exporter's
     # mask-building chain (Range/GatherND over shapes: host work and copies under CUDA) is gone
