@@ -488,14 +488,14 @@ def test_sigterm_finishes_the_running_request_and_exits_0(trained_exports: dict[
 
 @pytest.mark.parametrize("stop", [(), ("東京",), ("sky", "\n\t")])
 def test_streamed_text_is_the_decoded_text_cut_at_the_first_stop(stop: tuple[str, ...]) -> None:
-    from kvexport.serving.engine import _TextStream
+    from kvexport.runtime.text import TextStream, text_pieces
     from kvexport.tokenizer import gpt2_tokenizer
 
     tokenizer = gpt2_tokenizer()
     rng = random.Random(0)
     for ids in (tokenizer.encode("naïve café — 東京 🙂 The sky is blue.\n\tend " * 3).ids, [rng.randrange(50257) for _ in range(300)]):
         whole = tokenizer.decode(ids)
-        stream = _TextStream(tokenizer, stop)
+        stream = TextStream(tokenizer, stop)
         pieces, stopped = [], False
         for token in ids:  # one token at a time, as the engine feeds it
             piece, stopped = stream.add(token)
@@ -506,3 +506,10 @@ def test_streamed_text_is_the_decoded_text_cut_at_the_first_stop(stop: tuple[str
             pieces.append(stream.flush())
         cut = min((whole.find(s) for s in stop if s in whole), default=len(whole))
         assert "".join(pieces) == whole[:cut]
+        # the Generators' text streams: everything up to EOS, whole characters only
+        eos = ids[len(ids) // 2]
+        upto = tokenizer.decode(ids[: ids.index(eos)])
+        streamed = list(text_pieces(tokenizer, ids, eos))
+        assert "".join(streamed) == upto
+        if "\ufffd" not in upto:  # real text: no piece ends inside a character
+            assert all("\ufffd" not in piece for piece in streamed)
