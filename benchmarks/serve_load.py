@@ -162,9 +162,11 @@ def wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 120)
     raise RuntimeError(f"{url}: not healthy after {seconds} s")
 
 
-def start_kvexport(export: Path, slots: int, context: int, log: Path) -> tuple[str, subprocess.Popen[Any]]:
+def start_kvexport(
+    export: Path, slots: int, context: int, log: Path, extra: tuple[str, ...] = ()
+) -> tuple[str, subprocess.Popen[Any]]:
     port = free_port()
-    command = [sys.executable, "-m", "kvexport.cli", "serve", str(export), "--port", str(port), "--slots", str(slots), "--max-context", str(context)]
+    command = [sys.executable, "-m", "kvexport.cli", "serve", str(export), "--port", str(port), "--slots", str(slots), "--max-context", str(context), *extra]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)

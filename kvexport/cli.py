@@ -752,6 +752,17 @@ def bench_command(
     "--no-prefix-cache", is_flag=True, help="Prefill every prompt whole instead of reusing the cached rows of a shared prefix."
 )
 @speculation_options
+@click.option(
+    "--replicas",
+    type=click.IntRange(1),
+    default=None,
+    help="Serve through Ray Serve with this many replicas, one engine each (needs kvexport[ray]).",
+)
+@click.option(
+    "--ray-address",
+    default=None,
+    help="With --replicas: join this Ray cluster (auto, ray://host:10001) instead of starting one here.",
+)
 @provider_option
 def serve_command(
     directory: Path,
@@ -766,6 +777,8 @@ def serve_command(
     prompt_lookup: bool,
     draft: Path | None,
     draft_tokens: int,
+    replicas: int | None,
+    ray_address: str | None,
     provider: str,
 ) -> None:
     """Serve DIRECTORY over HTTP with an OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics).
@@ -773,6 +786,22 @@ def serve_command(
     Many requests decode together (continuous batching over the in-place cache): the
     export needs --target ort-cpu / ort-cuda. Needs the serve extra: pip install 'kvexport[serve]'.
     """
+    if replicas is not None:
+        if prompt_lookup or draft is not None:
+            raise UserError("--replicas with speculative decoding is not supported yet; drop --prompt-lookup / --draft")
+        _run(lambda: require_extra("ray", "kvexport serve --replicas"))
+        from kvexport.serving.ray import serve_with_ray
+
+        _run(
+            lambda: serve_with_ray(
+                directory, replicas=replicas, address=ray_address, host=host, port=port, say=_progress,
+                slots=slots, max_context=max_context, max_queue=max_queue, chunk=chunk, provider=provider, name=model_name,
+                prefix_cache=not no_prefix_cache,
+            )
+        )
+        return
+    if ray_address is not None:
+        raise UserError("--ray-address needs --replicas N")
     _run(lambda: require_extra("serve", "kvexport serve"))
     from kvexport.serving.server import serve
 

@@ -3,7 +3,8 @@
 ``pip install kvexport`` is what a serving image needs: ONNX Runtime, onnx, the passes,
 numpy and tokenizers. Export and verify also need torch and transformers, which come
 with ``pip install 'kvexport[export]'`` (as ``optimum[exporters]`` adds its exporters), and
-``kvexport serve`` FastAPI, uvicorn and prometheus-client with ``kvexport[serve]``.
+``kvexport serve`` FastAPI, uvicorn and prometheus-client with ``kvexport[serve]``, and
+``kvexport serve --replicas`` Ray Serve besides with ``kvexport[ray]``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from kvexport.errors import KvexportError
 EXTRAS: dict[str, tuple[str, ...]] = {
     "export": ("torch", "transformers"),
     "serve": ("fastapi", "uvicorn", "prometheus_client"),
+    "ray": ("fastapi", "uvicorn", "prometheus_client", "ray"),
 }
 EXPORT_EXTRA = "kvexport[export]"
 

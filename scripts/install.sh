@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install kvexport with the export extra (torch, transformers),
-# the serve extra (FastAPI, uvicorn, prometheus-client)
+# the serve extra (FastAPI, uvicorn, prometheus-client), Ray Serve (the ray extra)
 # and its test tools into it.
 # torch is pinned first: its CPU build lies on the CI machines' disk, while an unpinned
 # torch on a fresh venv may pull a multi-GB CUDA build.

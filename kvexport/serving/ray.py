@@ -1,0 +1,139 @@
+"""``kvexport serve`` on Ray Serve: the same FastAPI app, one engine per replica.
+
+Each replica of :class:`KvexportReplica` checks the export's files against the manifest's
+hashes, builds its own :class:`~kvexport.serving.engine.Engine`, and serves the app of
+``kvexport serve`` (:func:`~kvexport.serving.app.create_app`) as its ingress, built after
+the engine (``serve.ingress()`` late-bound), so nothing of the HTTP surface is written
+twice. Each response names its replica in an ``x-kvexport-replica`` header, and
+``/metrics`` reports the replica that answers.
+
+Three ways in:
+
+- ``kvexport serve DIR --replicas N [--ray-address auto|ray://...]`` starts (or joins) a Ray
+  cluster and deploys N replicas behind Serve's HTTP proxy;
+- ``serve run kvexport.serving.ray:app dir=DIR [slots=8 ...]`` with Serve's own CLI;
+- a ``serve deploy`` config whose ``import_path`` is ``kvexport.serving.ray:app``
+  (``examples/ray_serve.yaml``, with autoscaling).
+
+The export directory must be readable at the same path on every node that runs a replica:
+a shared filesystem (NFS, a mounted bucket) or the same copy on each node; a replica whose
+copy differs from its manifest's hashes refuses to start, with the file named.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+
+from kvexport.errors import KvexportError
+from kvexport.serving.app import create_app
+from kvexport.serving.engine import DEFAULT_CHUNK, Engine
+from kvexport.serving.server import model_name
+
+DEPLOYMENT = "kvexport"
+
+
+@serve.deployment(name=DEPLOYMENT, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class KvexportReplica:
+    """One replica: an engine over the export directory, behind the app of ``kvexport serve``."""
+
+    def __init__(
+        self, directory: str, slots: int = 8, max_context: int | None = None, max_queue: int = 64, chunk: int = DEFAULT_CHUNK,
+        provider: str = "cpu", name: str | None = None, prefix_cache: bool = True,
+    ) -> None:
+        self.engine = Engine(
+            directory, slots=slots, max_context=max_context, max_queue=max_queue, chunk=chunk, provider=provider,
+            check=True, prefix_cache=prefix_cache,
+        )
+        self.model = name or model_name(Path(directory))
+        self.replica = f"{socket.gethostname()}:{os.getpid()}"
+
+    def __serve_build_asgi_app__(self) -> Any:
+        """The app of ``kvexport serve`` over this replica's engine (Serve calls it after ``__init__``)."""
+        return create_app(self.engine, self.model, replica=self.replica)
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close(drain=False, timeout=5)
+
+
+def build(
+    directory: str | Path,
+    *,
+    replicas: int = 2,
+    slots: int = 8,
+    max_context: int | None = None,
+    max_queue: int = 64,
+    chunk: int = DEFAULT_CHUNK,
+    provider: str = "cpu",
+    name: str | None = None,
+    prefix_cache: bool = True,
+) -> Application:
+    """The Serve application: ``replicas`` copies of :class:`KvexportReplica` over ``directory``."""
+    path = Path(directory).resolve()
+    if not (path / "kvexport.json").is_file():
+        raise KvexportError(f"{directory}: no kvexport.json; pass an export directory (kvexport gpt2 --out ...)")
+    deployment = KvexportReplica.options(  # type: ignore[attr-defined]
+        num_replicas=replicas, max_ongoing_requests=slots + max_queue
+    )
+    return deployment.bind(str(path), slots, max_context, max_queue, chunk, provider, name, prefix_cache)
+
+
+def app(args: dict[str, str]) -> Application:
+    """Serve's application builder: ``serve run kvexport.serving.ray:app dir=DIR [replicas=2 slots=8 ...]``."""
+    if "dir" not in args:
+        raise KvexportError("pass the export directory: serve run kvexport.serving.ray:app dir=DIR")
+    numbers: dict[str, Any] = {
+        key: int(args[key]) for key in ("replicas", "slots", "max_context", "max_queue", "chunk") if key in args
+    }
+    return build(args["dir"], provider=args.get("provider", "cpu"), name=args.get("name"), **numbers)
+
+
+def serve_with_ray(
+    directory: str | Path,
+    *,
+    replicas: int,
+    address: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    say: Callable[[str], None] = lambda message: None,
+    stop: threading.Event | None = None,
+    **engine_options: Any,
+) -> None:
+    """Deploy ``replicas`` replicas on a Ray cluster (started here unless ``address``) until SIGTERM / SIGINT.
+
+    ``stop``, when given, ends it too (tests). Serve's HTTP proxy listens on ``host:port``.
+    On the way out the application is deleted and a cluster started here is shut down.
+    """
+    import ray
+
+    application = build(directory, replicas=replicas, **engine_options)
+    started_here = address is None
+    ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+    finished = stop or threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: finished.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(application, name=DEPLOYMENT, route_prefix="/")
+        say(
+            f"serving {directory} on http://{host}:{port} through Ray Serve, {replicas} replicas; stop with Ctrl-C or SIGTERM"
+        )
+        finished.wait()
+    finally:
+        say("shutting down: deleting the deployment")
+        serve.shutdown()
+        if started_here:
+            ray.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    say("stopped")

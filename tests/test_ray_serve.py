@@ -1,0 +1,172 @@
+"""``kvexport serve --replicas 2``: the same app on a local Ray Serve, replicas that fail and come back.
+
+One Ray cluster for the module (2 CPUs, loopback only), started by the CLI as a user would;
+every wait is bounded, and the server is stopped by its own process id.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvexport.runtime import Generator
+
+pytest.importorskip("ray")
+
+PROMPT = [5, 17, 300, 42]
+GREEDY = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+
+
+def _ray_processes() -> set[int]:
+    """Process ids of Ray's own daemons and workers on this machine."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if any(mark in command for mark in (b"gcs_server", b"raylet", b"ray::", b"ray/_private")):
+            found.add(int(entry.name))
+    return found
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def ray_server(trained_exports: dict[str, Path]) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    before = _ray_processes()
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    command = [sys.executable, "-m", "kvexport.cli", "serve", str(trained_exports["none"]), "--replicas", "2"]
+    command += ["--slots", "4", "--max-context", "128", "--port", str(port)]
+    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        process.kill()
+        pytest.fail(f"the Ray Serve deployment did not come up: {process.communicate(timeout=30)[1][-2000:]}")
+    try:
+        yield url, process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(90)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        deadline = time.monotonic() + 30
+        while _ray_processes() - before and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+
+def _complete(url: str, body: dict[str, object], timeout: float = 60) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+
+
+def _replicas_seen(url: str, count: int) -> tuple[set[str], list[httpx.Response]]:
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(lambda _: _complete(url, GREEDY), range(count)))
+    return {r.headers.get("x-kvexport-replica", "") for r in responses}, responses
+
+
+def test_requests_spread_over_both_replicas_with_the_embedded_servers_tokens(
+    ray_server: tuple[str, subprocess.Popen[str]], trained_exports: dict[str, Path]
+) -> None:
+    url, _ = ray_server
+    replicas, responses = _replicas_seen(url, 16)
+    assert all(r.status_code == 200 for r in responses)
+    assert len(replicas) == 2 and "" not in replicas  # each names its replica
+    generator = Generator(trained_exports["none"])
+    assert generator.tokenizer is not None
+    want = generator.tokenizer.decode(generator.generate([PROMPT], 8, eos_token_id=-1)[0, len(PROMPT) :].tolist())
+    assert {r.json()["choices"][0]["text"] for r in responses} == {want}
+    metrics = httpx.get(f"{url}/metrics", timeout=10)
+    assert metrics.status_code == 200 and "kvexport_generation_tokens_total" in metrics.text
+    assert metrics.headers["x-kvexport-replica"] in replicas
+
+
+def test_a_killed_replica_is_replaced_and_no_request_hangs(ray_server: tuple[str, subprocess.Popen[str]]) -> None:
+    url, _ = ray_server
+    long = {**GREEDY, "max_tokens": 100, "stream": True}
+    with httpx.Client(timeout=httpx.Timeout(60, read=30)) as client, client.stream("POST", f"{url}/v1/completions", json=long) as stream:
+        victim = stream.headers["x-kvexport-replica"]
+        os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
+        started = time.monotonic()
+        lines: list[str] = []
+        try:
+            lines = [line for line in stream.iter_lines() if line]
+        except httpx.HTTPError:
+            pass  # the connection broke: an error, not a hang
+        assert time.monotonic() - started < 60
+        assert "data: [DONE]" not in lines or len(lines) < 102  # cut short, or it had already finished
+    # later requests succeed, and Serve brings a new replica up in the killed one's place
+    deadline = time.monotonic() + 120
+    replicas: set[str] = set()
+    while time.monotonic() < deadline:
+        seen, responses = _replicas_seen(url, 8)
+        assert all(r.status_code == 200 for r in responses)
+        replicas |= seen
+        if len(replicas - {victim}) >= 2:
+            break
+        time.sleep(1)
+    assert len(replicas - {victim}) >= 2 and victim not in seen
+
+
+def test_sigterm_shuts_the_deployment_down_leaving_no_ray_processes(ray_server: tuple[str, subprocess.Popen[str]]) -> None:
+    url, process = ray_server
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(90) == 0
+    deadline = time.monotonic() + 30
+    while _ray_processes() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _ray_processes()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{url}/health", timeout=2)
+
+
+def test_the_example_config_builds_through_the_application_builder(trained_exports: dict[str, Path]) -> None:
+    import yaml
+    from ray.serve import Application
+
+    from kvexport.serving.ray import app
+
+    config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "ray_serve.yaml").read_text())
+    application = config["applications"][0]
+    assert application["import_path"] == "kvexport.serving.ray:app"
+    deployment = application["deployments"][0]
+    assert deployment["autoscaling_config"]["target_ongoing_requests"] == application["args"]["slots"]
+    args = {**{k: str(v) for k, v in application["args"].items()}, "dir": str(trained_exports["none"])}
+    assert isinstance(app(args), Application)
+    with pytest.raises(Exception, match="no kvexport.json; pass an export directory"):
+        app({"dir": "/nonexistent"})
+
+
+def test_the_embedded_server_does_not_import_ray(trained_exports: dict[str, Path]) -> None:
+    code = (
+        "import sys; from kvexport.serving.server import serve; from kvexport.cli import main; "
+        "assert 'ray' not in sys.modules, 'ray was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
