@@ -223,6 +223,7 @@ class SlotCache:
         self.row_bytes = row * np.dtype(self.dtype).itemsize
         device = "cuda" if provider == "cuda" else "cpu"
         self.banks = CacheBanks(len(self.past), slots * row, self.dtype, device, banks=1)
+        self._row_bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (session, row) -> binding
 
     def bind(self, binding: ort.IOBinding, first: int, rows: int) -> None:
         """Bind past and present of every layer to rows ``first..first+rows`` of the buffers."""
@@ -239,14 +240,16 @@ class SlotCache:
         after each token (an ``--all-logits`` graph) or after the last: [n or 1, V], fp32.
         """
         end = start + len(piece)
-        binding = session.io_binding()
+        binding = self._row_bindings.get((id(session), row))
+        if binding is None:  # the cache stays bound; each call rebinds only the inputs and logits
+            binding = self._row_bindings[(id(session), row)] = session.io_binding()
+            self.bind(binding, row, 1)
         binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
         binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
         binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
         rows = len(piece) if self.manifest.all_logits else 1
         logits = np.empty((1, rows, self.manifest.dims.vocab_size), self.dtype)
         binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
-        self.bind(binding, row, 1)
         session.run_with_iobinding(binding)
         return logits[0].astype(np.float32)
 
