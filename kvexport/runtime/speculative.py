@@ -87,18 +87,27 @@ class _Row:
     """One sequence in one row of an in-place cache, run a piece at a time at batch 1."""
 
     def __init__(
-        self, directory: Path, provider: str, capacity: int, *, spinning: bool, intra_op_threads: int | None
+        self,
+        directory: Path,
+        provider: str,
+        capacity: int | None,
+        *,
+        spinning: bool,
+        intra_op_threads: int | None,
+        manifest: Manifest | None = None,
     ) -> None:
-        found = preflight(directory)
-        found.raise_first()
-        self.manifest: Manifest = found.manifest
+        if manifest is None:  # the caller's pre-flight, or this one
+            found = preflight(directory)
+            found.raise_first()
+            manifest = found.manifest
+        self.manifest: Manifest = manifest
         if self.manifest.cache_layout != "shared-buffer":
             raise KvexportError(
                 f"{directory}: has the {self.manifest.cache_layout} cache layout; speculative decoding rolls "
                 "rejected drafts back in the in-place cache: export with --target ort-cpu or ort-cuda"
             )
         self.provider = resolve_provider(provider)
-        self.capacity = min(capacity, self.manifest.dims.n_positions)
+        self.capacity = min(capacity or self.manifest.dims.n_positions, self.manifest.dims.n_positions)
         options = session_options(intra_op_threads, spinning=spinning)
         self.session = open_session(directory / self.manifest.graphs["prefill"].file, self.provider, options)
         self.cache = SlotCache(self.manifest, self.provider, 1, self.capacity)
@@ -134,10 +143,7 @@ class DraftModel:
         intra_op_threads: int | None = None,
     ) -> None:
         self.directory = Path(directory)
-        found = preflight(self.directory)
-        found.raise_first()
-        room = capacity or found.manifest.dims.n_positions
-        self._row = _Row(self.directory, provider, room, spinning=spinning, intra_op_threads=intra_op_threads)
+        self._row = _Row(self.directory, provider, capacity, spinning=spinning, intra_op_threads=intra_op_threads)
         self.manifest = self._row.manifest
 
     def propose(
@@ -311,7 +317,12 @@ class SpeculativeGenerator:
         self._tokenizer = ExportTokenizer(self.directory, self.manifest)
         self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
         self._row = _Row(
-            self.directory, provider, self.manifest.dims.n_positions, spinning=self.spinning, intra_op_threads=intra_op_threads
+            self.directory,
+            provider,
+            None,
+            spinning=self.spinning,
+            intra_op_threads=intra_op_threads,
+            manifest=self.manifest,
         )
         self.last_stats = SpeculativeStats()
 
