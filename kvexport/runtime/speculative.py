@@ -29,7 +29,7 @@ draft.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -272,6 +272,30 @@ def verify_drafts(
     return len(drafts), int(draw(target[-1:], rng)[0])
 
 
+def speculative_round(
+    drafter: Drafter,
+    budget: DraftBudget,
+    context: Sequence[int],
+    room: int,
+    run: Callable[[Sequence[int]], np.ndarray],
+    sampling: SamplingConfig,
+    rng: np.random.Generator,
+) -> tuple[list[int], int, int]:
+    """One round: draft after ``context`` (which ends with the pending token), verify in one call.
+
+    ``room`` caps the drafts (tokens left to generate, rows left in the cache); ``run``
+    feeds a piece after the cached rows and returns the target's logits after each token.
+    Returns the drafts, how many the target kept, and the token after them; the caller
+    rolls its cache back past the rejected drafts.
+    """
+    count = min(budget.next_count(), room)
+    drafts, draft_probs = drafter.propose(context, count, sampling, rng) if count > 0 else ([], None)
+    logits = run([context[-1], *drafts])
+    kept, following = verify_drafts(logits, drafts, draft_probs, sampling, rng)
+    budget.update(len(drafts), kept)
+    return drafts, kept, following
+
+
 class SpeculativeGenerator:
     """Generate one sequence at a time with speculative decoding (see the module docstring).
 
@@ -310,9 +334,7 @@ class SpeculativeGenerator:
                 f"the target's {self.manifest.dims.vocab_size}; the draft must share the target's tokenizer"
             )
         self.draft_tokens = draft_tokens
-        self.provider = provider
         self.spinning = not isinstance(self.drafter, DraftModel) if spinning is None else spinning
-        self.intra_op_threads = intra_op_threads
         self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
         self._tokenizer = ExportTokenizer(self.directory, self.manifest)
         self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
@@ -324,6 +346,7 @@ class SpeculativeGenerator:
             intra_op_threads=intra_op_threads,
             manifest=self.manifest,
         )
+        self.provider = self._row.provider
         self.last_stats = SpeculativeStats()
 
     def stream(
@@ -362,11 +385,8 @@ class SpeculativeGenerator:
                 return
             started = time.perf_counter()
             tokens.append(pending)
-            room = min(budget.next_count(), max_new_tokens - produced - 1, limit - len(tokens))
-            drafts, draft_probs = self.drafter.propose(tokens, room, sampling, rng) if room > 0 else ([], None)
-            logits = row.run([pending, *drafts])
-            kept, pending = verify_drafts(logits, drafts, draft_probs, sampling, rng)
-            budget.update(len(drafts), kept)
+            room = min(max_new_tokens - produced - 1, limit - len(tokens))
+            drafts, kept, pending = speculative_round(self.drafter, budget, tokens, room, row.run, sampling, rng)
             row.keep(len(tokens) + kept)
             tokens.extend(drafts[:kept])
             emitted = _until_eos([*drafts[:kept], pending], eos)

@@ -64,7 +64,7 @@ from kvexport.runtime.speculative import (
     Drafter,
     common_prefix,
     require_all_logits,
-    verify_drafts,
+    speculative_round,
 )
 from kvexport.runtime.text import ExportTokenizer, TextStream
 
@@ -401,7 +401,7 @@ class Engine:
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down; send the request to another replica")
-            free = self.slots - len(self._active) - sum(r.pinned for r in self._residents)
+            free = self.slots - len(self._active) - self._pinned()
             if len(self._waiting) >= self.max_queue + max(0, free):
                 raise EngineFull(f"{len(self._waiting)} requests are waiting for a slot; retry shortly")
             self._waiting.append(handle)
@@ -420,7 +420,7 @@ class Engine:
         ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
         self._check_prompt(ids, SamplingParams(max_tokens=1))
         with self._lock:
-            if sum(r.pinned for r in self._residents) >= self.slots - 1:
+            if self._pinned() >= self.slots - 1:
                 raise KvexportError(f"all but one of the {self.slots} slots hold registered prefixes; unregister one first")
         handle = RequestHandle(f"prefix-{next(self._ids_counter)}", ids, SamplingParams(max_tokens=1))
         handle.pin = True
@@ -428,6 +428,10 @@ class Engine:
         if reason != "pinned":
             raise KvexportError(f"the prefix was not cached ({reason})")
         return len(ids)
+
+    def _pinned(self) -> int:
+        """Slots kept for registered prefixes (caller holds the lock)."""
+        return sum(r.pinned for r in self._residents)
 
     def unregister_prefix(self, prefix: str | Sequence[int]) -> bool:
         """Free the slot kept for ``prefix`` (its rows stay cached until reused); False if none was."""
@@ -471,7 +475,7 @@ class Engine:
                 generated_tokens=self._counters["generated_tokens"],
                 prefix_hits=self._counters["prefix_hits"],
                 cached_tokens=self._counters["cached_tokens"],
-                pinned=sum(r.pinned for r in self._residents),
+                pinned=self._pinned(),
                 drafted_tokens=self._counters["drafted_tokens"],
                 accepted_tokens=self._counters["accepted_tokens"],
                 finished=dict(self._finished),
@@ -615,12 +619,17 @@ class Engine:
         pending = sequence.next_token
         params = sequence.handle.params
         budget = sequence.draft_budget = sequence.draft_budget or DraftBudget(self.draft_tokens)
-        room = min(budget.next_count(), params.max_tokens - sequence.generated - 1, self.capacity - sequence.length - 1)
-        context = [*resident.tokens, pending]
-        drafts, draft_probs = self.drafter.propose(context, room, sequence.sampling, sequence.rng) if room > 0 else ([], None)
-        logits = self._run_piece(sequence.slot, [pending, *drafts], sequence.length)
-        kept, following = verify_drafts(logits, drafts, draft_probs, sequence.sampling, sequence.rng)
-        budget.update(len(drafts), kept)
+        room = min(params.max_tokens - sequence.generated - 1, self.capacity - sequence.length - 1)
+        start = sequence.length
+        drafts, kept, following = speculative_round(
+            self.drafter,
+            budget,
+            [*resident.tokens, pending],
+            room,
+            lambda piece: self._run_piece(sequence.slot, piece, start),
+            sequence.sampling,
+            sequence.rng,
+        )
         del resident.tokens[sequence.length + 1 + kept :]  # the rejected drafts' rows are free again
         sequence.length = len(resident.tokens)
         with self._lock:
