@@ -65,6 +65,7 @@ def serve(
     except OSError as exc:
         engine.close(drain=False)
         raise KvexportError(f"--host {host} --port {port}: can't listen there ({exc.strerror}); pick another port") from None
+    listener.listen(2048)  # connections queue from here on, so the "serving" line below is already true
     bound_port = listener.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
     server = uvicorn.Server(config)
