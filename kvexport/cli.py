@@ -763,6 +763,16 @@ def bench_command(
     default=None,
     help="With --replicas: join this Ray cluster (auto, ray://host:10001) instead of starting one here.",
 )
+@click.option(
+    "--chat-template",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A Jinja chat template for /v1/chat/completions [default: the export's tokenizer_config.json one, if any].",
+)
+@click.option(
+    "--warm-up", default=2, show_default=True, type=click.IntRange(0), help="Requests run before serving, so the first clients are not slower (0: none)."
+)
+@click.option("--no-check", is_flag=True, help="Skip comparing every file's sha256 with the manifest before loading.")
 @provider_option
 def serve_command(
     directory: Path,
@@ -779,24 +789,43 @@ def serve_command(
     draft_tokens: int,
     replicas: int | None,
     ray_address: str | None,
+    chat_template: Path | None,
+    warm_up: int,
+    no_check: bool,
     provider: str,
 ) -> None:
-    """Serve DIRECTORY over HTTP with an OpenAI-compatible API (/v1/completions, /v1/models, /health, /metrics).
+    """Serve DIRECTORY over HTTP with an OpenAI-compatible API.
 
-    Many requests decode together (continuous batching over the in-place cache): the
-    export needs --target ort-cpu / ort-cuda. Needs the serve extra: pip install 'kvexport[serve]'.
+    Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize,
+    /tokenizer_info, /health, /metrics. Many requests decode together (continuous batching
+    over the in-place cache): the export needs --target ort-cpu / ort-cuda. Needs the serve
+    extra: pip install 'kvexport[serve]'.
     """
+    from kvexport.serving.config import EngineConfig
+
+    config = _run(
+        lambda: EngineConfig(
+            slots=slots,
+            max_context=max_context,
+            max_queue=max_queue,
+            chunk=chunk,
+            provider=provider,
+            check=not no_check,
+            prefix_cache=not no_prefix_cache,
+            prompt_lookup=prompt_lookup,
+            draft=None if draft is None else str(draft),
+            draft_tokens=draft_tokens,
+            warm_up=warm_up,
+        )
+    )
     if replicas is not None:
-        if prompt_lookup or draft is not None:
-            raise UserError("--replicas with speculative decoding is not supported yet; drop --prompt-lookup / --draft")
         _run(lambda: require_extra("ray", "kvexport serve --replicas"))
         from kvexport.serving.ray import serve_with_ray
 
         _run(
             lambda: serve_with_ray(
-                directory, replicas=replicas, address=ray_address, host=host, port=port, say=_progress,
-                slots=slots, max_context=max_context, max_queue=max_queue, chunk=chunk, provider=provider, name=model_name,
-                prefix_cache=not no_prefix_cache,
+                directory, config, replicas=replicas, address=ray_address, host=host, port=port, name=model_name,
+                chat_template=chat_template, say=_progress,
             )
         )
         return
@@ -805,23 +834,9 @@ def serve_command(
     _run(lambda: require_extra("serve", "kvexport serve"))
     from kvexport.serving.server import serve
 
-    drafter = _drafter(prompt_lookup, draft, provider)
-
     _run(
         lambda: serve(
-            directory,
-            host=host,
-            port=port,
-            slots=slots,
-            max_context=max_context,
-            max_queue=max_queue,
-            chunk=chunk,
-            provider=provider,
-            name=model_name,
-            prefix_cache=not no_prefix_cache,
-            drafter=drafter,
-            draft_tokens=draft_tokens,
-            say=_progress,
+            directory, config, host=host, port=port, name=model_name, chat_template=chat_template, say=_progress
         )
     )
 

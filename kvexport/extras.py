@@ -16,7 +16,7 @@ from kvexport.errors import KvexportError
 # extra -> the packages it adds that kvexport imports
 EXTRAS: dict[str, tuple[str, ...]] = {
     "export": ("torch", "transformers"),
-    "serve": ("fastapi", "uvicorn", "prometheus_client"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "jinja2"),
     "ray": ("fastapi", "uvicorn", "prometheus_client", "ray"),
 }
 EXPORT_EXTRA = "kvexport[export]"

@@ -165,7 +165,7 @@ def test_streamed_text_is_transformers_greedy_text(generator: Generator) -> None
         (lambda g: g.generate([-3, 1], 4), r"token id -3 is outside the vocabulary"),
         (
             lambda g: g.generate([1] * 60, 5),
-            "prompt of 60 tokens \\+ 5 new tokens exceeds the model's 64 positions",
+            r"this model's maximum context length is 64 tokens, but 65 were requested \(60 in the prompt, 5 for",
         ),
         (lambda g: g.generate([1, 2], 0), "max_new_tokens 0: must be a positive integer"),
         (lambda g: g.generate([1, 2], -2), "max_new_tokens -2: must be a positive integer"),
@@ -201,8 +201,9 @@ def test_generate_command_streams_text_and_reports_speed(tiny_export: Path) -> N
     too_long = CliRunner().invoke(main, ["generate", str(tiny_export), "--prompt", "word " * 70])
     assert too_long.exit_code == 2
     assert too_long.stderr.strip() == (
-        "Error: prompt of 71 tokens + 50 new tokens exceeds the model's 64 positions; shorten the "
-        "prompt, ask for fewer tokens, or truncate the prompt (truncate=True, --truncate)"
+        "Error: this model's maximum context length is 64 tokens, but 121 were requested (71 in the prompt, "
+        "50 for the completion); shorten the prompt or ask for fewer tokens; or truncate the prompt "
+        "(truncate=True, --truncate)"
     )
     truncated = CliRunner().invoke(
         main,
@@ -215,12 +216,12 @@ def test_generate_command_streams_text_and_reports_speed(tiny_export: Path) -> N
 def test_truncate_keeps_the_last_tokens_and_matches_the_short_prompt(tiny_export: Path) -> None:
     generator = Generator(tiny_export)
     prompt = list(range(100, 170))  # 70 tokens > 64 positions
-    with pytest.raises(KvexportError, match="exceeds the model's 64 positions"):
+    with pytest.raises(KvexportError, match="maximum context length is 64 tokens, but 74 were requested"):
         generator.generate(prompt, 4)
     truncated = generator.generate(prompt, 4, truncate=True)
     assert truncated.shape == (1, 64)
     np.testing.assert_array_equal(truncated, generator.generate(prompt[-60:], 4))
-    with pytest.raises(KvexportError, match="exceeds the model's 64 positions; shorten the prompt, ask for fewer tokens$"):
+    with pytest.raises(KvexportError, match="but 134 were requested \\(70 in the prompt, 64 for the completion\\); shorten the prompt or ask for fewer tokens$"):
         generator.generate(prompt, 64, truncate=True)  # nothing of the prompt would fit
 
 

@@ -315,7 +315,8 @@ def test_the_stream_is_sse_ending_in_done(served: tuple[str, Engine]) -> None:
         ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1", "max_tokens"),
         ({"prompt": "x", "temperature": 3.0}, 400, "temperature: Input should be less than or equal to 2", "temperature"),
         ({"max_tokens": 3}, 400, "prompt: Field required", "prompt"),
-        ({"prompt": "x", "n": 2}, 400, "n: only n=1 is supported", "n"),
+        ({"prompt": "x", "suffix": "y"}, 400, "suffix: not served by kvexport serve; leave it out", "suffix"),
+        ({"prompt": "x", "best_of": 2}, 400, "best_of: not served by kvexport serve; leave it out", "best_of"),
         (
             {"prompt": [5] * 120, "max_tokens": 20},
             400,

@@ -34,23 +34,15 @@ import onnx
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
-from kvexport.errors import KvexportError, ManifestError
-from kvexport.integrity import preflight
+from kvexport.errors import KvexportError
 from kvexport.manifest import GRAPH_NAMES, Manifest
+from kvexport.runtime.cache import CacheBanks, numpy_dtype
+from kvexport.runtime.opened import check_room, check_token_ids, open_export
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
-from kvexport.runtime.session import open_session, resolve_provider, session_options
-from kvexport.runtime.text import ExportTokenizer, text_pieces
+from kvexport.runtime.session import open_session, session_options
+from kvexport.runtime.text import text_pieces
 from passes.cache_names import cache_names
-
-_NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.float16}
-
-
-def numpy_dtype(dtype: str) -> type[np.floating[Any]]:
-    """The numpy type of a manifest's ``dtype`` (fp32, fp16), or one line saying it is unknown."""
-    if dtype not in _NP_DTYPES:
-        raise ManifestError(f"manifest dtype {dtype!r} is not one the runner knows (fp32, fp16)")
-    return _NP_DTYPES[dtype]
 
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
 
@@ -121,55 +113,6 @@ class _MappedWeights:
             options.add_initializer(tensor.name, self.values[key])
 
 
-class CacheBanks:
-    """Banks of flat cache buffers on the device; views of any length are bound by pointer.
-
-    Two banks (ping-pong) for the ``concat`` layout, one for ``shared-buffer``.
-    """
-
-    def __init__(self, tensors: int, capacity: int, dtype: type, device: str, banks: int = 2) -> None:
-        self.device = device
-        self.dtype = dtype
-        self._owners: list[Any] = []  # keeps the buffers alive
-        self.pointers: list[list[int]] = []  # [bank][tensor index in cache_names order]
-        for _ in range(banks):
-            bank: list[int] = []
-            for _ in range(tensors):
-                if device == "cpu":
-                    array: np.ndarray = np.empty(capacity, dtype=dtype)
-                    bank.append(array.ctypes.data)
-                    self._owners.append(array)
-                else:
-                    value = ort.OrtValue.ortvalue_from_shape_and_type([capacity], dtype, device, 0)
-                    bank.append(value.data_ptr())
-                    self._owners.append(value)
-            self.pointers.append(bank)
-
-    def bind(
-        self, binding: ort.IOBinding, names: list[str], bank: int, shape: tuple[int, ...], *, output: bool
-    ) -> None:
-        """Bind tensor i of ``names`` to the front of buffer i of ``bank``, viewed as ``shape``."""
-        for name, pointer in zip(names, self.pointers[bank], strict=True):
-            if output:
-                binding.bind_output(name, self.device, 0, self.dtype, list(shape), pointer)
-            else:
-                binding.bind_input(name, self.device, 0, self.dtype, list(shape), pointer)
-
-    def host_view(self, bank: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
-        """Buffer ``index`` of ``bank`` itself, viewed as ``shape`` (CPU buffers only)."""
-        owner = self._owners[bank * len(self.pointers[bank]) + index]
-        if not isinstance(owner, np.ndarray):
-            raise ValueError("the cache lives on the device; only CPU buffers have a host view")
-        return owner[: int(np.prod(shape))].reshape(shape)
-
-    def read(self, bank: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
-        """A host copy of the front of buffer ``index`` of ``bank``, viewed as ``shape``."""
-        owner = self._owners[bank * len(self.pointers[bank]) + index]
-        count = int(np.prod(shape))
-        flat = owner[:count] if isinstance(owner, np.ndarray) else owner.numpy()[:count]
-        return np.array(flat.reshape(shape))
-
-
 def _array_prompt(input_ids: np.ndarray, attention_mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
     """An array prompt as int64 [batch, sequence] with its mask (all ones when none is given)."""
     ids = input_ids.reshape(1, -1) if input_ids.ndim == 1 else input_ids
@@ -200,73 +143,6 @@ def _left_padded(input_ids: Sequence[int] | Sequence[Sequence[int]], pad: int) -
         ids[i, width - len(row) :] = row
         mask[i, width - len(row) :] = 1
     return ids, mask
-
-
-class SlotCache:
-    """An in-place cache of ``slots`` rows: one ``[slots, H, capacity, D]`` buffer per cache tensor.
-
-    Rows are bound by address, a run at a time: ``bind(binding, first, rows)`` binds every
-    ``past.*`` input and its ``present.*`` output to the same rows ``first..first+rows``, so
-    a prompt can be prefilled at batch 1 into its own row and rows of different lengths
-    decoded together (the serving engine, and verify's case for it).
-    """
-
-    def __init__(self, manifest: Manifest, provider: str, slots: int, capacity: int) -> None:
-        dims = manifest.dims
-        self.manifest = manifest
-        self.dtype = numpy_dtype(manifest.dtype)
-        self.slots = slots
-        self.row_shape = (dims.n_head, capacity, dims.head_dim)
-        self.past = cache_names("past", dims.n_layer)
-        self.present = cache_names("present", dims.n_layer)
-        row = int(np.prod(self.row_shape))
-        self.row_bytes = row * np.dtype(self.dtype).itemsize
-        device = "cuda" if provider == "cuda" else "cpu"
-        self.banks = CacheBanks(len(self.past), slots * row, self.dtype, device, banks=1)
-        self._row_bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (session, row) -> binding
-
-    def bind(self, binding: ort.IOBinding, first: int, rows: int) -> None:
-        """Bind past and present of every layer to rows ``first..first+rows`` of the buffers."""
-        shape = [rows, *self.row_shape]
-        for index, (past, present) in enumerate(zip(self.past, self.present, strict=True)):
-            pointer = self.banks.pointers[0][index] + first * self.row_bytes
-            binding.bind_input(past, self.banks.device, 0, self.dtype, shape, pointer)
-            binding.bind_output(present, self.banks.device, 0, self.dtype, shape, pointer)
-
-    def run_piece(self, session: ort.InferenceSession, row: int, piece: Sequence[int], start: int) -> np.ndarray:
-        """Run ``piece`` at batch 1 after the ``start`` tokens cached in ``row`` (the prefill graph).
-
-        Its keys and values land in the row's positions ``start..``; returns the logits
-        after each token (an ``--all-logits`` graph) or after the last: [n or 1, V], fp32.
-        """
-        end = start + len(piece)
-        binding = self._row_bindings.get((id(session), row))
-        if binding is None:  # the cache stays bound; each call rebinds only the inputs and logits
-            binding = self._row_bindings[(id(session), row)] = session.io_binding()
-            self.bind(binding, row, 1)
-        binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
-        binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
-        binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
-        rows = len(piece) if self.manifest.all_logits else 1
-        logits = np.empty((1, rows, self.manifest.dims.vocab_size), self.dtype)
-        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
-        session.run_with_iobinding(binding)
-        return logits[0].astype(np.float32)
-
-    @property
-    def can_copy_rows(self) -> bool:
-        """Whether :meth:`copy_rows` works here (CPU buffers)."""
-        return self.banks.device == "cpu"
-
-    def copy_rows(self, source: int, target: int, length: int) -> None:
-        """Copy the first ``length`` positions of row ``source`` into row ``target``, every tensor (CPU)."""
-        for index in range(len(self.past)):
-            view = self.banks.host_view(0, index, (self.slots, *self.row_shape))
-            view[target, :, :length] = view[source, :, :length]
-
-    def read(self, index: int, row: int, length: int) -> np.ndarray:
-        """A host copy of cache tensor ``index`` of one row, its first ``length`` positions: [1, H, length, D]."""
-        return self.banks.read(0, index, (self.slots, *self.row_shape))[row : row + 1, :, :length]
 
 
 class Generator:
@@ -311,11 +187,10 @@ class Generator:
         trace_cache: bool = False,
         decode_graph: bool = False,
     ) -> None:
-        self.directory = Path(directory)
-        found = preflight(self.directory, hash_files=check)
-        found.raise_first()
-        self.manifest: Manifest = found.manifest
-        self.provider = resolve_provider(provider)
+        opened = open_export(directory, provider, check=check)
+        self.directory = opened.directory
+        self.manifest: Manifest = opened.manifest
+        self.provider = opened.provider
         if prepacked and share_weights:
             raise KvexportError("prepacked and share_weights are two ways to hold the weights; pick one")
         if prepacked and self.provider != "cpu":
@@ -328,7 +203,7 @@ class Generator:
         self.vocab_size, self.n_positions = dims.vocab_size, dims.n_positions
         self._past_names = cache_names("past", self.n_layer)
         self._present_names = cache_names("present", self.n_layer)
-        protos = found.protos
+        protos = opened.protos
         self._weights = (
             _MappedWeights(self.directory, self.manifest.weights["file"]) if share_weights else None
         )
@@ -350,9 +225,9 @@ class Generator:
                 options.add_session_config_entry("session.disable_prepacking", "1")
             self.sessions[graph] = open_session(paths[graph], self.provider, options)
         self.sessions.setdefault("decode", self.sessions["prefill"])
-        self._tokenizer = ExportTokenizer(self.directory, self.manifest)
+        self._tokenizer = opened.tokenizer
         self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
-        self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
+        self.eos_token_id: int | None = opened.eos_token_id
         self.trace_cache = trace_cache
         self.last_stats = GenerationStats()
 
@@ -400,27 +275,18 @@ class Generator:
             raise KvexportError(
                 "attention_mask must be left-padded: every row's last position must be a real token"
             )
-        real = ids[mask == 1]
-        if real.size and (real.min() < 0 or real.max() >= self.vocab_size):
-            bad = int(real[(real < 0) | (real >= self.vocab_size)][0])
-            raise KvexportError(
-                f"token id {bad} is outside the vocabulary (0..{self.vocab_size - 1})"
-            )
+        check_token_ids(ids[mask == 1], self.vocab_size)
 
     def _fit_positions(
         self, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, truncate: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """The prompt as it is when prompt + new tokens fit the model's positions, else refused or truncated."""
-        total = ids.shape[1] + max_new_tokens
-        if total <= self.n_positions:
+        if ids.shape[1] + max_new_tokens <= self.n_positions:
             return ids, mask
         keep = self.n_positions - max_new_tokens
         if not truncate or keep < 1:
-            raise KvexportError(
-                f"prompt of {ids.shape[1]} tokens + {max_new_tokens} new tokens exceeds the model's "
-                f"{self.n_positions} positions; shorten the prompt, ask for fewer tokens"
-                + (", or truncate the prompt (truncate=True, --truncate)" if keep >= 1 else "")
-            )
+            hint = "; or truncate the prompt (truncate=True, --truncate)" if keep >= 1 else ""
+            check_room(ids.shape[1], max_new_tokens, self.n_positions, hint=hint)
         # keep each row's most recent tokens: the left-padded tail of the batch
         return ids[:, -keep:], mask[:, -keep:]
 

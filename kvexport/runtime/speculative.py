@@ -38,12 +38,12 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from kvexport.errors import KvexportError
-from kvexport.integrity import preflight
 from kvexport.manifest import Manifest
-from kvexport.runtime.generator import SlotCache
+from kvexport.runtime.cache import SlotCache
+from kvexport.runtime.opened import OpenedExport, check_prompt, open_export
 from kvexport.runtime.sampling import SamplingConfig, draw, token_probabilities
-from kvexport.runtime.session import open_session, resolve_provider, session_options
-from kvexport.runtime.text import ExportTokenizer, text_pieces
+from kvexport.runtime.session import open_session, session_options
+from kvexport.runtime.text import text_pieces
 
 DEFAULT_DRAFT_TOKENS = 4
 
@@ -88,28 +88,18 @@ class _Row:
 
     def __init__(
         self,
-        directory: Path,
-        provider: str,
+        opened: OpenedExport,
         capacity: int | None,
         *,
         spinning: bool,
         intra_op_threads: int | None,
-        manifest: Manifest | None = None,
     ) -> None:
-        if manifest is None:  # the caller's pre-flight, or this one
-            found = preflight(directory)
-            found.raise_first()
-            manifest = found.manifest
-        self.manifest: Manifest = manifest
-        if self.manifest.cache_layout != "shared-buffer":
-            raise KvexportError(
-                f"{directory}: has the {self.manifest.cache_layout} cache layout; speculative decoding rolls "
-                "rejected drafts back in the in-place cache: export with --target ort-cpu or ort-cuda"
-            )
-        self.provider = resolve_provider(provider)
+        opened.require_in_place("speculative decoding rolls rejected drafts back in the in-place cache")
+        self.manifest: Manifest = opened.manifest
+        self.provider = opened.provider
         self.capacity = min(capacity or self.manifest.dims.n_positions, self.manifest.dims.n_positions)
         options = session_options(intra_op_threads, spinning=spinning)
-        self.session = open_session(directory / self.manifest.graphs["prefill"].file, self.provider, options)
+        self.session = open_session(opened.directory / self.manifest.graphs["prefill"].file, self.provider, options)
         self.cache = SlotCache(self.manifest, self.provider, 1, self.capacity)
         self.tokens: list[int] = []  # what the cache rows hold
 
@@ -143,7 +133,7 @@ class DraftModel:
         intra_op_threads: int | None = None,
     ) -> None:
         self.directory = Path(directory)
-        self._row = _Row(self.directory, provider, capacity, spinning=spinning, intra_op_threads=intra_op_threads)
+        self._row = _Row(open_export(self.directory, provider), capacity, spinning=spinning, intra_op_threads=intra_op_threads)
         self.manifest = self._row.manifest
 
     def propose(
@@ -323,9 +313,8 @@ class SpeculativeGenerator:
         self.directory = Path(directory)
         if draft_tokens < 1:
             raise KvexportError(f"draft tokens {draft_tokens}: must be at least 1")
-        found = preflight(self.directory)
-        found.raise_first()
-        self.manifest = found.manifest
+        opened = open_export(self.directory, provider)
+        self.manifest = opened.manifest
         require_all_logits(self.directory, self.manifest)
         self.drafter: Drafter = drafter or PromptLookup()
         if isinstance(self.drafter, DraftModel) and self.drafter.manifest.dims.vocab_size != self.manifest.dims.vocab_size:
@@ -335,17 +324,10 @@ class SpeculativeGenerator:
             )
         self.draft_tokens = draft_tokens
         self.spinning = not isinstance(self.drafter, DraftModel) if spinning is None else spinning
-        self.eos_token_id: int | None = self.manifest.tokenizer.get("eos_token_id")
-        self._tokenizer = ExportTokenizer(self.directory, self.manifest)
+        self.eos_token_id: int | None = opened.eos_token_id
+        self._tokenizer = opened.tokenizer
         self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
-        self._row = _Row(
-            self.directory,
-            provider,
-            None,
-            spinning=self.spinning,
-            intra_op_threads=intra_op_threads,
-            manifest=self.manifest,
-        )
+        self._row = _Row(opened, None, spinning=self.spinning, intra_op_threads=intra_op_threads)
         self.provider = self._row.provider
         self.last_stats = SpeculativeStats()
 
@@ -360,13 +342,11 @@ class SpeculativeGenerator:
         sampling = sampling or SamplingConfig()
         if sampling.do_sample:
             sampling.validate()
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise KvexportError(f"max_new_tokens {max_new_tokens!r}: must be a positive integer")
         tokens = [int(t) for t in prompt]
         limit = self.manifest.dims.n_positions
-        if not tokens or len(tokens) + max_new_tokens > limit or max_new_tokens < 1:
-            raise KvexportError(
-                f"{len(tokens)} prompt tokens and {max_new_tokens} new ones: need a prompt, at least one new token "
-                f"and at most {limit} in all"
-            )
+        check_prompt(tokens, self.manifest.dims.vocab_size, max_new_tokens, limit)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
         rng = np.random.default_rng(sampling.seed)
         row, stats = self._row, SpeculativeStats()

@@ -42,9 +42,11 @@ class TextStream:
     than a short one.
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, stop: Sequence[str], *, include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = list(stop)
+        self.include_stop = include_stop  # release the stop string itself too (vLLM's include_stop_str_in_output)
+        self.matched: str | None = None  # the stop string that ended the text
         self.ids: list[int] = []
         self.prefix_offset = 0  # ids before it are decoded for good
         self.read_offset = 0  # ids before it are in ``text``
@@ -60,19 +62,25 @@ class TextStream:
             self.text += window[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
 
-    def add(self, token: int | None) -> tuple[str, bool]:
-        """The text this token releases, and whether a stop string ended the text."""
+    def add(self, token: int | None, *, check_stop: bool = True) -> tuple[str, bool]:
+        """The text this token releases, and whether a stop string ended the text.
+
+        ``check_stop`` False looks for no stop string yet (``min_tokens`` not reached).
+        """
         if self.tokenizer is None:
             return "", False
         if token is not None:
             self.ids.append(token)
         self._decode_new()
         text = self.text
-        for stop in self.stop:
+        stops = self.stop if check_stop else []
+        for stop in stops:
             found = text.find(stop, max(0, self.emitted - len(stop) + 1))
             if found != -1:
-                return self._release(text[:found], found), True
-        hold = max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+                self.matched = stop
+                end = found + len(stop) if self.include_stop else found
+                return self._release(text[:end], end), True
+        hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
         return self._release(text, len(text) - hold), False
 
     def flush(self) -> str:

@@ -1,7 +1,6 @@
 """``kvexport serve`` on Ray Serve: the same FastAPI app, one engine per replica.
 
-Each replica of :class:`KvexportReplica` checks the export's files against the manifest's
-hashes, builds its own :class:`~kvexport.serving.engine.Engine`, and serves the app of
+Each replica of :class:`KvexportReplica` builds its own :class:`~kvexport.serving.engine.Engine`, and serves the app of
 ``kvexport serve`` (:func:`~kvexport.serving.app.create_app`) as its ingress, built after
 the engine (``serve.ingress()`` late-bound), so nothing of the HTTP surface is written
 twice. Each response names its replica in an ``x-kvexport-replica`` header, and
@@ -11,7 +10,8 @@ Three ways in:
 
 - ``kvexport serve DIR --replicas N [--ray-address auto|ray://...]`` starts (or joins) a Ray
   cluster and deploys N replicas behind Serve's HTTP proxy;
-- ``serve run kvexport.serving.ray:app dir=DIR [slots=8 ...]`` with Serve's own CLI;
+- ``serve run kvexport.serving.ray:app dir=DIR [slots=8 prefix_cache=false ...]`` with
+  Serve's own CLI, every :class:`~kvexport.serving.config.EngineConfig` field a key;
 - a ``serve deploy`` config whose ``import_path`` is ``kvexport.serving.ray:app``
   (``examples/ray_serve.yaml``, with autoscaling).
 
@@ -35,7 +35,9 @@ from ray.serve import Application
 
 from kvexport.errors import KvexportError
 from kvexport.serving.app import create_app
-from kvexport.serving.engine import DEFAULT_CHUNK, Engine
+from kvexport.serving.chat import ChatTemplate
+from kvexport.serving.config import EngineConfig
+from kvexport.serving.engine import Engine
 from kvexport.serving.server import model_name
 
 DEPLOYMENT = "kvexport"
@@ -47,19 +49,16 @@ class KvexportReplica:
     """One replica: an engine over the export directory, behind the app of ``kvexport serve``."""
 
     def __init__(
-        self, directory: str, slots: int = 8, max_context: int | None = None, max_queue: int = 64, chunk: int = DEFAULT_CHUNK,
-        provider: str = "cpu", name: str | None = None, prefix_cache: bool = True,
+        self, directory: str, config: EngineConfig, name: str | None = None, chat_template: str | None = None
     ) -> None:
-        self.engine = Engine(
-            directory, slots=slots, max_context=max_context, max_queue=max_queue, chunk=chunk, provider=provider,
-            check=True, prefix_cache=prefix_cache,
-        )
+        self.template = ChatTemplate.find(Path(directory), chat_template)
+        self.engine = Engine(directory, config)
         self.model = name or model_name(Path(directory))
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
     def __serve_build_asgi_app__(self) -> Any:
         """The app of ``kvexport serve`` over this replica's engine (Serve calls it after ``__init__``)."""
-        return create_app(self.engine, self.model, replica=self.replica)
+        return create_app(self.engine, self.model, replica=self.replica, chat_template=self.template)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -69,46 +68,53 @@ class KvexportReplica:
 
 def build(
     directory: str | Path,
+    config: EngineConfig | None = None,
     *,
     replicas: int = 2,
-    slots: int = 8,
-    max_context: int | None = None,
-    max_queue: int = 64,
-    chunk: int = DEFAULT_CHUNK,
-    provider: str = "cpu",
     name: str | None = None,
-    prefix_cache: bool = True,
+    chat_template: str | Path | None = None,
 ) -> Application:
     """The Serve application: ``replicas`` copies of :class:`KvexportReplica` over ``directory``."""
+    config = config or EngineConfig()
     path = Path(directory).resolve()
     if not (path / "kvexport.json").is_file():
         raise KvexportError(f"{directory}: no kvexport.json; pass an export directory (kvexport gpt2 --out ...)")
+    ChatTemplate.find(path, chat_template)  # a bad template file fails here, not in every replica
     deployment = KvexportReplica.options(  # type: ignore[attr-defined]
-        num_replicas=replicas, max_ongoing_requests=slots + max_queue
+        num_replicas=replicas, max_ongoing_requests=config.slots + config.max_queue
     )
-    return deployment.bind(str(path), slots, max_context, max_queue, chunk, provider, name, prefix_cache)
+    return deployment.bind(str(path), config, name, None if chat_template is None else str(chat_template))
+
+
+# the application's own arguments; every other key=value is an EngineConfig field
+_APP_ARGUMENTS = ("dir", "replicas", "name", "chat_template")
 
 
 def app(args: dict[str, str]) -> Application:
-    """Serve's application builder: ``serve run kvexport.serving.ray:app dir=DIR [replicas=2 slots=8 ...]``."""
+    """Serve's application builder: ``serve run kvexport.serving.ray:app dir=DIR [replicas=2 slots=8 ...]``.
+
+    Besides ``dir``, ``replicas``, ``name`` and ``chat_template``, every key is a field of
+    :class:`~kvexport.serving.config.EngineConfig` (``prefix_cache=false``, ``chunk=128``, ...).
+    """
     if "dir" not in args:
         raise KvexportError("pass the export directory: serve run kvexport.serving.ray:app dir=DIR")
-    numbers: dict[str, Any] = {
-        key: int(args[key]) for key in ("replicas", "slots", "max_context", "max_queue", "chunk") if key in args
-    }
-    return build(args["dir"], provider=args.get("provider", "cpu"), name=args.get("name"), **numbers)
+    config = EngineConfig.from_strings({k: v for k, v in args.items() if k not in _APP_ARGUMENTS})
+    replicas = int(args.get("replicas", "2"))
+    return build(args["dir"], config, replicas=replicas, name=args.get("name"), chat_template=args.get("chat_template"))
 
 
 def serve_with_ray(
     directory: str | Path,
+    config: EngineConfig | None = None,
     *,
     replicas: int,
     address: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
+    name: str | None = None,
+    chat_template: str | Path | None = None,
     say: Callable[[str], None] = lambda message: None,
     stop: threading.Event | None = None,
-    **engine_options: Any,
 ) -> None:
     """Deploy ``replicas`` replicas on a Ray cluster (started here unless ``address``) until SIGTERM / SIGINT.
 
@@ -117,7 +123,7 @@ def serve_with_ray(
     """
     import ray
 
-    application = build(directory, replicas=replicas, **engine_options)
+    application = build(directory, config, replicas=replicas, name=name, chat_template=chat_template)
     started_here = address is None
     ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     finished = stop or threading.Event()

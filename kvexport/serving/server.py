@@ -1,6 +1,8 @@
 """``kvexport serve``: the HTTP app on uvicorn, on one machine.
 
-The engine is built first (the export checked and loaded), then uvicorn serves the app on
+The engine is built first (the export checked, loaded and warmed up with
+``EngineConfig.warm_up`` requests, so the first clients do not pay for ONNX Runtime's
+first runs), then uvicorn serves the app on
 a socket bound here, so ``--port 0`` works and the address is known before the first
 request. SIGTERM or Ctrl-C: uvicorn stops taking connections and lets the running
 requests finish; then the engine drains and stops, and the process exits 0.
@@ -14,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvexport.errors import KvexportError
-from kvexport.runtime.speculative import DEFAULT_DRAFT_TOKENS, Drafter
-from kvexport.serving.engine import DEFAULT_CHUNK, Engine
+from kvexport.serving.config import EngineConfig
+from kvexport.serving.engine import Engine
 
 
 def model_name(directory: Path) -> str:
@@ -25,39 +27,29 @@ def model_name(directory: Path) -> str:
 
 def serve(
     directory: str | Path,
+    config: EngineConfig | None = None,
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    slots: int = 8,
-    max_context: int | None = None,
-    max_queue: int = 64,
-    chunk: int = DEFAULT_CHUNK,
-    provider: str = "cpu",
     name: str | None = None,
-    prefix_cache: bool = True,
-    drafter: Drafter | None = None,
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+    chat_template: str | Path | None = None,
     say: Callable[[str], None] = lambda message: None,
 ) -> None:
-    """Serve ``directory`` until SIGTERM or SIGINT; returns after a clean shutdown."""
+    """Serve ``directory`` with the engine ``config`` describes until SIGTERM or SIGINT; returns after a clean shutdown.
+
+    ``chat_template`` is a Jinja chat template file for ``/v1/chat/completions`` (default:
+    the export's ``tokenizer_config.json`` template, if it has one).
+    """
     import uvicorn
 
     from kvexport.serving.app import create_app
+    from kvexport.serving.chat import ChatTemplate
 
     path = Path(directory)
-    engine = Engine(
-        path,
-        slots=slots,
-        max_context=max_context,
-        max_queue=max_queue,
-        chunk=chunk,
-        provider=provider,
-        prefix_cache=prefix_cache,
-        drafter=drafter,
-        draft_tokens=draft_tokens,
-    )
+    template = ChatTemplate.find(path, chat_template)  # a bad template file fails before the engine loads
+    engine = Engine(path, config or EngineConfig())
     served = name or model_name(path)
-    app = create_app(engine, served)
+    app = create_app(engine, served, chat_template=template)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -67,8 +59,7 @@ def serve(
         raise KvexportError(f"--host {host} --port {port}: can't listen there ({exc.strerror}); pick another port") from None
     listener.listen(2048)  # connections queue from here on, so the "serving" line below is already true
     bound_port = listener.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off"))
     # uvicorn takes SIGTERM / SIGINT while it serves and raises them again once it has
     # shut down gracefully; ignored then, they end nothing more
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -1,0 +1,105 @@
+"""``EngineConfig``: every setting of the serving engine, in one frozen object.
+
+The CLI, :func:`kvexport.serving.server.serve` and the Ray Serve deployment each build it
+once and hand it on; ``serve run kvexport.serving.ray:app key=value`` parses every field
+from it (:meth:`EngineConfig.from_strings`), so no setting can be forgotten on one path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvexport.errors import KvexportError
+from kvexport.runtime.speculative import DEFAULT_DRAFT_TOKENS, Drafter, DraftModel, PromptLookup
+
+DEFAULT_CHUNK = 256
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings (see :class:`~kvexport.serving.engine.Engine`).
+
+    Attributes:
+        slots: rows of the cache: requests generating at once.
+        max_context: tokens per slot (prompt + completion); default the model's positions.
+        max_queue: requests that may wait for a slot; more are refused.
+        chunk: prompt tokens prefilled per engine step.
+        provider: ``cpu``, ``cuda`` or ``auto``.
+        intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
+        spinning: let the session's threads spin between runs (faster decode steps on CPU).
+        check: compare every file's size and sha256 with the manifest before loading.
+        prefix_cache: reuse the cached rows of a prompt's prefix.
+        prompt_lookup: speculative decoding with prompt-lookup drafts while one request
+            runs alone (the export needs ``--all-logits``).
+        draft: speculative decoding with drafts from this smaller in-place export.
+        draft_tokens: drafts per speculative step.
+        warm_up: requests run through the engine before it takes any (0: none), so the
+            first real requests do not pay for ONNX Runtime's first runs; what they leave
+            (counters, cached rows) is cleared.
+
+    """
+
+    slots: int = 8
+    max_context: int | None = None
+    max_queue: int = 64
+    chunk: int = DEFAULT_CHUNK
+    provider: str = "cpu"
+    intra_op_threads: int | None = None
+    spinning: bool = True
+    check: bool = False
+    prefix_cache: bool = True
+    prompt_lookup: bool = False
+    draft: str | None = None
+    draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    warm_up: int = 2
+
+    def __post_init__(self) -> None:
+        for name, low in (("slots", 1), ("max_queue", 0), ("chunk", 1), ("draft_tokens", 1), ("warm_up", 0)):
+            value = getattr(self, name)
+            if value < low:
+                raise KvexportError(f"{name} {value}: must be at least {low}")
+        if self.prompt_lookup and self.draft is not None:
+            raise KvexportError("--prompt-lookup and --draft: pick one drafter")
+
+    def drafter(self) -> Drafter | None:
+        """The drafter these settings ask for (None: no speculative decoding)."""
+        if self.draft is not None:
+            return DraftModel(Path(self.draft), self.provider)
+        return PromptLookup() if self.prompt_lookup else None
+
+    @classmethod
+    def from_strings(cls, values: dict[str, str]) -> EngineConfig:
+        """A config from ``key=value`` strings (Serve's CLI arguments), each parsed by its field's type.
+
+        Unknown keys are refused in one line naming them and the known ones.
+        """
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(fields))
+        if unknown:
+            raise KvexportError(f"unknown engine setting {unknown[0]!r}; the settings are {', '.join(fields)}")
+        hints = typing.get_type_hints(cls)
+        return cls(**{name: _parse(name, text, hints[name]) for name, text in values.items()})
+
+
+def _parse(name: str, text: str, hint: Any) -> Any:
+    """``text`` as a value of the annotated type ``hint`` (int, bool, str, or one of them or None)."""
+    choices = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if type(None) in choices and text.lower() in ("", "none", "null"):
+        return None
+    kind = next(choice for choice in choices if choice is not type(None))
+    if kind is bool:
+        lowered = text.lower()
+        if lowered not in ("true", "false", "1", "0", "yes", "no"):
+            raise KvexportError(f"{name}={text}: expected true or false")
+        return lowered in ("true", "1", "yes")
+    if kind is int:
+        try:
+            return int(text)
+        except ValueError:
+            raise KvexportError(f"{name}={text}: expected an integer") from None
+    return text

@@ -1,0 +1,233 @@
+"""The request bodies of the OpenAI-compatible API, with vLLM's fields and meanings.
+
+Every field a body may carry is one of three kinds:
+
+- **served**: a field of the models below, honoured with vLLM's meaning;
+- **refused**: a field vLLM knows that this server does not serve (``suffix``,
+  ``best_of``, beam search, structured output, tools, ...): a value other than its
+  neutral default is a 400 that names it (:func:`refused_field`);
+- **unknown** to vLLM too: ignored, as vLLM ignores it (it logs them; so does this server).
+
+Types are strict (``"10"`` is not an integer) and out-of-range values are a 400 in
+OpenAI's error shape.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kvexport.errors import KvexportError
+from kvexport.serving.request import MAX_LOGPROBS, SamplingParams
+
+LOG = logging.getLogger("kvexport.serving")
+
+# vLLM's fields that are not served here, each with the values that mean "not used"
+_REFUSED: dict[str, tuple[Any, ...]] = {
+    "suffix": (None,),
+    "best_of": (None,),
+    "use_beam_search": (None, False),
+    "length_penalty": (None, 1, 1.0),
+    "bad_words": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "logits_processors": (None, []),
+    "priority": (None, 0),
+    "cache_salt": (None,),
+    "kv_transfer_params": (None,),
+    "vllm_xargs": (None,),
+    "prompt_embeds": (None,),
+    "return_token_ids": (None, False),
+    "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True),
+    "tools": (None, []),
+    "tool_choice": (None, "none"),
+    "functions": (None, []),
+    "function_call": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "documents": (None, []),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "continue_final_message": (None, False),
+    "reasoning_effort": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
+    "echo": (None, False),  # chat's echo (completions serve theirs)
+}
+
+# the fields vLLM knows beyond those two (so they are not logged as unknown)
+_KNOWN_ELSEWHERE = {"user", "metadata", "store", "service_tier", "request_id", "add_special_tokens"}
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` (a last chunk with the usage)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class SamplingFields(BaseModel):
+    """The sampling controls both routes take (vLLM's ``SamplingParams`` fields)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    temperature: float | None = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    add_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+
+    def sampling_params(self, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
+        """The engine's settings for one choice of this request."""
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=max(0, self.top_k or 0),
+            min_p=self.min_p or 0.0,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            logit_bias=_logit_bias(self.logit_bias),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def refused(self) -> str | None:
+        """The first field this server refuses, as a one-line message, or None; unknown fields are logged."""
+        extra = dict(self.model_extra or {})
+        if self.stream_options is not None:
+            if self.stream_options.continuous_usage_stats:
+                return "stream_options.continuous_usage_stats: not served; use include_usage for one usage chunk at the end"
+        for name, value in extra.items():
+            if name in _REFUSED and value not in _REFUSED[name]:
+                return f"{name}: not served by kvexport serve; leave it out"
+        unknown = sorted(set(extra) - set(_REFUSED) - _KNOWN_ELSEWHERE)
+        if unknown:
+            LOG.warning("ignored request fields (unknown to vLLM's API too): %s", ", ".join(unknown))
+        return None
+
+
+class CompletionRequest(SamplingFields):
+    """The body of ``POST /v1/completions``."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one, or each of a list."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return list(prompt)
+        return [prompt]  # type: ignore[list-item]
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat: its role and its text (a string, or a list of text parts)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "user", "assistant"]
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message's text; a part that is not text is refused."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        pieces = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise KvexportError(f"messages: a content part of type {part.get('type')!r} is not served; send text parts")
+            pieces.append(part["text"])
+        return "".join(pieces)
+
+
+class ChatCompletionRequest(SamplingFields):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    def wanted_tokens(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens`` (None: the rest of the context)."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    """``POST /tokenize``: a ``prompt``, or chat ``messages`` rendered by the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """``POST /detokenize``: token ids to text."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """JSON's string keys as token ids, or one line naming the key that is not one."""
+    parsed: dict[int, float] = {}
+    for key, value in (bias or {}).items():
+        try:
+            parsed[int(key)] = float(value)
+        except ValueError:
+            raise KvexportError(f"logit_bias: the key {key!r} is not a token id") from None
+    return parsed

@@ -1,0 +1,281 @@
+"""What a request is: its settings (:class:`SamplingParams`), its state and its stream of events.
+
+A :class:`Request` is created by :meth:`Engine.submit <kvexport.serving.engine.Engine.submit>`
+and lives until its last event: waiting for a slot, prefilling its prompt, running (one
+token per decode step), finished. The engine thread advances it; the caller iterates it
+(``for`` or ``async for``) for :class:`TokenEvent` s, or cancels it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import enum
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvexport.errors import KvexportError
+from kvexport.runtime.sampling import SamplingConfig
+from kvexport.runtime.speculative import DraftBudget
+from kvexport.runtime.text import TextStream
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """One request's settings, with vLLM's meanings (its ``SamplingParams``).
+
+    ``temperature`` 0 is greedy; ``top_k`` 0 and ``top_p`` 1 disable those filters;
+    ``min_p`` drops tokens less likely than that fraction of the likeliest. ``stop`` ends the
+    text before the first stop string it would contain (``include_stop_str_in_output`` keeps
+    it), ``stop_token_ids`` end it at any of those tokens, and EOS ends it unless
+    ``ignore_eos``; none of them can end it before ``min_tokens`` tokens.
+
+    Penalties, as vLLM and OpenAI define them: ``presence_penalty`` is subtracted once from
+    every token already generated, ``frequency_penalty`` once per time it was generated
+    (both -2..2); ``repetition_penalty`` (> 0, 1 is off) divides the positive logits and
+    multiplies the negative ones of every token in the prompt or the output (Hugging
+    Face's ``RepetitionPenaltyLogitsProcessor``). ``logit_bias`` adds its value (-100..100)
+    to a token's logit; -100 bans the token. ``allowed_token_ids`` keeps only those tokens.
+
+    ``logprobs`` asks for each generated token's log-probability and that many of the most
+    likely alternatives (0..20); ``prompt_logprobs`` the same for each prompt token after the
+    first (it needs an ``--all-logits`` export). Log-probabilities are of the model's own
+    distribution, before any of the controls above, as vLLM reports them by default.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    allowed_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def sampling(self) -> SamplingConfig:
+        """The runtime's sampling settings (greedy for temperature 0)."""
+        if self.temperature == 0:
+            return SamplingConfig(do_sample=False)
+        return SamplingConfig(True, self.temperature, self.top_k, self.top_p, self.seed)
+
+    @property
+    def controls_logits(self) -> bool:
+        """Whether any control beyond temperature, top-k and top-p changes the logits."""
+        return bool(
+            self.min_p
+            or self.min_tokens
+            or self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.allowed_token_ids is not None
+        )
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """One line for an out-of-range setting (token ids too, given ``vocab_size``)."""
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise KvexportError(f"max_tokens {self.max_tokens!r}: must be a positive integer")
+        if self.temperature < 0:
+            raise KvexportError(f"temperature {self.temperature}: must be >= 0 (0 is greedy)")
+        dataclasses.replace(self.sampling(), do_sample=True, temperature=self.temperature or 1.0).validate()
+        if not 0 <= self.min_p <= 1:
+            raise KvexportError(f"min_p {self.min_p}: must be in [0, 1] (0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise KvexportError(f"{name} {getattr(self, name)}: must be in [-2, 2]")
+        if self.repetition_penalty <= 0:
+            raise KvexportError(f"repetition_penalty {self.repetition_penalty}: must be > 0 (1 disables it)")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise KvexportError(f"min_tokens {self.min_tokens}: must be in [0, max_tokens] (max_tokens is {self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise KvexportError(f"{name} {value}: must be in [0, {MAX_LOGPROBS}]")
+        for token, bias in self.logit_bias.items():
+            if not -100 <= bias <= 100:
+                raise KvexportError(f"logit_bias: the bias {bias} of token {token} must be in [-100, 100]")
+        if any(not s for s in self.stop):
+            raise KvexportError("stop: an empty stop string would stop at once; leave it out")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise KvexportError("allowed_token_ids: an empty list allows no token; leave it out")
+        if vocab_size is not None:
+            for name, tokens in (
+                ("logit_bias", list(self.logit_bias)),
+                ("stop_token_ids", list(self.stop_token_ids)),
+                ("allowed_token_ids", list(self.allowed_token_ids or ())),
+            ):
+                outside = [t for t in tokens if not 0 <= t < vocab_size]
+                if outside:
+                    raise KvexportError(f"{name}: token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})")
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """One position's log-probabilities: the chosen (or given) token's, and the most likely tokens'."""
+
+    token_id: int
+    logprob: float
+    rank: int = 1  # 1 + how many tokens are likelier
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability), most likely first
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """What a request's stream yields: a token (or the end) and the text it adds.
+
+    ``text`` may be empty while a multi-byte character or a possible stop string is not
+    complete yet; it is released later. The last event has a ``finish_reason``: ``stop``
+    (EOS, a stop string or a stop token; ``stop_reason`` says which string or token id,
+    None for EOS), ``length`` (``max_tokens``), ``cancelled`` or ``error``. ``logprob`` is
+    the token's, when the request asked for ``logprobs``.
+    """
+
+    token_id: int | None
+    text: str
+    finish_reason: str | None = None
+    error: str | None = None
+    logprob: Logprob | None = None
+    stop_reason: int | str | None = None
+
+
+class Status(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Request:
+    """One submitted request: iterate it (``for`` or ``async for``) for its :class:`TokenEvent` s.
+
+    Thread-safe for its caller. :meth:`cancel` ends it within one engine step and frees its
+    slot. ``prompt_logprobs`` (when asked for) is filled before the first event; the first
+    prompt token has none.
+    """
+
+    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, *, after: Request | None = None) -> None:
+        self.id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.submitted = time.perf_counter()
+        self.after = after  # admitted once this one's prompt is cached (n > 1: one prefill)
+        # engine-side state, advanced by the engine thread only
+        self.status = Status.WAITING
+        self.slot = -1
+        self.prefilled = 0  # prompt tokens in the cache so far
+        self.length = 0  # tokens in the cache
+        self.next_token = 0  # the token the next decode step feeds
+        self.output: list[int] = []
+        self.sampling = params.sampling()
+        self.rng = np.random.default_rng(params.seed)
+        self.text: TextStream | None = None
+        self.last_time = 0.0
+        self.draft_budget: DraftBudget | None = None
+        self.prompt_logprobs: list[Logprob | None] = []
+        self.cached_tokens = 0  # prompt tokens whose rows came from the prefix cache
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._events: collections.deque[TokenEvent] = collections.deque()
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._cancelled = threading.Event()
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called."""
+        return self._cancelled.is_set()
+
+    @property
+    def wants_whole_prompt(self) -> bool:
+        """Whether every prompt position must run (prompt log-probabilities): no cached prefix."""
+        return self.params.prompt_logprobs is not None
+
+    def cancel(self) -> None:
+        """Stop generating; the stream ends with ``finish_reason="cancelled"`` (if it had not ended)."""
+        self._cancelled.set()
+
+    def push(self, event: TokenEvent) -> None:
+        """Hand the caller an event (the engine thread)."""
+        with self._lock:
+            self._events.append(event)
+            if event.finish_reason is not None:
+                self.finish_reason = event.finish_reason
+                self.stop_reason = event.stop_reason
+                self.status = Status.FINISHED
+            self._ready.notify_all()
+            waker = self._waker
+        if waker is not None:
+            loop, ready = waker
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                pass
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            with self._lock:
+                while not self._events:
+                    self._ready.wait()
+                event = self._events.popleft()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        ready = asyncio.Event()
+        with self._lock:
+            self._waker = (asyncio.get_running_loop(), ready)
+        while True:
+            with self._lock:
+                event = self._events.popleft() if self._events else None
+                if event is None:
+                    ready.clear()
+            if event is None:
+                await ready.wait()
+                continue
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self) -> tuple[list[int], str, str]:
+        """Wait for the end: (token ids, text, finish reason)."""
+        tokens, pieces, reason = [], [], ""
+        for event in self:
+            if event.token_id is not None:
+                tokens.append(event.token_id)
+            pieces.append(event.text)
+            reason = event.finish_reason or reason
+        return tokens, "".join(pieces), reason
+
+
+RequestHandle = Request  # the name earlier releases gave it

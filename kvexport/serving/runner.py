@@ -1,0 +1,82 @@
+"""The model runner: the session, the slot buffers and the bindings; runs a plan's calls, returns logits.
+
+The prefill graph of an in-place export serves both phases, so the runner opens one ONNX
+Runtime session, whose intra-op threads may spin between runs without a second
+session's pool fighting them for the cores. A prompt chunk runs at batch 1 straight into
+its slot's region of the cache (bound by address, no copy). A decode call runs every row
+up to the highest running slot, each with its own token, position and mask row, over a
+mask as wide as the capacity; its binding is made once per row count and kept, so shapes
+and addresses stay the same from step to step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from kvexport.runtime.cache import SlotCache, numpy_dtype
+from kvexport.runtime.opened import OpenedExport
+from kvexport.runtime.session import open_session, session_options
+
+
+class ModelRunner:
+    """Runs prompt chunks and decode calls over ``slots`` rows of ``capacity`` tokens."""
+
+    def __init__(
+        self, opened: OpenedExport, slots: int, capacity: int, *, intra_op_threads: int | None = None, spinning: bool = True
+    ) -> None:
+        manifest = opened.manifest
+        self.dtype = numpy_dtype(manifest.dtype)
+        self.vocab_size = manifest.dims.vocab_size
+        self.all_logits = manifest.all_logits
+        options = session_options(intra_op_threads, spinning=spinning)
+        self.session = open_session(opened.directory / manifest.graphs["prefill"].file, opened.provider, options)
+        self.cache = SlotCache(manifest, opened.provider, slots, capacity)
+        # decode-step inputs and logits, one row per slot; a binding views their first rows
+        self._ids = np.zeros((slots, 1), np.int64)
+        self._positions = np.zeros((slots, 1), np.int64)
+        self._mask = np.zeros((slots, capacity), np.int64)
+        self._logits = np.zeros((slots, 1, self.vocab_size), self.dtype)
+        self._bindings: dict[int, ort.IOBinding] = {}
+
+    @property
+    def can_copy_rows(self) -> bool:
+        """Whether rows can be copied between slots here (CPU buffers)."""
+        return self.cache.can_copy_rows
+
+    def copy_rows(self, source: int, target: int, length: int) -> None:
+        """Copy the first ``length`` rows of slot ``source`` into slot ``target``."""
+        self.cache.copy_rows(source, target, length)
+
+    def run_piece(self, slot: int, piece: Sequence[int], start: int) -> np.ndarray:
+        """``piece`` at batch 1 after the ``start`` tokens cached in ``slot``; its logits [n or 1, V] (fp32)."""
+        return self.cache.run_piece(self.session, slot, piece, start)
+
+    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+        """One call over slots ``0..len(tokens)-1``: row i feeds ``tokens[i]`` at ``positions[i]``.
+
+        Returns the logits [rows, V] in the session's dtype: a view, valid until the next call.
+        """
+        rows = len(tokens)
+        self._ids[:rows, 0] = tokens
+        self._positions[:rows, 0] = positions
+        self._mask[:rows] = 0
+        for row, position in enumerate(positions):
+            self._mask[row, : position + 1] = 1
+        self.session.run_with_iobinding(self._decode_binding(rows))
+        return self._logits[:rows, 0, :]
+
+    def _decode_binding(self, rows: int) -> ort.IOBinding:
+        """The binding of the first ``rows`` slots, made once per row count and kept."""
+        binding = self._bindings.get(rows)
+        if binding is not None:
+            return binding
+        binding = self.session.io_binding()
+        for name, array in (("input_ids", self._ids), ("position_ids", self._positions), ("attention_mask", self._mask)):
+            binding.bind_input(name, "cpu", 0, np.int64, [rows, *array.shape[1:]], array.ctypes.data)
+        binding.bind_output("logits", "cpu", 0, self.dtype, [rows, 1, self.vocab_size], self._logits.ctypes.data)
+        self.cache.bind(binding, 0, rows)
+        self._bindings[rows] = binding
+        return binding

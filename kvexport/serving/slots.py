@@ -1,0 +1,134 @@
+"""The cache's bookkeeping: what each slot's rows hold, prefix matching, pinning and LRU order.
+
+Plain Python: it never touches the buffers. A slot's rows stay valid after its request
+ends, so the table keeps, per slot, the tokens they hold. A new prompt that starts with
+tokens cached in some slot reuses those rows (:meth:`SlotTable.place`): in place when the
+slot holding them is free and as cheap a place as any, else copied into the slot it gets
+(where the runner can copy rows: CPU). Slots are handed out so the decode rows stay few:
+a free slot below the highest running one, least recently used first, else the lowest
+free one. A pinned slot (a registered prefix) is never handed to a request.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from kvexport.runtime.speculative import common_prefix
+
+# A cached prefix shorter than this is not worth copying from another slot
+MIN_COPIED_PREFIX = 16
+
+
+@dataclass
+class Resident:
+    """What one slot's rows hold: the tokens of its first rows, valid after its request ends."""
+
+    tokens: list[int] = field(default_factory=list)
+    used: float = 0.0  # when they were last written or reused
+    pinned: bool = False  # a registered prefix: never handed to a request
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a request goes: its slot, how many prompt tokens are cached there, and the copy that puts them there."""
+
+    slot: int
+    reused: int
+    copy_from: int | None = None  # copy the first ``reused`` rows of this slot into ``slot`` first
+
+
+class SlotTable:
+    """Per slot, the tokens its rows hold (see the module docstring)."""
+
+    def __init__(
+        self,
+        slots: int,
+        *,
+        prefix_cache: bool = True,
+        can_copy_rows: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.residents = [Resident() for _ in range(slots)]
+        self.prefix_cache = prefix_cache
+        self.can_copy_rows = can_copy_rows
+        self.clock = clock
+
+    def __len__(self) -> int:
+        return len(self.residents)
+
+    def free(self, busy: Collection[int]) -> list[int]:
+        """Slots neither held by a request (``busy``) nor pinned, lowest first."""
+        return [slot for slot, r in enumerate(self.residents) if slot not in busy and not r.pinned]
+
+    @property
+    def pinned(self) -> int:
+        """Slots kept for registered prefixes."""
+        return sum(r.pinned for r in self.residents)
+
+    def place(self, prompt: Sequence[int], free: Sequence[int], rows: int, *, reuse: bool = True) -> Placement:
+        """The slot for ``prompt`` among ``free`` while slots ``0..rows-1`` decode, and the prefix it reuses.
+
+        At least the prompt's last token is left to prefill: its logits give the first token.
+        The table records the placement (the slot then holds the reused tokens).
+        """
+        below = [slot for slot in free if slot < rows]
+        target = min(below, key=lambda slot: self.residents[slot].used) if below else min(free)
+        placement = Placement(target, 0)
+        if self.prefix_cache and reuse:
+            placement = self._best_reuse(prompt, free, rows, target)
+        resident = self.residents[placement.slot]
+        if placement.copy_from is not None:
+            self.residents[placement.copy_from].used = self.clock()
+        resident.tokens = list(prompt[: placement.reused])
+        resident.used = self.clock()
+        return placement
+
+    def _best_reuse(self, prompt: Sequence[int], free: Sequence[int], rows: int, target: int) -> Placement:
+        limit = len(prompt) - 1
+        matches = [(common_prefix(r.tokens, prompt, limit), slot) for slot, r in enumerate(self.residents)]
+        best, source = max(matches, key=lambda match: (match[0], match[1] in free))
+        own = matches[target][0]
+        if best > own and source in free and (source < rows or source <= target):
+            return Placement(source, best)  # in place, and no more decode rows than the target
+        if best > own and best >= MIN_COPIED_PREFIX and self.can_copy_rows:
+            return Placement(target, best, copy_from=source)
+        return Placement(target, own)
+
+    def pin_slot(self, free: Sequence[int]) -> int:
+        """The slot for a registered prefix: the highest free one, out of the way of the decode rows."""
+        slot = max(free)
+        self.residents[slot].tokens = []
+        return slot
+
+    def wrote(self, slot: int, start: int, tokens: Sequence[int]) -> None:
+        """Rows ``start..`` of ``slot`` now hold ``tokens`` (what was after them is gone)."""
+        resident = self.residents[slot]
+        del resident.tokens[start:]
+        resident.tokens.extend(tokens)
+
+    def keep(self, slot: int, length: int) -> None:
+        """Only the first ``length`` rows of ``slot`` stay valid."""
+        del self.residents[slot].tokens[length:]
+
+    def release(self, slot: int, *, valid: bool = True) -> None:
+        """A request left ``slot``; its rows stay cached unless they may be half written (``valid`` False)."""
+        resident = self.residents[slot]
+        resident.used = self.clock()
+        if not valid:
+            resident.tokens.clear()
+
+    def unpin(self, tokens: Sequence[int]) -> bool:
+        """Free the pinned slot holding exactly ``tokens``; False if none does."""
+        for resident in self.residents:
+            if resident.pinned and resident.tokens == list(tokens):
+                resident.pinned = False
+                return True
+        return False
+
+    def forget(self) -> None:
+        """Nothing is cached any more (after a warm-up)."""
+        for resident in self.residents:
+            resident.tokens.clear()
+            resident.pinned = False

@@ -1,0 +1,154 @@
+"""The scheduler and the cache's bookkeeping, in plain Python: no ONNX Runtime, no model."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvexport.serving.config import EngineConfig
+from kvexport.serving.request import Request, SamplingParams, Status
+from kvexport.serving.scheduler import EngineFull, PrefixJob, Scheduler
+from kvexport.serving.slots import MIN_COPIED_PREFIX, SlotTable
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0)
+
+
+def _scheduler(slots: int = 4, chunk: int = 8, max_queue: int = 4, can_copy: bool = True) -> Scheduler:
+    ticks = itertools.count()
+    table = SlotTable(slots, can_copy_rows=can_copy, clock=lambda: float(next(ticks)))
+    return Scheduler(table, chunk=chunk, max_queue=max_queue, capacity=64)
+
+
+def _run_prefill(scheduler: Scheduler) -> None:
+    """Plan steps and mark their chunks done until no request is prefilling."""
+    while any(r.status is Status.PREFILLING for r in scheduler.active.values()) or scheduler.waiting:
+        plan = scheduler.schedule()
+        for chunk in plan.prefill:
+            scheduler.prefilled(chunk)
+        if not plan.prefill and not plan.admitted:
+            return
+
+
+def test_admission_fills_free_slots_lowest_first_and_the_prefill_budget_spans_prompts() -> None:
+    scheduler = _scheduler(slots=2, chunk=8)
+    requests = [Request(f"r{i}", list(range(1, 6 + i)), GREEDY) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    assert [(r.id, p.slot, p.reused) for r, p in plan.admitted] == [("r0", 0, 0), ("r1", 1, 0)]
+    # the oldest prompt first: r0's 5 tokens, then 3 of r1's 6
+    assert [(c.request.id, c.start, len(c.tokens), c.last) for c in plan.prefill] == [("r0", 0, 5, True), ("r1", 0, 3, False)]
+    for chunk in plan.prefill:
+        scheduler.prefilled(chunk)
+    assert requests[0].status is Status.RUNNING and requests[1].status is Status.PREFILLING
+    assert list(scheduler.waiting) == [requests[2]]  # no slot for it yet
+    second = scheduler.schedule()
+    assert [(c.request.id, c.start, len(c.tokens)) for c in second.prefill] == [("r1", 3, 3)]
+
+
+def test_the_decode_plan_feeds_running_rows_and_gives_idle_rows_a_harmless_position() -> None:
+    scheduler = _scheduler(slots=3, chunk=64)
+    a, b = Request("a", [5, 6, 7], GREEDY), Request("b", [8, 9], GREEDY)
+    scheduler.add(a)
+    scheduler.add(b)
+    _run_prefill(scheduler)
+    a.next_token, b.next_token = 11, 12
+    scheduler.finish(a)  # slot 0 is free again, its rows stay cached
+    plan = scheduler.decode_plan()
+    assert plan is not None and plan.rows == 2 and plan.requests == [b]
+    assert plan.tokens == [0, 12] and plan.positions == [3, 2]  # slot 0 writes just past what it keeps
+    assert scheduler.table.residents[1].tokens == [8, 9, 12]
+
+
+def test_a_cached_prefix_is_reused_in_place_or_copied_and_at_least_one_token_is_left() -> None:
+    scheduler = _scheduler(slots=3, chunk=64)
+    shared = list(range(100, 100 + MIN_COPIED_PREFIX + 4))
+    first = Request("first", [*shared, 1], GREEDY)
+    scheduler.add(first)
+    _run_prefill(scheduler)
+    scheduler.finish(first)
+    same = Request("same", list(first.prompt), GREEDY)
+    scheduler.add(same)
+    plan = scheduler.schedule()
+    (request, placement), = plan.admitted
+    assert (placement.slot, placement.reused, placement.copy_from) == (0, len(first.prompt) - 1, None)  # in place
+    assert plan.prefill[0].tokens == [1]  # the last token still runs: its logits give the first token
+    busy = Request("busy", [*shared, 2], GREEDY)  # slot 0 is taken now: the rows are copied
+    scheduler.add(busy)
+    (_, copied), = scheduler.schedule().admitted
+    assert (copied.slot, copied.reused, copied.copy_from) == (1, len(shared), 0)
+    assert scheduler.table.residents[1].tokens == shared
+
+
+def test_without_row_copies_or_with_prompt_logprobs_nothing_is_copied() -> None:
+    scheduler = _scheduler(slots=3, can_copy=False)
+    shared = list(range(200, 200 + MIN_COPIED_PREFIX + 4))
+    first = Request("first", [*shared, 1], GREEDY)
+    scheduler.add(first)
+    _run_prefill(scheduler)
+    other = Request("other", [*shared, 2], GREEDY)
+    scheduler.add(other)
+    (_, placement), = scheduler.schedule().admitted
+    assert placement.copy_from is None and placement.reused == 0
+    scheduler.finish(first)
+    whole = Request("whole", [*shared, 1], SamplingParams(max_tokens=1, prompt_logprobs=0))
+    scheduler.add(whole)
+    (_, placement), = scheduler.schedule().admitted
+    assert placement.reused == 0  # every prompt position must run
+
+
+def test_siblings_of_n_wait_for_the_first_prompt_then_reuse_its_rows() -> None:
+    scheduler = _scheduler(slots=3, chunk=8)
+    prompt = list(range(300, 300 + MIN_COPIED_PREFIX + 8))
+    first = Request("first", prompt, GREEDY)
+    sibling = Request("sibling", prompt, GREEDY, after=first)
+    late = Request("late", [1, 2], GREEDY)
+    for request in (first, sibling, late):
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    assert [r.id for r, _ in plan.admitted] == ["first", "late"]  # the sibling is held, a later request is not
+    assert list(scheduler.waiting) == [sibling]
+    _run_prefill(scheduler)
+    assert first.status is Status.RUNNING and sibling.status is Status.RUNNING
+    assert sibling.cached_tokens == len(prompt) - 1 and sibling.slot == 2
+
+
+def test_cancelled_requests_leave_the_queue_and_a_full_queue_refuses() -> None:
+    scheduler = _scheduler(slots=1, max_queue=1)
+    running, waiting = Request("running", [1], GREEDY), Request("waiting", [2], GREEDY)
+    scheduler.add(running)
+    scheduler.add(waiting)
+    scheduler.schedule()  # one slot, one place in the queue: both taken
+    with pytest.raises(EngineFull, match="^1 requests are waiting for a slot; retry shortly$"):
+        scheduler.add(Request("refused", [4], GREEDY))
+    waiting.cancel()
+    plan = scheduler.schedule()
+    assert plan.dropped == [waiting] and not scheduler.waiting
+    scheduler.add(Request("queued", [3], GREEDY))  # its place is free again
+    running.cancel()
+    assert scheduler.take_cancelled() == [running]
+
+
+def test_a_prefix_job_takes_the_highest_free_slot_and_pins_it() -> None:
+    scheduler = _scheduler(slots=3)
+    job = PrefixJob([7, 8, 9])
+    scheduler.prefix_jobs.append(job)
+    plan = scheduler.schedule()
+    assert plan.prefixes == [job] and job.slot == 2 and scheduler.table.pinned == 1
+    assert scheduler.table.free(scheduler.active) == [0, 1]
+    scheduler.table.wrote(2, 0, job.tokens)
+    assert scheduler.table.unpin([7, 8, 9]) and not scheduler.table.unpin([7, 8, 9])
+
+
+def test_engine_config_parses_every_field_from_strings() -> None:
+    config = EngineConfig.from_strings(
+        {"slots": "4", "max_context": "none", "prefix_cache": "false", "draft": "/x", "spinning": "0", "warm_up": "0"}
+    )
+    assert (config.slots, config.max_context, config.prefix_cache, config.draft, config.spinning) == (4, None, False, "/x", False)
+    with pytest.raises(Exception, match="unknown engine setting 'slot'; the settings are slots, max_context"):
+        EngineConfig.from_strings({"slot": "4"})
+    with pytest.raises(Exception, match="^prefix_cache=maybe: expected true or false$"):
+        EngineConfig.from_strings({"prefix_cache": "maybe"})
+    with pytest.raises(Exception, match="^slots 0: must be at least 1$"):
+        EngineConfig(slots=0)
