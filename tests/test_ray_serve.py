@@ -162,6 +162,10 @@ def test_the_example_config_builds_through_the_application_builder(trained_expor
     assert isinstance(app(args), Application)
     with pytest.raises(Exception, match="no kvexport.json; pass an export directory"):
         app({"dir": "/nonexistent"})
+    # every engine setting parses from key=value, the prefix cache switch among them
+    assert isinstance(app({"dir": str(trained_exports["none"]), "prefix_cache": "false", "chunk": "64", "replicas": "1"}), Application)
+    with pytest.raises(Exception, match="unknown engine setting 'prefix'"):
+        app({"dir": str(trained_exports["none"]), "prefix": "false"})
 
 
 def test_the_embedded_server_does_not_import_ray(trained_exports: dict[str, Path]) -> None:

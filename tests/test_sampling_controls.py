@@ -262,3 +262,10 @@ def test_sampling_config_validation_is_shared(trained_exports: dict[str, Path]) 
         SamplingParams(presence_penalty=2.5).validate()
     with pytest.raises(Exception, match=r"^logit_bias: token id 5000 is outside the vocabulary \(0..2047\)$"):
         SamplingParams(logit_bias={5000: 1.0}).validate(2048)
+
+
+def test_the_warm_up_leaves_no_trace(trained_exports: dict[str, Path]) -> None:
+    with Engine(trained_exports["none"], slots=2, max_context=64) as engine:  # two warm-up requests by default
+        stats = engine.stats()
+        assert (stats.steps, stats.prompt_tokens, stats.generated_tokens, stats.finished) == (0, 0, 0, {})
+        assert not any(resident.tokens for resident in engine.table.residents)

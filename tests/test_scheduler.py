@@ -71,7 +71,7 @@ def test_a_cached_prefix_is_reused_in_place_or_copied_and_at_least_one_token_is_
     same = Request("same", list(first.prompt), GREEDY)
     scheduler.add(same)
     plan = scheduler.schedule()
-    (request, placement), = plan.admitted
+    (_, placement), = plan.admitted
     assert (placement.slot, placement.reused, placement.copy_from) == (0, len(first.prompt) - 1, None)  # in place
     assert plan.prefill[0].tokens == [1]  # the last token still runs: its logits give the first token
     busy = Request("busy", [*shared, 2], GREEDY)  # slot 0 is taken now: the rows are copied

@@ -1,0 +1,293 @@
+"""``kvexport serve``'s OpenAI API as vLLM answers it: logprobs, echo, prompt lists, n, chat, tokenize.
+
+Driven with the ``openai`` client and raw HTTP against the app on 127.0.0.1 (a free
+port); log-probabilities are checked against the log-softmax of PyTorch's logits on the
+same tokens, texts against the engine's own single requests or the Generator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from tokenizers import Tokenizer
+
+from kvexport.serving import Engine
+from kvexport.serving.app import create_app
+from kvexport.serving.chat import ChatTemplate
+from tests.conftest import TRAINED
+
+TOKENIZER = Tokenizer.from_file(str(TRAINED / "tokenizer.json"))
+HELDOUT_IDS = TOKENIZER.encode((TRAINED / "heldout.txt").read_text()).ids
+TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@contextlib.contextmanager
+def _server(directory: Path, template: ChatTemplate | None = None, **engine_options: object) -> Iterator[tuple[str, Engine]]:
+    engine = Engine(directory, **engine_options)  # type: ignore[arg-type]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    app = create_app(engine, "trained", chat_template=template)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}", engine
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        engine.close(drain=False)
+        listener.close()
+
+
+@pytest.fixture(scope="module")
+def template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def all_logits_server(trained_all_logits: Path, template_file: Path) -> Iterator[str]:
+    template = ChatTemplate.find(trained_all_logits, template_file)
+    with _server(trained_all_logits, template, slots=4, max_context=128, max_queue=16) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def plain_server(trained_exports: dict[str, Path]) -> Iterator[str]:
+    with _server(trained_exports["none"], slots=4, max_context=128, max_queue=16) as (url, _):
+        yield url
+
+
+@pytest.fixture(scope="module")
+def torch_model() -> torch.nn.Module:
+    from transformers import GPT2LMHeadModel
+
+    return GPT2LMHeadModel.from_pretrained(TRAINED).eval()
+
+
+def _reference(model: torch.nn.Module, ids: list[int]) -> np.ndarray:
+    """log-softmax of PyTorch's logits after each position of ``ids``: [len, V]."""
+    with torch.no_grad():
+        return torch.log_softmax(model(torch.tensor([ids])).logits[0].double(), -1).numpy()
+
+
+def _post(url: str, route: str, body: dict[str, object]) -> httpx.Response:
+    return httpx.post(f"{url}{route}", json=body, timeout=60)
+
+
+def test_the_openai_client_gets_logprobs_echo_and_n(all_logits_server: str, torch_model: torch.nn.Module) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{all_logits_server}/v1", api_key="unused", max_retries=0)
+    prompt = "The help topic for"
+    done = client.completions.create(
+        model="trained", prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True, n=2, extra_body={"ignore_eos": True}
+    )
+    prompt_ids = TOKENIZER.encode(prompt).ids
+    assert [c.index for c in done.choices] == [0, 1]
+    assert done.choices[0].text == done.choices[1].text and done.choices[0].text.startswith(prompt)
+    logprobs = done.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens is not None and logprobs.token_logprobs is not None
+    assert len(logprobs.tokens) == len(prompt_ids) + 6 and logprobs.token_logprobs[0] is None
+    assert logprobs.top_logprobs is not None and logprobs.top_logprobs[0] is None
+    generated = TOKENIZER.encode(done.choices[0].text[len(prompt) :]).ids
+    ids = prompt_ids + generated
+    reference = _reference(torch_model, ids)
+    for position in range(1, len(ids)):
+        assert abs(logprobs.token_logprobs[position] - reference[position - 1, ids[position]]) < 2e-4
+        assert 1 <= len(logprobs.top_logprobs[position]) <= 3  # the token itself and the top 2
+    assert "".join(logprobs.tokens) == done.choices[0].text
+    assert logprobs.text_offset == list(np.cumsum([0] + [len(t) for t in logprobs.tokens[:-1]]))
+    assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(prompt_ids), 12)
+
+
+def test_lm_evaluation_harness_loglikelihood_requests_score(all_logits_server: str, torch_model: torch.nn.Module) -> None:
+    """What lm-eval's local-completions sends: token-id prompts, echo, logprobs 1, max_tokens 1."""
+    contexts = [HELDOUT_IDS[10:30], HELDOUT_IDS[200:212]]
+    continuations = [HELDOUT_IDS[30:34], [7, 9]]
+    prompts = [c + x for c, x in zip(contexts, continuations, strict=True)]
+    body = {"model": "trained", "prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    response = _post(all_logits_server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    choices = sorted(response.json()["choices"], key=lambda c: c["index"])
+    assert len(choices) == 2
+    for choice, context, prompt in zip(choices, contexts, prompts, strict=True):
+        token_logprobs = choice["logprobs"]["token_logprobs"]
+        assert len(token_logprobs) == len(prompt) + 1
+        got = sum(token_logprobs[len(context) : -1])  # lm-eval's sum over the continuation
+        reference = _reference(torch_model, prompt)
+        want = sum(reference[p - 1, prompt[p]] for p in range(len(context), len(prompt)))
+        assert abs(got - want) < 1e-3
+        greedy = all(
+            lp == max(top.values())
+            for lp, top in zip(token_logprobs[len(context) : -1], choice["logprobs"]["top_logprobs"][len(context) : -1], strict=True)
+        )
+        assert greedy == all(int(np.argmax(reference[p - 1])) == prompt[p] for p in range(len(context), len(prompt)))
+
+
+def test_echo_alone_and_prompt_logprobs_on_a_last_position_export(plain_server: str) -> None:
+    alone = _post(plain_server, "/v1/completions", {"prompt": [5, 17, 300], "echo": True, "max_tokens": 0})
+    assert alone.status_code == 200 and alone.json()["choices"][0]["text"] == TOKENIZER.decode([5, 17, 300])
+    assert alone.json()["usage"]["completion_tokens"] == 0
+    echoed = _post(plain_server, "/v1/completions", {"prompt": "The help", "echo": True, "max_tokens": 3, "temperature": 0})
+    plain = _post(plain_server, "/v1/completions", {"prompt": "The help", "max_tokens": 3, "temperature": 0})
+    assert echoed.json()["choices"][0]["text"] == "The help" + plain.json()["choices"][0]["text"]
+    refused = _post(plain_server, "/v1/completions", {"prompt": "The help", "echo": True, "logprobs": 1, "max_tokens": 1})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == (
+        "prompt logprobs need the logits at every prompt position, and none's prefill graph returns the last "
+        "position's only; serve an export made with --all-logits"
+    )
+
+
+def test_a_list_of_prompts_gives_n_choices_per_prompt_in_order(plain_server: str) -> None:
+    prompts = ["The help topic", "A statement"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 5, "temperature": 0.8, "seed": 3, "ignore_eos": True}
+    choices = _post(plain_server, "/v1/completions", body).json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2, 3]
+    for index, choice in enumerate(choices):  # choice p * n + i draws with seed + i
+        single = {"prompt": prompts[index // 2], "max_tokens": 5, "temperature": 0.8, "seed": 3 + index % 2, "ignore_eos": True}
+        assert choice["text"] == _post(plain_server, "/v1/completions", single).json()["choices"][0]["text"]
+
+
+def test_streamed_chunks_carry_their_own_tokens_logprobs(plain_server: str) -> None:
+    body = {"prompt": [5, 17, 300], "max_tokens": 5, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    whole = _post(plain_server, "/v1/completions", body).json()["choices"][0]["logprobs"]
+    with httpx.stream("POST", f"{plain_server}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    chunks = [httpx.Response(200, content=line[6:]).json()["choices"][0]["logprobs"] for line in lines]
+    assert [len(c["tokens"]) for c in chunks] == [1] * 5
+    # the second request reuses the first's cached prompt rows: fp32 rounding, not a different result
+    np.testing.assert_allclose([c["token_logprobs"][0] for c in chunks], whole["token_logprobs"], atol=1e-5)
+    assert [c["tokens"][0] for c in chunks] == whole["tokens"]
+    assert [c["text_offset"][0] for c in chunks] == whole["text_offset"]
+
+
+def test_chat_with_and_without_streaming(all_logits_server: str) -> None:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{all_logits_server}/v1", api_key="unused", max_retries=0)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "The help topic"}]
+    done = client.chat.completions.create(model="trained", messages=messages, max_tokens=8, temperature=0, logprobs=True, top_logprobs=2)  # type: ignore[arg-type]
+    rendered = "system: Be brief.\nuser: The help topic\nassistant:"
+    completion = _post(all_logits_server, "/v1/completions", {"prompt": rendered, "max_tokens": 8, "temperature": 0}).json()
+    assert done.object == "chat.completion" and done.choices[0].message.role == "assistant"
+    assert done.choices[0].message.content == completion["choices"][0]["text"]
+    content = done.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == done.usage.completion_tokens  # type: ignore[union-attr]
+    assert all(len(entry.top_logprobs) == 2 and entry.top_logprobs[0].token == entry.token for entry in content)
+    assert done.usage is not None and done.usage.prompt_tokens == len(TOKENIZER.encode(rendered).ids)
+    chunks = list(client.chat.completions.create(model="trained", messages=messages, max_tokens=8, temperature=0, stream=True))  # type: ignore[arg-type]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == done.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    ("body", "message", "param"),
+    [
+        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role: Input should be 'system', 'user' or 'assistant'", "messages"),
+        ({"messages": []}, "messages: List should have at least 1 item after validation, not 0", "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs: needs logprobs: true", "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools: not served by kvexport serve; leave it out", "tools"),
+    ],
+)
+def test_bad_chat_requests_are_400(all_logits_server: str, body: dict[str, object], message: str, param: str) -> None:
+    response = _post(all_logits_server, "/v1/chat/completions", body)
+    assert response.status_code == 400
+    assert (response.json()["error"]["message"], response.json()["error"]["param"]) == (message, param)
+
+
+def test_chat_without_a_template_names_the_option(plain_server: str) -> None:
+    response = _post(plain_server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "this model has no chat template: start kvexport serve with --chat-template FILE (a Jinja template), or use "
+        "/v1/completions"
+    )
+
+
+def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(all_logits_server: str) -> None:
+    text = "The help topic for the for statement"
+    tokens = _post(all_logits_server, "/tokenize", {"prompt": text, "return_token_strs": True}).json()
+    assert tokens["tokens"] == TOKENIZER.encode(text).ids and tokens["count"] == len(tokens["tokens"])
+    assert tokens["max_model_len"] == 128 and tokens["token_strs"] == [TOKENIZER.id_to_token(t) for t in tokens["tokens"]]
+    assert _post(all_logits_server, "/detokenize", {"tokens": tokens["tokens"]}).json() == {"prompt": text}
+    chat = _post(all_logits_server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == TOKENIZER.encode("user: hi\nassistant:").ids
+    outside = _post(all_logits_server, "/detokenize", {"tokens": [1, 99999]})
+    assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
+    info = httpx.get(f"{all_logits_server}/tokenizer_info", timeout=10).json()
+    assert info["eos_token"] == TOKENIZER.id_to_token(info["eos_token_id"]) and info["model_max_length"] == 128
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"use_beam_search": True}, "use_beam_search"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_json": {"type": "object"}}, "guided_json"),
+        ({"skip_special_tokens": False}, "skip_special_tokens"),
+        ({"stream_options": {"continuous_usage_stats": True}, "stream": True}, "stream_options"),
+        ({"logit_bias": {"x": 1}}, "logit_bias"),
+        ({"logit_bias": {"5": 101}}, "logit_bias"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": -2.5}, "presence_penalty"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
+        ({"stop_token_ids": [99999]}, "stop_token_ids"),
+    ],
+)
+def test_fields_not_served_or_out_of_range_are_400_naming_them(plain_server: str, extra: dict[str, object], param: str) -> None:
+    response = _post(plain_server, "/v1/completions", {"prompt": "x", "max_tokens": 3, **extra})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_fields_unknown_to_vllm_are_ignored_as_vllm_ignores_them(plain_server: str) -> None:
+    body = {"prompt": [5, 17], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = _post(plain_server, "/v1/completions", body).json()["choices"][0]["text"]
+    response = _post(plain_server, "/v1/completions", {**body, "not_a_field": 1, "user": "someone"})
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == plain
+
+
+def test_penalties_and_bias_change_the_text_over_http(plain_server: str) -> None:
+    body = {"prompt": HELDOUT_IDS[:20], "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    plain = _post(plain_server, "/v1/completions", body).json()["choices"][0]
+    for extra in ({"presence_penalty": 2.0}, {"frequency_penalty": 2.0}, {"repetition_penalty": 2.0}):
+        assert _post(plain_server, "/v1/completions", {**body, **extra}).json()["choices"][0]["text"] != plain["text"]
+    first = TOKENIZER.encode(plain["text"]).ids[0]
+    banned = _post(plain_server, "/v1/completions", {**body, "logit_bias": {str(first): -100}, "logprobs": 0}).json()
+    assert banned["choices"][0]["logprobs"]["tokens"][0] != TOKENIZER.decode([first])
+
+
+def test_serve_refuses_a_bad_chat_template_in_one_line(trained_exports: dict[str, Path], tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvexport.cli import main
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for message in messages %}")
+    for path, message in (
+        (tmp_path / "missing.jinja", f"Error: --chat-template {tmp_path / 'missing.jinja'}: can't read it (No such file or directory); pass a Jinja template file"),
+        (broken, f"Error: {broken}: not a valid Jinja template (line 1: Unexpected end of template. Jinja was looking for the following tags: 'endfor' or 'else'. The innermost block that needs to be closed is 'for'.); fix it"),
+    ):
+        result = CliRunner().invoke(main, ["serve", str(trained_exports["none"]), "--port", "0", "--chat-template", str(path)])
+        assert result.exit_code == 2 and result.stderr.strip() == message
