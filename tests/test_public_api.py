@@ -10,6 +10,7 @@ def test_kvexport_public_names() -> None:
     assert set(kvexport.__all__) == {
         "DraftModel",
         "Engine",
+        "EngineConfig",
         "ExportError",
         "ExportOptions",
         "ExportResult",

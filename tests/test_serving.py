@@ -32,6 +32,7 @@ from kvexport import KvexportError
 from kvexport.runtime import Generator
 from kvexport.serving import Engine, EngineFull, SamplingParams
 from kvexport.serving.app import create_app
+from kvexport.serving.chat import ChatTemplate
 from tests.conftest import TRAINED
 
 HELDOUT_IDS = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode((TRAINED / "heldout.txt").read_text()).ids
@@ -239,12 +240,13 @@ def test_a_concat_export_is_refused_in_one_line(tiny_export: Path) -> None:
 
 
 @contextlib.contextmanager
-def _server(directory: Path, **engine_options: object) -> Iterator[tuple[str, Engine]]:
+def _server(directory: Path, template: ChatTemplate | None = None, **engine_options: object) -> Iterator[tuple[str, Engine]]:
     """The app on uvicorn in a thread, on 127.0.0.1 and a free port."""
     engine = Engine(directory, **engine_options)  # type: ignore[arg-type]
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, "trained"), log_level="warning", lifespan="off"))
+    app = create_app(engine, "trained", chat_template=template)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20

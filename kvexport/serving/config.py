@@ -32,7 +32,8 @@ class EngineConfig:
         provider: ``cpu``, ``cuda`` or ``auto``.
         intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
         spinning: let the session's threads spin between runs (faster decode steps on CPU).
-        check: compare every file's size and sha256 with the manifest before loading.
+        check: compare every file's size and sha256 with the manifest before loading (on by
+            default: a damaged or different copy is refused with the file named).
         prefix_cache: reuse the cached rows of a prompt's prefix.
         prompt_lookup: speculative decoding with prompt-lookup drafts while one request
             runs alone (the export needs ``--all-logits``).
@@ -51,7 +52,7 @@ class EngineConfig:
     provider: str = "cpu"
     intra_op_threads: int | None = None
     spinning: bool = True
-    check: bool = False
+    check: bool = True
     prefix_cache: bool = True
     prompt_lookup: bool = False
     draft: str | None = None
@@ -73,10 +74,11 @@ class EngineConfig:
         return PromptLookup() if self.prompt_lookup else None
 
     @classmethod
-    def from_strings(cls, values: dict[str, str]) -> EngineConfig:
+    def from_strings(cls, values: dict[str, Any]) -> EngineConfig:
         """A config from ``key=value`` strings (Serve's CLI arguments), each parsed by its field's type.
 
-        Unknown keys are refused in one line naming them and the known ones.
+        Values that are not strings (a YAML config's numbers and booleans) are taken as
+        they are. Unknown keys are refused in one line naming them and the known ones.
         """
         fields = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - set(fields))
@@ -86,8 +88,10 @@ class EngineConfig:
         return cls(**{name: _parse(name, text, hints[name]) for name, text in values.items()})
 
 
-def _parse(name: str, text: str, hint: Any) -> Any:
+def _parse(name: str, text: Any, hint: Any) -> Any:
     """``text`` as a value of the annotated type ``hint`` (int, bool, str, or one of them or None)."""
+    if not isinstance(text, str):
+        return text
     choices = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
     if type(None) in choices and text.lower() in ("", "none", "null"):
         return None

@@ -90,7 +90,7 @@ def build(
 _APP_ARGUMENTS = ("dir", "replicas", "name", "chat_template")
 
 
-def app(args: dict[str, str]) -> Application:
+def app(args: dict[str, Any]) -> Application:
     """Serve's application builder: ``serve run kvexport.serving.ray:app dir=DIR [replicas=2 slots=8 ...]``.
 
     Besides ``dir``, ``replicas``, ``name`` and ``chat_template``, every key is a field of
