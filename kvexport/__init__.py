@@ -42,7 +42,8 @@ if TYPE_CHECKING:
     from kvexport.runtime.generator import Generator
     from kvexport.runtime.speculative import DraftModel, PromptLookup, SpeculativeGenerator
     from kvexport.serving.config import EngineConfig
-    from kvexport.serving.engine import Engine, SamplingParams
+    from kvexport.serving.engine import Engine
+    from kvexport.serving.request import SamplingParams
     from kvexport.verify import VerifyReport, verify
 
 # public name -> the module that defines it (imported on first use)
@@ -50,7 +51,7 @@ _LAZY = {
     "Engine": "kvexport.serving.engine",
     "EngineConfig": "kvexport.serving.config",
     "ExportOptions": "kvexport.directory",
-    "SamplingParams": "kvexport.serving.engine",
+    "SamplingParams": "kvexport.serving.request",
     "ExportResult": "kvexport.export",
     "export_gpt2": "kvexport.export",
     "Generator": "kvexport.runtime.generator",

@@ -328,7 +328,8 @@ def time_speculation(
 
 def time_prefix_cache(directory: str | Path, provider: str, prefix: int, repeats: int) -> list[Measurement]:
     """The engine's TTFT for ``prefix`` + 16 tokens: a new prefix, then the same prefix again (best of ``repeats``)."""
-    from kvexport.serving.engine import Engine, SamplingParams
+    from kvexport.serving.engine import Engine
+    from kvexport.serving.request import SamplingParams
 
     first_token = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     length = prefix + PREFIX_SUFFIX

@@ -6,17 +6,9 @@ jinja2).
 """
 
 from kvexport.serving.config import EngineConfig
-from kvexport.serving.engine import (
-    Engine,
-    EngineClosed,
-    EngineFull,
-    EngineStats,
-    Logprob,
-    Request,
-    RequestHandle,
-    SamplingParams,
-    TokenEvent,
-)
+from kvexport.serving.engine import Engine, EngineClosed, EngineStats
+from kvexport.serving.request import Logprob, Request, RequestHandle, SamplingParams, TokenEvent
+from kvexport.serving.scheduler import EngineFull
 
 __all__ = [
     "Engine",

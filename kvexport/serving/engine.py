@@ -49,34 +49,16 @@ from tokenizers import Tokenizer
 from kvexport.errors import KvexportError, first_line
 from kvexport.runtime.opened import check_prompt, open_export
 from kvexport.runtime.speculative import DraftBudget, Drafter, require_all_logits, speculative_round
-from kvexport.serving.config import DEFAULT_CHUNK, EngineConfig
+from kvexport.serving.config import EngineConfig
 from kvexport.serving.output import OutputProcessor
 from kvexport.serving.request import (
-    Logprob,
     Request,
-    RequestHandle,
     SamplingParams,
     Status,
-    TokenEvent,
 )
 from kvexport.serving.runner import ModelRunner
 from kvexport.serving.scheduler import EngineFull, PrefillChunk, PrefixJob, Scheduler
 from kvexport.serving.slots import SlotTable
-
-__all__ = [
-    "DEFAULT_CHUNK",
-    "Engine",
-    "EngineClosed",
-    "EngineConfig",
-    "EngineFull",
-    "EngineListener",
-    "EngineStats",
-    "Logprob",
-    "Request",
-    "RequestHandle",
-    "SamplingParams",
-    "TokenEvent",
-]
 
 
 class EngineClosed(KvexportError):

@@ -20,9 +20,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from kvexport.serving.engine import Engine, Logprob, TokenEvent
-from kvexport.serving.engine import Request as EngineRequest
+from kvexport.serving.engine import Engine
 from kvexport.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from kvexport.serving.request import Logprob, TokenEvent
+from kvexport.serving.request import Request as EngineRequest
 
 LOWEST_LOGPROB = -9999.0  # what OpenAI and vLLM send for -inf
 _STREAM_ERROR = {"message": "generation failed", "type": "server_error", "param": None, "code": None}
