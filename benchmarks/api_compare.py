@@ -45,7 +45,7 @@ CASES: list[tuple[str, str, dict[str, Any], str]] = [
     ("token-id prompt", "/v1/completions", {"prompt": IDS[0], **GREEDY}, "text"),
     ("list of prompts", "/v1/completions", {"prompt": [PROMPT, "A statement"], **GREEDY}, "text"),
     ("list of token-id prompts", "/v1/completions", {"prompt": IDS, **GREEDY}, "text"),
-    ("n=2, greedy", "/v1/completions", {"prompt": PROMPT, "n": 2, **GREEDY}, "text"),
+    ("n=2, greedy (vLLM: n must be 1)", "/v1/completions", {"prompt": PROMPT, "n": 2, **GREEDY}, "status"),
     ("n=2, sampled with a seed", "/v1/completions", {"prompt": PROMPT, "n": 2, "max_tokens": 8, "temperature": 1.0, "seed": 3}, "shape"),
     ("logprobs=2", "/v1/completions", {"prompt": PROMPT, "logprobs": 2, **GREEDY}, "logprobs"),
     ("echo", "/v1/completions", {"prompt": PROMPT, "echo": True, **GREEDY}, "text"),

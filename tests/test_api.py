@@ -71,11 +71,12 @@ def test_the_openai_client_gets_logprobs_echo_and_n(all_logits_server: str, torc
     client = OpenAI(base_url=f"{all_logits_server}/v1", api_key="unused", max_retries=0)
     prompt = "The help topic for"
     done = client.completions.create(
-        model="trained", prompt=prompt, max_tokens=6, temperature=0, logprobs=2, echo=True, n=2, extra_body={"ignore_eos": True}
+        model="trained", prompt=prompt, max_tokens=6, temperature=1.0, seed=5, logprobs=2, echo=True, n=2,
+        extra_body={"ignore_eos": True},
     )
     prompt_ids = TOKENIZER.encode(prompt).ids
     assert [c.index for c in done.choices] == [0, 1]
-    assert done.choices[0].text == done.choices[1].text and done.choices[0].text.startswith(prompt)
+    assert all(c.text.startswith(prompt) for c in done.choices) and done.choices[0].text != done.choices[1].text
     logprobs = done.choices[0].logprobs
     assert logprobs is not None and logprobs.tokens is not None and logprobs.token_logprobs is not None
     assert len(logprobs.tokens) == len(prompt_ids) + 6 and logprobs.token_logprobs[0] is None
@@ -86,6 +87,7 @@ def test_the_openai_client_gets_logprobs_echo_and_n(all_logits_server: str, torc
     for position in range(1, len(ids)):
         assert abs(logprobs.token_logprobs[position] - reference[position - 1, ids[position]]) < 2e-4
         assert 1 <= len(logprobs.top_logprobs[position]) <= 3  # the token itself and the top 2
+        assert list(logprobs.top_logprobs[position].values())[0] == logprobs.token_logprobs[position]  # it comes first
     assert "".join(logprobs.tokens) == done.choices[0].text
     assert logprobs.text_offset == list(np.cumsum([0] + [len(t) for t in logprobs.tokens[:-1]]))
     assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(prompt_ids), 12)
@@ -226,6 +228,7 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(all_logits_serve
         ({"logprobs": 21}, "logprobs"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
         ({"stop_token_ids": [99999]}, "stop_token_ids"),
+        ({"n": 2, "temperature": 0}, "n"),
     ],
 )
 def test_fields_not_served_or_out_of_range_are_400_naming_them(plain_server: str, extra: dict[str, object], param: str) -> None:

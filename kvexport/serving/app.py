@@ -217,7 +217,7 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
                 ids = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
                 if body.truncate_prompt_tokens is not None:
                     ids = ids[-body.truncate_prompt_tokens :]
-                wanted = 1 if echo_only else (body.max_tokens if body.max_tokens is not None else engine.capacity - len(ids))
+                wanted = 1 if echo_only else (body.max_tokens if body.max_tokens is not None else max(1, engine.capacity - len(ids)))
                 params = body.sampling_params(wanted, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
                 echo = (prompt if isinstance(prompt, str) and body.truncate_prompt_tokens is None else _decode(engine, ids)) if body.echo else ""
                 for child in engine.submit_n(ids, params, body.n):
@@ -259,7 +259,7 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
                 ids = ids[-body.truncate_prompt_tokens :]
             wanted = body.wanted_tokens()
             params = body.sampling_params(
-                wanted if wanted is not None else engine.capacity - len(ids),
+                wanted if wanted is not None else max(1, engine.capacity - len(ids)),
                 logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                 prompt_logprobs=None,
             )

@@ -193,6 +193,8 @@ class Engine:
         ids = self._checked(prompt, params)
         if n < 1:
             raise KvexportError(f"n {n}: must be at least 1")
+        if n > 1 and params.temperature == 0:  # vLLM's rule: n greedy choices would all be the same
+            raise KvexportError(f"n {n}: must be 1 when using greedy sampling (temperature 0)")
         first = Request(f"cmpl-{next(self._ids_counter)}", ids, params)
         requests = [first]
         for index in range(1, n):
