@@ -80,12 +80,16 @@ class EngineConfig:
         Values that are not strings (a YAML config's numbers and booleans) are taken as
         they are. Unknown keys are refused in one line naming them and the known ones.
         """
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - set(fields))
-        if unknown:
-            raise KvexportError(f"unknown engine setting {unknown[0]!r}; the settings are {', '.join(fields)}")
         hints = typing.get_type_hints(cls)
-        return cls(**{name: _parse(name, text, hints[name]) for name, text in values.items()})
+        return cls().updated(**{name: _parse(name, text, hints[name]) if name in hints else text for name, text in values.items()})
+
+    def updated(self, **settings: Any) -> EngineConfig:
+        """A copy of the config with ``settings`` changed; an unknown name is refused in one line naming the known ones."""
+        known = [f.name for f in dataclasses.fields(self)]
+        unknown = sorted(set(settings) - set(known))
+        if unknown:
+            raise KvexportError(f"unknown engine setting {unknown[0]!r}; the settings are {', '.join(known)}")
+        return dataclasses.replace(self, **settings)
 
 
 def _parse(name: str, text: Any, hint: Any) -> Any:

@@ -130,7 +130,7 @@ class Engine:
         drafter: Drafter | None = None,
         **settings: Any,
     ) -> None:
-        config = dataclasses.replace(config or EngineConfig(), **settings)
+        config = (config or EngineConfig()).updated(**settings)
         self.config = config
         opened = open_export(directory, config.provider, check=config.check)
         opened.require_in_place("the engine needs the in-place cache")
