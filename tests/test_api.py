@@ -87,7 +87,7 @@ def test_the_openai_client_gets_logprobs_echo_and_n(all_logits_server: str, torc
     for position in range(1, len(ids)):
         assert abs(logprobs.token_logprobs[position] - reference[position - 1, ids[position]]) < 2e-4
         assert 1 <= len(logprobs.top_logprobs[position]) <= 3  # the token itself and the top 2
-        assert list(logprobs.top_logprobs[position].values())[0] == logprobs.token_logprobs[position]  # it comes first
+        assert next(iter(logprobs.top_logprobs[position].values())) == logprobs.token_logprobs[position]  # it comes first
     assert "".join(logprobs.tokens) == done.choices[0].text
     assert logprobs.text_offset == list(np.cumsum([0] + [len(t) for t in logprobs.tokens[:-1]]))
     assert done.usage is not None and (done.usage.prompt_tokens, done.usage.completion_tokens) == (len(prompt_ids), 12)
