@@ -143,7 +143,8 @@ def test_a_list_of_prompts_gives_n_choices_per_prompt_in_order(plain_server: str
 
 
 def test_streamed_chunks_carry_their_own_tokens_logprobs(plain_server: str) -> None:
-    body = {"prompt": [5, 17, 300], "max_tokens": 5, "temperature": 0, "logprobs": 1, "ignore_eos": True}
+    # a stop string that starts with a common letter: text is held back, offsets still follow the tokens
+    body = {"prompt": [5, 17, 300], "max_tokens": 5, "temperature": 0, "logprobs": 1, "ignore_eos": True, "stop": ["e\u2603"]}
     whole = _post(plain_server, "/v1/completions", body).json()["choices"][0]["logprobs"]
     with httpx.stream("POST", f"{plain_server}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
         lines = [line for line in response.iter_lines() if line.startswith("data: {")]
@@ -229,12 +230,29 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(all_logits_serve
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
         ({"stop_token_ids": [99999]}, "stop_token_ids"),
         ({"n": 2, "temperature": 0}, "n"),
+        ({"n": 30, "temperature": 1.0}, "n"),  # more sequences than the server can ever queue: not a 503 forever
+        ({"allowed_token_ids": [5], "logit_bias": {"5": -100}}, "logit_bias"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"truncation_side": "right"}, "truncation_side"),
     ],
 )
 def test_fields_not_served_or_out_of_range_are_400_naming_them(plain_server: str, extra: dict[str, object], param: str) -> None:
     response = _post(plain_server, "/v1/completions", {"prompt": "x", "max_tokens": 3, **extra})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_any_integer_seed_and_a_null_max_tokens_as_vllm_takes_them(plain_server: str) -> None:
+    seeded = _post(plain_server, "/v1/completions", {"prompt": "x", "seed": -7, "max_tokens": 3, "ignore_eos": True})
+    assert seeded.status_code == 200 and seeded.json()["usage"]["completion_tokens"] == 3
+    unbounded = _post(plain_server, "/v1/completions", {"prompt": "x", "max_tokens": None, "temperature": 0, "ignore_eos": True})
+    assert unbounded.json()["usage"]["completion_tokens"] == 16  # vLLM's default, for null too
+
+
+def test_a_chat_message_key_the_template_would_never_see_is_refused(all_logits_server: str) -> None:
+    message = {"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}
+    response = _post(all_logits_server, "/v1/chat/completions", {"messages": [message]})
+    assert response.status_code == 400 and response.json()["error"]["message"].startswith("messages.0.tool_calls: Extra inputs")
 
 
 def test_fields_unknown_to_vllm_are_ignored_as_vllm_ignores_them(plain_server: str) -> None:

@@ -269,3 +269,8 @@ def test_the_warm_up_leaves_no_trace(trained_exports: dict[str, Path]) -> None:
         stats = engine.stats()
         assert (stats.steps, stats.prompt_tokens, stats.generated_tokens, stats.finished) == (0, 0, 0, {})
         assert not any(resident.tokens for resident in engine.table.residents)
+
+
+def test_an_unknown_engine_setting_is_one_line(trained_exports: dict[str, Path]) -> None:
+    with pytest.raises(Exception, match=r"^unknown engine setting 'slot'; the settings are slots, max_context, "):
+        Engine(trained_exports["none"], slot=2)

@@ -67,6 +67,7 @@ from kvexport.serving.responses import (
 )
 
 RETRY_AFTER_S = 1
+DEFAULT_MAX_TOKENS = 16  # completions: also for max_tokens null, as vLLM normalizes it
 _BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
@@ -213,11 +214,12 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
         choices: list[Choice] = []
 
         def submit() -> None:
+            engine.check_fits(len(body.prompts()) * body.n)
             for prompt in body.prompts():
                 ids = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
                 if body.truncate_prompt_tokens is not None:
                     ids = ids[-body.truncate_prompt_tokens :]
-                wanted = 1 if echo_only else (body.max_tokens if body.max_tokens is not None else max(1, engine.capacity - len(ids)))
+                wanted = 1 if echo_only else (body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS)
                 params = body.sampling_params(wanted, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
                 echo = (prompt if isinstance(prompt, str) and body.truncate_prompt_tokens is None else _decode(engine, ids)) if body.echo else ""
                 for child in engine.submit_n(ids, params, body.n):
@@ -253,7 +255,7 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
         choices: list[Choice] = []
 
         def submit() -> None:
-            messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+            messages = [m.for_template() for m in body.messages]
             ids = engine.encode(chat_template.render(messages, add_generation_prompt=body.add_generation_prompt))
             if body.truncate_prompt_tokens is not None:
                 ids = ids[-body.truncate_prompt_tokens :]
@@ -286,7 +288,7 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
             if chat_template is None:
                 return error_response(400, "this model has no chat template: start kvexport serve with --chat-template FILE", param="messages")
             try:
-                messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+                messages = [m.for_template() for m in body.messages]
                 text = chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
             except KvexportError as exc:
                 return error_response(400, str(exc), param="messages")

@@ -57,7 +57,7 @@ from kvexport.serving.request import (
     Status,
 )
 from kvexport.serving.runner import ModelRunner
-from kvexport.serving.scheduler import EngineFull, PrefillChunk, PrefixJob, Scheduler
+from kvexport.serving.scheduler import EngineFull, PrefillChunk, PrefixJob, Scheduler, StepPlan
 from kvexport.serving.slots import SlotTable
 
 
@@ -195,6 +195,7 @@ class Engine:
             raise KvexportError(f"n {n}: must be at least 1")
         if n > 1 and params.temperature == 0:  # vLLM's rule: n greedy choices would all be the same
             raise KvexportError(f"n {n}: must be 1 when using greedy sampling (temperature 0)")
+        self.check_fits(n)
         first = Request(f"cmpl-{next(self._ids_counter)}", ids, params)
         requests = [first]
         for index in range(1, n):
@@ -216,8 +217,19 @@ class Engine:
             self._wake.notify()
         return requests
 
+    def check_fits(self, requests: int) -> None:
+        """Refuse ``requests`` sent together that could never all be queued (a 503 would never clear)."""
+        room = self.max_queue + self.slots - self.table.pinned
+        if requests > room:
+            raise KvexportError(
+                f"n {requests}: one request asks for {requests} sequences, more than this server queues at once "
+                f"({self.max_queue} waiting + {self.slots - self.table.pinned} slots); send fewer prompts or a smaller n"
+            )
+
     def _checked(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         params.validate(self.vocab_size)
+        if params.stop and self.tokenizer is None:
+            raise KvexportError(f"stop: {self.directory} has no tokenizer, so there is no text to find stop strings in; use stop_token_ids")
         if params.prompt_logprobs is not None and not self.manifest.all_logits:
             raise KvexportError(
                 f"prompt logprobs need the logits at every prompt position, and {self.directory.name}'s prefill graph "
@@ -314,48 +326,57 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            with self._lock:
-                while self.scheduler.idle and not self._closing:
-                    self._wake.wait()
-                if self._closing and self.scheduler.idle:
-                    return
-                plan = self.scheduler.schedule()
-                for _, placement in plan.admitted:
-                    if placement.reused:
-                        self._counters["prefix_hits"] += 1
-                        self._counters["cached_tokens"] += placement.reused
+            plan = None
             try:
-                for request in plan.dropped:
-                    self.output.end(request, "cancelled")
-                for request, placement in plan.admitted:
-                    if placement.copy_from is not None:
-                        self.runner.copy_rows(placement.copy_from, placement.slot, placement.reused)
-                    self.output.begin(request)
-                for job in plan.prefixes:
-                    self._cache_prefix(job)
-                for request in self.scheduler.take_cancelled():
-                    self.output.end(request, "cancelled")
-                for chunk in plan.prefill:
-                    if chunk.request.status is Status.PREFILLING:
-                        self._prefill(chunk)
-                self._decode()
+                with self._lock:
+                    while self.scheduler.idle and not self._closing:
+                        self._wake.wait()
+                    if self._closing and self.scheduler.idle:
+                        return
+                    plan = self.scheduler.schedule()
+                    for _, placement in plan.admitted:
+                        if placement.reused:
+                            self._counters["prefix_hits"] += 1
+                            self._counters["cached_tokens"] += placement.reused
+                self._step(plan)
             except Exception as exc:  # a failed run ends the requests it held, not the engine
-                self._fail_all(exc)
+                self._fail_all(exc, waiting=plan is None)  # a plan that could not be made: the queue too
+                for job in plan.prefixes if plan is not None else ():
+                    self._abandon_prefix(job, exc)
 
-    def _cache_prefix(self, job: PrefixJob) -> None:
-        """Prefill a registered prefix whole into its pinned slot."""
-        try:
-            self.runner.run_piece(job.slot, job.tokens, 0)
-        except Exception as exc:
+    def _step(self, plan: StepPlan) -> None:
+        """What one plan asks for: drops, row copies, prefixes, prompt chunks, then the decode call."""
+        for request in plan.dropped:
+            self.output.end(request, "cancelled")
+        for request, placement in plan.admitted:
+            if placement.copy_from is not None:
+                self.runner.copy_rows(placement.copy_from, placement.slot, placement.reused)
+            self.output.begin(request)
+        for job in plan.prefixes:
+            try:
+                self.runner.run_piece(job.slot, job.tokens, 0)
+            except Exception as exc:  # its own pinned rows only: the running requests are unharmed
+                self._abandon_prefix(job, exc)
+                continue
+            self.table.wrote(job.slot, 0, job.tokens)
             with self._lock:
-                self.table.residents[job.slot].pinned = False
-                self.table.release(job.slot, valid=False)
-            job.error = f"{type(exc).__name__}: {first_line(exc)[:300]}"
+                self._counters["prompt_tokens"] += len(job.tokens)
             job.done.set()
-            raise
-        self.table.wrote(job.slot, 0, job.tokens)
+        for request in self.scheduler.take_cancelled():
+            self.output.end(request, "cancelled")
+        for chunk in plan.prefill:
+            if chunk.request.status is Status.PREFILLING:
+                self._prefill(chunk)
+        self._decode()
+
+    def _abandon_prefix(self, job: PrefixJob, exc: Exception) -> None:
+        """A prefix that was not cached: its slot is free again and ``register_prefix`` raises."""
+        if job.done.is_set():
+            return
         with self._lock:
-            self._counters["prompt_tokens"] += len(job.tokens)
+            self.table.residents[job.slot].pinned = False
+            self.table.release(job.slot, valid=False)
+        job.error = f"{type(exc).__name__}: {first_line(exc)[:300]}"
         job.done.set()
 
     def _prefill(self, chunk: PrefillChunk) -> None:
@@ -433,7 +454,13 @@ class Engine:
         for listener in self._listeners:
             listener.on_finish(reason, request.prompt_tokens, request.completion_tokens)
 
-    def _fail_all(self, exc: Exception) -> None:
+    def _fail_all(self, exc: Exception, *, waiting: bool = False) -> None:
+        """End every admitted request (and the waiting ones too, when ``waiting``) with the error."""
         message = f"{type(exc).__name__}: {first_line(exc)[:300]}"
-        for request in list(self.scheduler.active.values()):
+        requests = list(self.scheduler.active.values())
+        if waiting:
+            with self._lock:
+                requests += list(self.scheduler.waiting)
+                self.scheduler.waiting.clear()
+        for request in requests:
             self.output.end(request, "error", message)

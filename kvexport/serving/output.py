@@ -109,7 +109,7 @@ class OutputProcessor:
         generated = len(request.output)
         assert request.text is not None
         if generated >= params.min_tokens and token in self.stop_ids(request):
-            reason = None if token == self.eos_token_id and token not in params.stop_token_ids else token
+            reason = None if token == self.eos_token_id and not params.ignore_eos else token  # EOS first, as vLLM
             text = request.text.add(token)[0] if params.include_stop_str_in_output else ""
             self._end(request, TokenEvent(token, text + request.text.flush(), "stop", logprob=logprob, stop_reason=reason))
             return True
@@ -129,8 +129,10 @@ class OutputProcessor:
         self._end(request, TokenEvent(None, "", reason, error))
 
     def _end(self, request: Request, event: TokenEvent) -> None:
-        self.on_end(request, event.finish_reason or "")
-        request.push(event)
+        try:
+            self.on_end(request, event.finish_reason or "")
+        finally:  # the caller gets its last event even if a listener fails
+            request.push(event)
 
 
 def _needs_row(request: Request) -> bool:

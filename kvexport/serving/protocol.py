@@ -63,6 +63,16 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "modalities": (None, ["text"]),
     "prediction": (None,),
     "echo": (None, False),  # chat's echo (completions serve theirs)
+    "prompt_logprobs": (None,),  # chat's (completions serve theirs)
+    "truncation_side": (None, "left"),
+    "logprob_token_ids": (None, []),
+    "repetition_detection": (None,),
+    "thinking_token_budget": (None,),
+    "watermarking": (None,),
+    "stream_interval": (None, 1),
+    "return_token_offsets": (None, False),
+    "include_reasoning": (None,),
+    "return_prompt_text": (None, False),
 }
 
 # the fields vLLM knows beyond those two (so they are not logged as unknown)
@@ -137,6 +147,8 @@ class SamplingFields(BaseModel):
         """The first field this server refuses, as a one-line message, or None; unknown fields are logged."""
         extra = dict(self.model_extra or {})
         if self.stream_options is not None:
+            if not self.stream:
+                return "stream_options: only for a streamed request (stream: true)"
             if self.stream_options.continuous_usage_stats:
                 return "stream_options.continuous_usage_stats: not served; use include_usage for one usage chunk at the end"
         for name, value in extra.items():
@@ -166,12 +178,22 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    """One message of a chat: its role and its text (a string, or a list of text parts)."""
+    """One message of a chat: its role, its text (a string, or a list of text parts) and a name.
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    Any other key (``tool_calls``, ...) is refused: the template would never see it.
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+
+    def for_template(self) -> dict[str, Any]:
+        """What the chat template sees: role, text content, and the name when given."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
     def text(self) -> str:
         """The message's text; a part that is not text is refused."""

@@ -115,6 +115,9 @@ class SamplingParams:
             raise KvexportError("stop: an empty stop string would stop at once; leave it out")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
             raise KvexportError("allowed_token_ids: an empty list allows no token; leave it out")
+        banned = {token for token, bias in self.logit_bias.items() if bias <= -100}
+        if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= banned:
+            raise KvexportError("logit_bias: it bans every token allowed_token_ids allows; nothing could be generated")
         if vocab_size is not None:
             for name, tokens in (
                 ("logit_bias", list(self.logit_bias)),
@@ -186,7 +189,8 @@ class Request:
         self.next_token = 0  # the token the next decode step feeds
         self.output: list[int] = []
         self.sampling = params.sampling()
-        self.rng = np.random.default_rng(params.seed)
+        # any integer seed, negative ones too (vLLM takes any int64); numpy's wants it unsigned
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.text: TextStream | None = None
         self.last_time = 0.0
         self.draft_budget: DraftBudget | None = None

@@ -82,7 +82,7 @@ class Choice:
             text += event.text
         if event.finish_reason is not None:
             self.finish_reason = "length" if self.echo_only and event.finish_reason != "error" else event.finish_reason
-            self.stop_reason = event.stop_reason
+            self.stop_reason = None if self.echo_only else event.stop_reason
             self.error = event.error
         self.text.append(text)
         self.tokens += tokens
@@ -251,16 +251,17 @@ class _Render:
         async for choice, event in events(self.choices):
             if event.finish_reason == "cancelled":
                 return
-            if event.finish_reason == "error":
+            if event.finish_reason == "error":  # vLLM's way: the error as a chunk, then [DONE]
                 yield sse({"error": {**_STREAM_ERROR, "message": event.error or "generation failed"}})
-                return
+                break
             text, tokens, logprobs = choice.add(event)
             done = event.finish_reason is not None
             if choice.echo_only and not done:
                 continue
             yield self._chunk([self._piece(choice, text, tokens, logprobs, done)])
-        if self.body.include_usage():
-            yield self._chunk([], usage(self.choices, self.first))
+        else:
+            if self.body.include_usage():
+                yield self._chunk([], usage(self.choices, self.first))
         yield "data: [DONE]\n\n"
 
 
@@ -298,9 +299,10 @@ class CompletionRender(_Render):
         return JSONResponse(self._body("text_completion", choices, usage(self.choices, self.first)))
 
     def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any]:
-        piece = self._choice(choice, text, self._logprobs(tokens, logprobs, self.offsets[choice.index]), done)
-        self.offsets[choice.index] += len(text)
-        return piece
+        shown = self._logprobs(tokens, logprobs, self.offsets[choice.index])
+        if shown is not None and shown["tokens"]:  # offsets advance by the tokens' strings, as in a whole response
+            self.offsets[choice.index] = shown["text_offset"][-1] + len(shown["tokens"][-1])
+        return self._choice(choice, text, shown, done)
 
 
 class ChatRender(_Render):

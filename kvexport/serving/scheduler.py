@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from kvexport.errors import KvexportError
 from kvexport.serving.request import Request, Status
-from kvexport.serving.slots import Placement, SlotTable
+from kvexport.serving.slots import MIN_COPIED_PREFIX, Placement, SlotTable
 
 
 class EngineFull(KvexportError):
@@ -119,7 +119,7 @@ class Scheduler:
         held: list[Request] = []
         while self.waiting and free:
             request = self.waiting.popleft()
-            if request.after is not None and request.after.status in (Status.WAITING, Status.PREFILLING):
+            if self._waits_for_rows(request):
                 held.append(request)  # a sibling of n > 1: its prompt is prefilled once, by the first
                 continue
             rows = max(self.active, default=-1) + 1
@@ -139,6 +139,13 @@ class Scheduler:
             plan.prefill.append(PrefillChunk(request, request.prefilled, piece))
             budget -= len(piece)
         return plan
+
+    def _waits_for_rows(self, request: Request) -> bool:
+        """Whether a sibling of n > 1 waits for the first's prompt: only where its rows can then be copied."""
+        first = request.after
+        if first is None or first.status not in (Status.WAITING, Status.PREFILLING):
+            return False
+        return self.table.prefix_cache and self.table.can_copy_rows and len(request.prompt) - 1 >= MIN_COPIED_PREFIX
 
     def prefilled(self, chunk: PrefillChunk) -> None:
         """``chunk`` ran: its rows are in the slot."""
@@ -187,5 +194,10 @@ class Scheduler:
 
 
 def _plain(request: Request) -> bool:
-    """Whether speculative decoding gives this request what it asked for (no controls, no logprobs)."""
-    return not request.params.controls_logits and request.params.logprobs is None
+    """Whether speculative decoding gives this request what it would get batched: greedy, no controls, no logprobs.
+
+    A sampled request's draws would follow another order of its random stream alone than
+    batched, so its tokens would depend on the load.
+    """
+    params = request.params
+    return not request.sampling.do_sample and not params.controls_logits and params.logprobs is None
