@@ -51,6 +51,7 @@ from kvexport.serving.chat import ChatTemplate
 from kvexport.serving.engine import Engine, EngineClosed, EngineFull
 from kvexport.serving.protocol import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     SamplingFields,
@@ -173,6 +174,15 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
             return error_response(404, f"no route {request.method} {request.url.path}; see /v1/completions, /v1/models", code="not_found")
         return error_response(exc.status_code, str(exc.detail))
 
+    def chat_prompt(messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+        """The prompt text of ``messages`` (chat and /tokenize); one line when there is no template."""
+        if chat_template is None:
+            raise KvexportError(
+                "this model has no chat template: start kvexport serve with --chat-template FILE (a Jinja template), "
+                "or use /v1/completions"
+            )
+        return chat_template.render([m.for_template() for m in messages], add_generation_prompt=add_generation_prompt)
+
     def wrong_model(name: str | None) -> JSONResponse | None:
         if name is not None and name != model:
             return error_response(404, f"the model `{name}` does not exist; this server serves `{model}`", param="model", code="model_not_found")
@@ -229,9 +239,6 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
         if refused is not None:
             return refused
         first = [c for c in choices if c.request.after is None]
-        for choice in choices:  # siblings echo the first's prompt logprobs (computed once)
-            if choice.request.after is not None:
-                choice.request.prompt_logprobs = choice.request.after.prompt_logprobs
         name = TokenNames(engine, body.return_tokens_as_token_ids)
         render = CompletionRender(model, choices, first, name, body)
         if body.stream:
@@ -243,20 +250,12 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
         problem = wrong_model(body.model) or _refusal(body)
         if problem is not None:
             return problem
-        if chat_template is None:
-            return error_response(
-                400,
-                "this model has no chat template: start kvexport serve with --chat-template FILE (a Jinja template), "
-                "or use /v1/completions",
-                param="messages",
-            )
         if body.top_logprobs is not None and not body.logprobs:
             return error_response(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
         choices: list[Choice] = []
 
         def submit() -> None:
-            messages = [m.for_template() for m in body.messages]
-            ids = engine.encode(chat_template.render(messages, add_generation_prompt=body.add_generation_prompt))
+            ids = engine.encode(chat_prompt(body.messages, body.add_generation_prompt))
             if body.truncate_prompt_tokens is not None:
                 ids = ids[-body.truncate_prompt_tokens :]
             wanted = body.wanted_tokens()
@@ -285,11 +284,8 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
             return error_response(400, "tokenize: send a prompt or messages (one of them)", param="prompt")
         text = body.prompt
         if body.messages is not None:
-            if chat_template is None:
-                return error_response(400, "this model has no chat template: start kvexport serve with --chat-template FILE", param="messages")
             try:
-                messages = [m.for_template() for m in body.messages]
-                text = chat_template.render(messages, add_generation_prompt=body.add_generation_prompt)
+                text = chat_prompt(body.messages, body.add_generation_prompt)
             except KvexportError as exc:
                 return error_response(400, str(exc), param="messages")
         assert text is not None

@@ -188,7 +188,7 @@ class Engine:
         """Queue ``n`` samples of one prompt, prefilled once (the others copy its rows where they can).
 
         Sample i draws with ``seed + i`` when ``params.seed`` is set, as vLLM's children
-        do; only the first computes ``prompt_logprobs`` (they are the same for all).
+        do; only the first computes ``prompt_logprobs``, into a list all of them share.
         """
         ids = self._checked(prompt, params)
         if n < 1:
@@ -201,7 +201,9 @@ class Engine:
         for index in range(1, n):
             seed = None if params.seed is None else params.seed + index
             child = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
-            requests.append(Request(f"cmpl-{next(self._ids_counter)}", ids, child, after=first))
+            sibling = Request(f"cmpl-{next(self._ids_counter)}", ids, child, after=first)
+            sibling.prompt_logprobs = first.prompt_logprobs  # the same prompt: filled once, by the first
+            requests.append(sibling)
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down; send the request to another replica")

@@ -46,16 +46,11 @@ class OutputProcessor:
         self.on_end = on_end
 
     def begin(self, request: Request) -> None:
-        """Ready a newly admitted request's text stream."""
+        """Ready a newly admitted request: its text stream, and the tokens that end it (EOS unless ignored)."""
         params = request.params
         request.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output)
-
-    def stop_ids(self, request: Request) -> list[int]:
-        """The tokens that end this request: its ``stop_token_ids`` and EOS (unless ignored)."""
-        ids = list(request.params.stop_token_ids)
-        if self.eos_token_id is not None and not request.params.ignore_eos:
-            ids.append(self.eos_token_id)
-        return ids
+        if self.eos_token_id is not None and not params.ignore_eos:
+            request.stop_ids = (*params.stop_token_ids, self.eos_token_id)
 
     def prompt_logprobs(self, request: Request, logits: np.ndarray, start: int) -> None:
         """Record the prompt log-probabilities that ``logits`` [n, V] (positions ``start..``) give.
@@ -79,10 +74,11 @@ class OutputProcessor:
     def choose_all(self, requests: Sequence[Request], logits: np.ndarray, rows: Sequence[int]) -> list[tuple[int, Logprob | None]]:
         """Each request's next token from its row ``rows[i]`` of ``logits`` [*, V], with its log-probability."""
         choices: list[tuple[int, Logprob | None]] = [(0, None)] * len(requests)
-        plain = [i for i, r in enumerate(requests) if not r.sampling.do_sample and not _needs_row(r)]
+        plain = {i for i, r in enumerate(requests) if not r.sampling.do_sample and not _needs_row(r)}
         if plain:  # greedy rows with nothing else to do: one argmax over them all
-            tokens = logits[[rows[i] for i in plain]].argmax(-1)
-            for i, token in zip(plain, tokens, strict=True):
+            order = sorted(plain)
+            tokens = logits[[rows[i] for i in order]].argmax(-1)
+            for i, token in zip(order, tokens, strict=True):
                 choices[i] = (int(token), None)
         for i, request in enumerate(requests):
             if i not in plain:
@@ -93,7 +89,7 @@ class OutputProcessor:
         """One request's next token from its logits ``row`` [V], with its log-probability when asked."""
         params = request.params
         raw = row.astype(np.float32)
-        scores = controlled_scores(raw, params, request.prompt, request.output, self.stop_ids(request)) if params.controls_logits else raw
+        scores = controlled_scores(raw, params, request.prompt, request.output, request.stop_ids) if params.controls_logits else raw
         token = choose(scores, params, request.sampling, request.rng)
         logprob = None
         if params.logprobs is not None:
@@ -108,7 +104,7 @@ class OutputProcessor:
         params = request.params
         generated = len(request.output)
         assert request.text is not None
-        if generated >= params.min_tokens and token in self.stop_ids(request):
+        if generated >= params.min_tokens and token in request.stop_ids:
             reason = None if token == self.eos_token_id and not params.ignore_eos else token  # EOS first, as vLLM
             text = request.text.add(token)[0] if params.include_stop_str_in_output else ""
             self._end(request, TokenEvent(token, text + request.text.flush(), "stop", logprob=logprob, stop_reason=reason))

@@ -192,6 +192,7 @@ class Request:
         # any integer seed, negative ones too (vLLM takes any int64); numpy's wants it unsigned
         self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
         self.text: TextStream | None = None
+        self.stop_ids: tuple[int, ...] = params.stop_token_ids  # and EOS unless ignored, set on admission
         self.last_time = 0.0
         self.draft_budget: DraftBudget | None = None
         self.prompt_logprobs: list[Logprob | None] = []

@@ -290,7 +290,7 @@ class CompletionRender(_Render):
             "stop_reason": choice.stop_reason if done else None,
         }
         if self.request.prompt_logprobs is not None and done:
-            out["prompt_logprobs"] = prompt_logprobs(choice.request.after or choice.request, self.name)
+            out["prompt_logprobs"] = prompt_logprobs(choice.request, self.name)
         return out
 
     def whole(self) -> Response:
