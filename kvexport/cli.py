@@ -132,8 +132,8 @@ def quantization_options(function: F) -> F:
             click.option(
                 "--per-channel",
                 is_flag=True,
-                help="int8, fp32: 7-bit weights per output channel for DynamicQuantizeMatMul; faster on CPU, "
-                "but activations are quantized per call, so a request's logits depend on the rows batched with it.",
+                help="int8, fp32, CPU: 7-bit weights per output channel and activations quantized row by row "
+                "(MatMulIntegerToFloat); 2-2.5x faster prompts than the blocks, a little less accurate.",
             ),
             click.option(
                 "--block-size",
@@ -881,10 +881,12 @@ def inspect_command(path: Path, as_json: bool) -> None:
 def _quantization_line(q: dict[str, Any]) -> str:
     """The manifest's ``quantization`` as one line (export summary and ``inspect``)."""
     if q.get("per_channel"):
-        return (
-            f"quantized {q['scheme']}: 7-bit weights per output channel, head included (DynamicQuantizeMatMul, "
-            "activations quantized per call)"
+        kernel = (
+            "MatMulIntegerToFloat, activations quantized per row"
+            if q.get("activation_scale") == "row"
+            else "DynamicQuantizeMatMul, activations quantized per call"
         )
+        return f"quantized {q['scheme']}: 7-bit weights per output channel, head included ({kernel})"
     return (
         f"quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings "
         f"{q['head_bits']}-bit, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']}"

@@ -96,7 +96,7 @@ def _scheme_knobs(
 ) -> QuantizationConfig | None:
     """The knobs for ``quantize`` (None for float weights), or one clear error.
 
-    Per-channel int8 needs fp32 weights (``DynamicQuantizeMatMul`` is an fp32 CPU kernel).
+    Per-channel int8 needs fp32 weights (``MatMulIntegerToFloat`` here is an fp32 CPU kernel).
     """
     if quantize is QuantizeKind.NONE:
         if knobs is not None:
@@ -111,7 +111,7 @@ def _scheme_knobs(
     knobs = knobs or scheme
     if knobs.per_channel and dtype is not DtypeKind.FP32:
         raise KvexportError(
-            f"--per-channel needs fp32 weights (DynamicQuantizeMatMul is an fp32 CPU kernel), not {dtype.value}; "
+            f"--per-channel needs fp32 weights (its int8 products are an fp32 CPU kernel), not {dtype.value}; "
             "drop it for an fp16 export"
         )
     return knobs

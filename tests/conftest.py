@@ -74,14 +74,20 @@ TRAINED = Path(__file__).parent / "data" / "tiny-trained"
 
 @pytest.fixture(scope="session")
 def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The trained test model as ort-cpu exports (in-place cache): float, int8 and int4; read-only."""
+    """The trained test model as ort-cpu exports (in-place cache): float, int8, int4 and int8 per channel (``int8-pc``); read-only."""
     from kvexport import export_gpt2
+    from passes import QuantizationConfig
 
     root = tmp_path_factory.mktemp("trained")
-    return {
+    exports = {
         scheme: export_gpt2(root / scheme, str(TRAINED), target="ort-cpu", quantize=scheme).out_dir  # type: ignore[arg-type]
         for scheme in ("none", "int8", "int4")
     }
+    per_channel = QuantizationConfig(bits=8, head_bits=8, per_channel=True)
+    exports["int8-pc"] = export_gpt2(
+        root / "int8-pc", str(TRAINED), target="ort-cpu", quantize="int8", quantization=per_channel
+    ).out_dir
+    return exports
 
 
 @pytest.fixture(scope="session")

@@ -157,7 +157,7 @@ def test_verify_text_on_the_command_line(trained_exports: dict[str, Path]) -> No
         ),
         (
             ["--target", "ort-cuda", "--quantize", "int8", "--per-channel"],
-            "Error: --per-channel needs fp32 weights (DynamicQuantizeMatMul is an fp32 CPU kernel), not fp16; "
+            "Error: --per-channel needs fp32 weights (its int8 products are an fp32 CPU kernel), not fp16; "
             "drop it for an fp16 export",
         ),
     ],
@@ -178,9 +178,11 @@ def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: 
     assert "quantized int8: 7-bit weights per output channel, head included" in result.stdout
     ops = [node.op_type for node in onnx.load(str(out / "prefill.onnx"), load_external_data=False).graph.node]
     n_layer = 4
-    assert ops.count("DynamicQuantizeMatMul") == 4 * n_layer + 1  # the blocks and the head
+    assert ops.count("MatMulIntegerToFloat") == 4 * n_layer + 1  # the blocks and the head
+    assert ops.count("QuantizeLinear") == 4 * n_layer + 1  # each product's activations, row by row
     assert "MatMulNBits" not in ops and "MatMul" not in ops and "Gemm" not in ops
-    assert json.loads((out / "kvexport.json").read_text())["quantization"]["per_channel"] is True
+    recorded = json.loads((out / "kvexport.json").read_text())["quantization"]
+    assert recorded["per_channel"] is True and recorded["activation_scale"] == "row"
     # the tied embedding reads the head's int8 bytes: smaller than the block export
     assert _export_bytes(out) < _export_bytes(trained_exports["int8"])
     report = verify(out, steps=4, text=HELDOUT, text_tokens=100_000, record=False)

@@ -49,7 +49,7 @@ def _prompts(count: int, shortest: int = 2, longest: int = 120, seed: int = 0) -
     return prompts
 
 
-@pytest.mark.parametrize("scheme", ["none", "int8"])
+@pytest.mark.parametrize("scheme", ["none", "int8", "int8-pc"])
 def test_sixteen_greedy_requests_at_once_give_each_prompts_own_tokens(trained_exports: dict[str, Path], scheme: str) -> None:
     export = trained_exports[scheme]
     prompts = _prompts(16)
@@ -66,6 +66,27 @@ def test_sixteen_greedy_requests_at_once_give_each_prompts_own_tokens(trained_ex
     assert stats.prompt_tokens == sum(len(p) for p in prompts)
     # the 16 rows decoded together: far fewer batched steps than tokens generated
     assert stats.generated_tokens == 16 * 24 and stats.steps < 16 * 24 / 4
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8", "int8-pc"])
+def test_a_long_prompt_arriving_while_others_decode_changes_no_tokens(trained_exports: dict[str, Path], scheme: str) -> None:
+    export = trained_exports[scheme]
+    short, long = _prompts(3, shortest=5, longest=20, seed=3), _prompts(1, shortest=200, longest=200, seed=4)[0]
+    alone = Generator(export)
+    want = [alone.generate([p], 64, eos_token_id=-1)[0, len(p) :].tolist() for p in short]
+    want.append(alone.generate([long], 16, eos_token_id=-1)[0, len(long) :].tolist())
+    with Engine(export, slots=4, max_context=240, chunk=24) as engine:  # the long prompt takes 9 chunks
+        running = [engine.submit(p, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)) for p in short]
+        streams = [iter(handle) for handle in running]
+        early = [[next(stream).token_id for _ in range(4)] for stream in streams]  # all decoding now
+        late = engine.submit(long, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+        late_events = iter(late)
+        first = next(late_events)
+        # the long prompt's chunks ran between the others' decode steps: they were still decoding
+        assert all(handle.completion_tokens < 64 for handle in running)
+        got = [head + [event.token_id for event in stream] for head, stream in zip(early, streams, strict=True)]
+        got.append([first.token_id] + [event.token_id for event in late_events])
+    assert got == want
 
 
 def test_more_requests_than_slots_queue_and_keep_their_tokens(trained_exports: dict[str, Path]) -> None:

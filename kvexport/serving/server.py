@@ -63,10 +63,11 @@ def serve(
     # uvicorn takes SIGTERM / SIGINT while it serves and raises them again once it has
     # shut down gracefully; ignored then, they end nothing more
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
-    if (engine.manifest.quantization or {}).get("per_channel"):
+    quantization = engine.manifest.quantization or {}
+    if quantization.get("per_channel") and quantization.get("activation_scale") != "row":
         say(
-            "note: per-channel int8 quantizes activations over each call's rows, so a request's output can "
-            "depend on the requests batched with it; export with the default int8 blocks where that matters"
+            "note: this per-channel int8 export quantizes activations over each call's rows, so a request's "
+            "output can depend on the requests batched with it; export it again (now quantized row by row)"
         )
     say(
         f"serving {path} as {served!r} on http://{host}:{bound_port} ({engine.slots} slots of {engine.capacity} tokens, "

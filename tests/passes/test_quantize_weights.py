@@ -99,20 +99,29 @@ def _channel_dequantized(weight_k_by_n: np.ndarray) -> np.ndarray:
     return np.clip(np.round(weight_k_by_n / scale), -63, 63) * scale
 
 
-def test_per_channel_weights_become_dynamic_quantize_matmuls_with_the_tied_table_reading_the_head() -> None:
+def _row_quantized(x: np.ndarray) -> np.ndarray:
+    """Each row to int8 steps of its own scale, max |x_row| / 127, in numpy: the activations' reference."""
+    scale = np.maximum(np.abs(x).max(axis=-1, keepdims=True) * np.float32(1 / 127), np.float32(1e-30))
+    return np.clip(np.rint(x / scale), -128, 127) * scale
+
+
+def test_per_channel_weights_become_row_quantized_products_with_the_tied_table_reading_the_head() -> None:
     proto, weights = _tied_decoder()
     ids = np.array([0, 5, V - 1], dtype=np.int64)
     model = ir.from_proto(proto)
     graph_pass = QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True))
     assert graph_pass(model).modified
     assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0}
-    matmuls = [node for node in model.graph if node.op_type == "DynamicQuantizeMatMul"]
+    matmuls = [node for node in model.graph if node.op_type == "MatMulIntegerToFloat"]
     assert len(matmuls) == 3
-    assert not [node for node in model.graph if node.op_type in ("MatMul", "Gemm", "MatMulNBits")]
+    assert not [node for node in model.graph if node.op_type in ("MatMul", "Gemm", "MatMulNBits", "DynamicQuantizeMatMul")]
+    for matmul in matmuls:  # uint8 activations around 128 (a scalar, as ORT's CPU kernel needs), int8 weights
+        assert matmul.inputs[0].producer().op_type == "QuantizeLinear"
+        assert matmul.inputs[4].const_value.numpy().tolist() == 128
     head = matmuls[-1]
     gathers = [node for node in model.graph if node.op_type == "Gather"]
     # the embedding gathers columns of the head's int8 [C, V] and scales them by the head's scales
-    assert {node.inputs[0] for node in gathers} == {head.inputs[1], head.inputs[2]}
+    assert {node.inputs[0] for node in gathers} == {head.inputs[1], head.inputs[3]}
     assert head.inputs[1].const_value.dtype == ir.DataType.INT8
     assert head.inputs[1].const_value.shape == (C, V)
     assert np.abs(head.inputs[1].const_value.numpy()).max() == 63
@@ -121,12 +130,17 @@ def test_per_channel_weights_become_dynamic_quantize_matmuls_with_the_tied_table
     }  # the float weights are gone
 
     table = _channel_dequantized(weights["E"].T).T  # [V, C]
-    expected = table[ids] @ _channel_dequantized(weights["W1"]) @ _channel_dequantized(weights["W2"]) @ table.T
-    # the activations are quantized to uint8 per call too: close to, not equal to, the reference
+    w1, w2 = _channel_dequantized(weights["W1"]), _channel_dequantized(weights["W2"])
+    # numpy's product with each activation row quantized on its own: the same function
+    expected = _row_quantized(_row_quantized(_row_quantized(table[ids]) @ w1) @ w2) @ table.T
     got = _run(model, ids)
-    assert np.abs(got - expected).max() < 0.03 * np.abs(expected).max()
+    np.testing.assert_allclose(got, expected, rtol=1e-3, atol=1e-3 * np.abs(expected).max())
     reference = _run(proto, ids)
     assert np.abs(got - reference).max() < 0.05 * np.abs(reference).max()
+    # each row is its own: alone, or batched beside any rows, it gives the very same floats
+    for row, token in enumerate(ids):
+        np.testing.assert_array_equal(_run(model, np.array([token])), got[row : row + 1])
+    np.testing.assert_array_equal(_run(model, ids[::-1]), got[::-1])
     # the embedding alone is exact: ids straight to the dequantized rows
     embedded = ir.from_proto(proto)
     QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True))(embedded)
