@@ -167,10 +167,13 @@ def llama_bench(source: Path, gguf: Path, prompt: int, threads: int) -> dict[str
     return result
 
 
-def llama_perplexity(source: Path, gguf: Path, text: Path, context: int, threads: int) -> float:
+def llama_perplexity(source: Path, gguf: Path, text: Path, context: int, threads: int, cache_type: str | None = None) -> float:
+    """llama-perplexity's final estimate; ``cache_type`` (q8_0, q4_0) quantizes its K and V cache (with flash attention, which a quantized V needs)."""
     # to a file, not a pipe: through a pipe its log thread lost the last lines at exit
-    log = gguf.with_suffix(".perplexity.log")
+    log = gguf.with_suffix(f".perplexity{'-' + cache_type if cache_type else ''}.log")
     command = [str(source / "build/bin/llama-perplexity"), "-m", str(gguf), "-f", str(text), "-c", str(context), "-t", str(threads), "-b", str(context)]
+    if cache_type is not None:
+        command += ["-ctk", cache_type, "-ctv", cache_type, "-fa", "on"]
     print("+", " ".join(command), file=sys.stderr, flush=True)
     with open(log, "w") as handle:
         subprocess.run(command, check=True, stdout=handle, stderr=subprocess.STDOUT)
@@ -200,10 +203,21 @@ def kvexport_exports(
     exports = {}
     for label, (scheme, knobs) in wanted.items():
         out = work / f"kvexport-{label.replace(' ', '-')}"
-        if not (out / "kvexport.json").exists():
+        if _stale(out, knobs):
             export_gpt2(out, model, random_init=random_init, seed=0, target="ort-cpu", quantize=scheme, quantization=knobs, force=True)  # type: ignore[arg-type]
         exports[label] = out
     return exports
+
+
+def _stale(out: Path, knobs: Any) -> bool:
+    """Whether ``out`` must be exported (again): missing, or written with other knobs (or by an older kvexport)."""
+    manifest = out / "kvexport.json"
+    if not manifest.exists():
+        return True
+    if knobs is None:
+        return False
+    recorded = json.loads(manifest.read_text()).get("quantization") or {}
+    return any(recorded.get(key) != value for key, value in knobs.to_json().items())
 
 
 def kvexport_speed(export: Path, prompt: int, repeats: int = 3) -> dict[str, float]:
@@ -227,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="Interleaved timing rounds.")
     parser.add_argument("--int4-blocks", default="32", help="int4 block sizes to time (comma-separated).")
     parser.add_argument("--int8-per-channel", action="store_true", help="Add an int8 --per-channel export.")
+    parser.add_argument("--cache-types", default="", help="With --text: llama.cpp's perplexity again with -ctk/-ctv of each (e.g. q8_0,q4_0) on F32 and Q8_0.")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.work.mkdir(parents=True, exist_ok=True)
@@ -268,6 +283,16 @@ def main(argv: list[str] | None = None) -> int:
         for _, kind in SCHEMES:
             rows[f"llama.cpp {kind}"]["perplexity_delta_pct"] = 100 * (rows[f"llama.cpp {kind}"]["perplexity"] / base - 1)
             rows[f"llama.cpp {kind}"]["reference"] = "llama.cpp F32"
+        for cache_type in [c for c in args.cache_types.split(",") if c]:
+            for kind in ("F32", "Q8_0"):
+                ppl = llama_perplexity(source, ggufs[kind], args.text, 256, args.threads, cache_type)
+                rows[f"llama.cpp {kind} cache {cache_type}"] = {
+                    **{key: rows[f"llama.cpp {kind}"][key] for key in ("prompt_ms", "decode_ms_per_token", "disk_mb")},
+                    "perplexity": ppl,
+                    "perplexity_delta_pct": 100 * (ppl / base - 1),
+                    "perplexity_delta_pct_vs_f16_cache": 100 * (ppl / rows[f"llama.cpp {kind}"]["perplexity"] - 1),
+                    "reference": "llama.cpp F32",
+                }
     print(f"{'system':<18} {'prompt ms':>10} {'decode ms/tok':>14} {'disk MB':>9} {'ppl':>9} {'ppl delta %':>12}")
     for system, row in rows.items():
         ppl = f"{row['perplexity']:.3f}" if "perplexity" in row else "-"

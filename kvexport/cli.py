@@ -169,6 +169,17 @@ def _knobs(choice: QuantizationChoice) -> Any:
     return _run(lambda: quantization_config(choice))
 
 
+def kv_cache_option(function: F) -> F:
+    """``--kv-cache fp32|fp16|int8|int4``, shared by ``gpt2`` and ``import``."""
+    return click.option(
+        "--kv-cache",
+        type=click.Choice(["fp32", "fp16", "int8", "int4"]),
+        default=None,
+        help="The KV cache's type [default: the graph dtype]; int8 / int4 quantize it in GroupQueryAttention "
+        "(the in-place cache, fp32 graphs) with per-channel scales calibrated on text at export.",
+    )(function)
+
+
 def cache_option(help_text: str) -> Callable[[F], F]:
     """``--cache concat|shared-buffer``, shared by ``gpt2`` and ``import``."""
     return click.option("--cache", type=click.Choice(values(CacheKind)), default=None, help=help_text)
@@ -231,6 +242,7 @@ def main() -> None:
     "--opset", default=18, show_default=True, type=click.IntRange(14, 24), help="ONNX opset."
 )
 @click.option("--all-logits", is_flag=True, help="Prefill returns logits for every position.")
+@kv_cache_option
 @click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
 @click.option("--allow-pickle", is_flag=True, help="Allow a trusted pickle (.bin) checkpoint.")
 @click.option(
@@ -253,6 +265,7 @@ def gpt2_command(
     quantization: QuantizationChoice,
     opset: int,
     all_logits: bool,
+    kv_cache: str | None,
     force: bool,
     allow_pickle: bool,
     exporter: str,
@@ -278,6 +291,7 @@ def gpt2_command(
             quantization=knobs,
             opset=opset,
             all_logits=all_logits,
+            kv_cache=kv_cache,
             force=force,
             allow_pickle=allow_pickle,
             strategies=strategies,
@@ -294,7 +308,7 @@ def gpt2_command(
         f"  layers {dims.n_layer}, heads {dims.n_head} x {dims.head_dim}, vocab {dims.vocab_size}, "
         f"positions {dims.n_positions}, {manifest.dtype}, opset {manifest.opset}"
     )
-    click.echo(f"  target {manifest.target}, attention {manifest.attention}, cache {manifest.cache_layout}")
+    click.echo(f"  target {manifest.target}, attention {manifest.attention}, cache {_cache_line(manifest)}")
     if manifest.quantization:
         click.echo(f"  {_quantization_line(manifest.quantization)}")
     click.echo(
@@ -878,6 +892,14 @@ def inspect_command(path: Path, as_json: bool) -> None:
         _echo_pass_table(report.passes)
 
 
+def _cache_line(manifest: Any) -> str:
+    """The cache's layout, and its type when it is not the graph's."""
+    if manifest.cache_dtype == manifest.dtype:
+        return manifest.cache_layout
+    q = manifest.cache.get("quantization") or {}
+    return f"{manifest.cache_layout}, {manifest.cache_dtype} {q.get('type', '').lower().replace('_', '-')}"
+
+
 def _quantization_line(q: dict[str, Any]) -> str:
     """The manifest's ``quantization`` as one line (export summary and ``inspect``)."""
     if q.get("per_channel"):
@@ -1001,6 +1023,7 @@ def rewrite_command(
 @attention_option(default="unfused", note="")
 @cache_option("Cache layout [default: shared-buffer with --attention ort (also loads in onnxruntime-genai), else concat].")
 @quantization_options
+@kv_cache_option
 @click.option("--force", is_flag=True, help="Replace a non-empty --out.")
 @json_option
 def import_command(
@@ -1010,6 +1033,7 @@ def import_command(
     attention: str,
     cache: str | None,
     quantization: QuantizationChoice,
+    kv_cache: str | None,
     force: bool,
     as_json: bool,
 ) -> None:
@@ -1026,6 +1050,7 @@ def import_command(
             cache=cache,
             quantize=quantization.scheme.value,
             quantization=knobs,
+            kv_cache=kv_cache,
             force=force,
             progress=None if as_json else _progress,
         )

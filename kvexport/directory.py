@@ -41,10 +41,12 @@ from kvexport.choices import (
 from kvexport.errors import KvexportError
 from kvexport.genai import write_genai_files
 from kvexport.integrity import record_files
+from kvexport.kv_cache import cache_quantization, quantize_export_cache
 from kvexport.manifest import GRAPH_NAMES, GraphSpec, Manifest
 from kvexport.model_info import ModelDims, ModelSource
 from kvexport.storage import load_graph_structure, save_with_shared_weights
 from kvexport.tokenizer import choose_tokenizer
+from passes.quantize_cache import CacheQuantization
 from passes.quantize_weights import QuantizationConfig
 
 Progress = Callable[[str], None]
@@ -117,6 +119,29 @@ def _scheme_knobs(
     return knobs
 
 
+def _kv_cache(kind: str | None, dtype: DtypeKind, cache: CacheKind) -> CacheQuantization | None:
+    """``--kv-cache``'s quantization (None: a float cache of the graph's dtype), or one clear error."""
+    if kind is None or kind == dtype.value:
+        return None
+    config = cache_quantization(kind)
+    if config is None:
+        raise KvexportError(
+            f"--kv-cache {kind} with {dtype.value} graphs: a float cache has the graph's dtype; "
+            f"use --dtype {kind}, or --kv-cache int8 / int4"
+        )
+    if cache is not CacheKind.SHARED_BUFFER:
+        raise KvexportError(
+            f"--kv-cache {kind} needs the in-place cache (GroupQueryAttention), not --cache {cache.value}; "
+            "use --target ort-cpu"
+        )
+    if dtype is not DtypeKind.FP32:
+        raise KvexportError(
+            f"--kv-cache {kind} needs fp32 graphs (its scales are calibrated on CPU), not {dtype.value}; "
+            "drop --dtype fp16"
+        )
+    return config
+
+
 @dataclass(frozen=True)
 class ExportOptions:
     """Everything that decides what graphs an export writes, resolved and checked together.
@@ -133,6 +158,7 @@ class ExportOptions:
     quantization: QuantizationConfig | None
     opset: int
     all_logits: bool
+    kv_cache: CacheQuantization | None = None
 
     @classmethod
     def resolve(
@@ -145,6 +171,7 @@ class ExportOptions:
         quantization: QuantizationConfig | None = None,
         opset: int = DEFAULT_OPSET,
         all_logits: bool = False,
+        kv_cache: str | None = None,
     ) -> ExportOptions:
         """Fill in the target's defaults and refuse what can't work (:class:`KvexportError`)."""
         target_kind = choose(TargetKind, target, "--target")
@@ -167,7 +194,12 @@ class ExportOptions:
             quantization=_scheme_knobs(quantize_kind, quantization, dtype_kind),
             opset=opset,
             all_logits=all_logits,
+            kv_cache=_kv_cache(kv_cache, dtype_kind, cache_kind),
         )
+
+    def kv_cache_kind(self) -> str:
+        """What ``--kv-cache`` resolved to: the graph dtype, ``int8`` or ``int4``."""
+        return self.dtype.value if self.kv_cache is None else f"int{self.kv_cache.bits}"
 
     @property
     def in_place_cache(self) -> bool:
@@ -273,6 +305,8 @@ def write_export_directory(
         quantization=options.quantization_record(),
     )
     manifest.write(directory)
+    if options.kv_cache is not None:
+        manifest = quantize_export_cache(directory, manifest, options.kv_cache, say=report)
     return manifest
 
 

@@ -312,6 +312,7 @@ def export_gpt2(
     quantization: QuantizationConfig | None = None,
     opset: int = DEFAULT_OPSET,
     all_logits: bool = False,
+    kv_cache: str | None = None,
     force: bool = False,
     allow_pickle: bool = False,
     strategies: Sequence[str] = DEFAULT_STRATEGY_ORDER,
@@ -339,6 +340,9 @@ def export_gpt2(
             level, LM-head bits); needs ``quantize``.
         opset: ONNX opset of the graphs.
         all_logits: prefill returns logits for every position, not only the last.
+        kv_cache: the cache's type: None or the graph dtype (a float cache), ``int8`` or
+            ``int4`` (GroupQueryAttention's quantized cache, per-channel scales calibrated on
+            text at export; needs the in-place cache and fp32 graphs; see :mod:`kvexport.kv_cache`).
         force: replace a non-empty ``out``.
         allow_pickle: allow loading a pickle (.bin) checkpoint from a trusted directory.
         strategies: export strategies to try, in order (see :data:`STRATEGIES`).
@@ -351,7 +355,7 @@ def export_gpt2(
     report = progress or (lambda message: None)
     out_path = Path(out)
     options = ExportOptions.resolve(
-        target, attention, dtype, cache, quantize, quantization, opset, all_logits
+        target, attention, dtype, cache, quantize, quantization, opset, all_logits, kv_cache
     )
     _check_strategies(strategies)
     check_output_dir(out_path.absolute(), force)

@@ -234,6 +234,7 @@ def import_decoder(
     cache: str | None = None,
     quantize: str = "none",
     quantization: QuantizationConfig | None = None,
+    kv_cache: str | None = None,
     force: bool = False,
     progress: Progress | None = None,
 ) -> Manifest:
@@ -252,6 +253,8 @@ def import_decoder(
             ``ort``, else ``concat``, as ``kvexport gpt2`` chooses for its targets.
         quantize: ``none``, ``int8`` or ``int4`` (needs ``ort``), as for ``kvexport gpt2``.
         quantization: override the scheme's knobs.
+        kv_cache: ``int8`` / ``int4`` for a quantized cache (the in-place cache only), as for
+            ``kvexport gpt2``; None or ``fp32``: a float cache.
         force: replace a non-empty ``out``.
         progress: called with a short message at each phase.
 
@@ -269,7 +272,7 @@ def import_decoder(
     graph_path, source_dir = _locate(Path(source))
     check_output_dir(out_path.absolute(), force)
     target = "ort-cpu" if attention == Attention.ORT else "portable"
-    options = ExportOptions.resolve(target, attention, "fp32", cache, quantize, quantization)
+    options = ExportOptions.resolve(target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache)
     model_dir = Path(model) if model is not None else None
     if model_dir is not None and not (model_dir / "config.json").is_file():
         raise KvexportError(f"--model {model_dir}: not a checkpoint directory (no config.json)")

@@ -139,6 +139,11 @@ class Manifest:
         """``concat`` or ``shared-buffer`` (see ``cache``)."""
         return str(self.cache.get("layout", "concat"))
 
+    @property
+    def cache_dtype(self) -> str:
+        """The cache tensors' kind: the graph's ``dtype`` (fp32, fp16) unless ``cache`` says int8 or int4."""
+        return str(self.cache.get("dtype", self.dtype))
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON object written to ``kvexport.json``."""
         return {

@@ -38,7 +38,7 @@ from kvexport.errors import KvexportError, ManifestError
 from kvexport.integrity import preflight
 from kvexport.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
-from kvexport.runtime.cache import CacheBanks, SlotCache, numpy_dtype
+from kvexport.runtime.cache import CacheBanks, SlotCache, cache_layout_of, numpy_dtype
 from kvexport.runtime.generator import positions_from_mask
 from kvexport.runtime.session import open_session, resolve_provider
 from passes.cache_names import cache_names
@@ -312,9 +312,9 @@ class _StepRunner:
         n_layer, dims = manifest.dims.n_layer, manifest.dims
         self.past_names = cache_names("past", n_layer)
         self.present_names = cache_names("present", n_layer)
-        dtype = numpy_dtype(manifest.dtype)
+        dtype, stored_dim = cache_layout_of(manifest)
         # the Generator's own cache buffers and binding: one bank, past and present alike
-        self.shape = (batch, dims.n_head, capacity, dims.head_dim)
+        self.shape = (batch, dims.n_head, capacity, stored_dim)
         self.banks = (
             CacheBanks(len(self.past_names), int(np.prod(self.shape)), dtype, "cuda" if provider == "cuda" else "cpu", banks=1)
             if self.in_place
@@ -642,6 +642,21 @@ def _checked_request(
     return manifest, text_content
 
 
+def quality_tolerances(manifest: Manifest) -> dict[str, float] | None:
+    """What a quantized export is judged by: its weights' scheme's tolerances, its cache's, or the looser of both.
+
+    None for float weights and a float cache (judged by fp32 / fp16 parity instead).
+    """
+    cache = (manifest.cache.get("quantization") or {}).get("tolerances")
+    weights = manifest.quantization["tolerances"] if manifest.quantization else None
+    found = [t for t in (weights, cache) if t]
+    if not found:
+        return None
+    return {
+        key: (min if key.startswith("min_") else max)(float(t[key]) for t in found) for key in found[0]
+    }
+
+
 def _preflight_holds(path: Path, manifest: Manifest, report: VerifyReport) -> bool:
     """Files, external data and IO as the manifest records them; what fails goes into ``report``.
 
@@ -696,7 +711,7 @@ def verify(
         provider=resolved,
         steps=steps,
         dtype=manifest.dtype,
-        tolerances=manifest.quantization["tolerances"] if manifest.quantization else None,
+        tolerances=quality_tolerances(manifest),
     )
     say("checking file sizes and hashes")
     if not _preflight_holds(path, manifest, report):

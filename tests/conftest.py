@@ -74,7 +74,11 @@ TRAINED = Path(__file__).parent / "data" / "tiny-trained"
 
 @pytest.fixture(scope="session")
 def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The trained test model as ort-cpu exports (in-place cache): float, int8, int4 and int8 per channel (``int8-pc``); read-only."""
+    """The trained test model as ort-cpu exports (in-place cache); read-only.
+
+    Float, int8 and int4 weights; int8 per channel (``int8-pc``); fp32 weights with an int8
+    and an int4 cache (``kv-int8``, ``kv-int4``).
+    """
     from kvexport import export_gpt2
     from passes import QuantizationConfig
 
@@ -87,6 +91,8 @@ def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     exports["int8-pc"] = export_gpt2(
         root / "int8-pc", str(TRAINED), target="ort-cpu", quantize="int8", quantization=per_channel
     ).out_dir
+    for kind in ("int8", "int4"):
+        exports[f"kv-{kind}"] = export_gpt2(root / f"kv-{kind}", str(TRAINED), target="ort-cpu", kv_cache=kind).out_dir
     return exports
 
 

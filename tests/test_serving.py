@@ -49,7 +49,7 @@ def _prompts(count: int, shortest: int = 2, longest: int = 120, seed: int = 0) -
     return prompts
 
 
-@pytest.mark.parametrize("scheme", ["none", "int8", "int8-pc"])
+@pytest.mark.parametrize("scheme", ["none", "int8", "int8-pc", "kv-int8"])
 def test_sixteen_greedy_requests_at_once_give_each_prompts_own_tokens(trained_exports: dict[str, Path], scheme: str) -> None:
     export = trained_exports[scheme]
     prompts = _prompts(16)

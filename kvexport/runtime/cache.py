@@ -19,6 +19,8 @@ from kvexport.manifest import Manifest
 from passes.cache_names import cache_names
 
 _NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.float16}
+# a cache's element type: the graph's float, or int8 / int4 (two 4-bit values a uint8)
+_CACHE_DTYPES: dict[str, type[np.generic]] = {**_NP_DTYPES, "int8": np.int8, "int4": np.uint8}
 
 
 def numpy_dtype(dtype: str) -> type[np.floating[Any]]:
@@ -26,6 +28,15 @@ def numpy_dtype(dtype: str) -> type[np.floating[Any]]:
     if dtype not in _NP_DTYPES:
         raise ManifestError(f"manifest dtype {dtype!r} is not one the runner knows (fp32, fp16)")
     return _NP_DTYPES[dtype]
+
+
+def cache_layout_of(manifest: Manifest) -> tuple[type[np.generic], int]:
+    """The cache's numpy element type and its elements per cached row of one head (``head_dim``, halved at int4)."""
+    kind = manifest.cache_dtype
+    if kind not in _CACHE_DTYPES:
+        raise ManifestError(f"manifest cache dtype {kind!r} is not one the runner knows ({', '.join(_CACHE_DTYPES)})")
+    head_dim = manifest.dims.head_dim
+    return _CACHE_DTYPES[kind], head_dim // 2 if kind == "int4" else head_dim
 
 class CacheBanks:
     """Banks of flat cache buffers on the device; views of any length are bound by pointer.
@@ -88,15 +99,16 @@ class SlotCache:
     def __init__(self, manifest: Manifest, provider: str, slots: int, capacity: int) -> None:
         dims = manifest.dims
         self.manifest = manifest
-        self.dtype = numpy_dtype(manifest.dtype)
+        self.dtype = numpy_dtype(manifest.dtype)  # the logits'
+        self.cache_dtype, stored_dim = cache_layout_of(manifest)
         self.slots = slots
-        self.row_shape = (dims.n_head, capacity, dims.head_dim)
+        self.row_shape = (dims.n_head, capacity, stored_dim)
         self.past = cache_names("past", dims.n_layer)
         self.present = cache_names("present", dims.n_layer)
         row = int(np.prod(self.row_shape))
-        self.row_bytes = row * np.dtype(self.dtype).itemsize
+        self.row_bytes = row * np.dtype(self.cache_dtype).itemsize
         device = "cuda" if provider == "cuda" else "cpu"
-        self.banks = CacheBanks(len(self.past), slots * row, self.dtype, device, banks=1)
+        self.banks = CacheBanks(len(self.past), slots * row, self.cache_dtype, device, banks=1)
         self._row_bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (session, row) -> binding
 
     def bind(self, binding: ort.IOBinding, first: int, rows: int) -> None:
@@ -104,8 +116,8 @@ class SlotCache:
         shape = [rows, *self.row_shape]
         for index, (past, present) in enumerate(zip(self.past, self.present, strict=True)):
             pointer = self.banks.pointers[0][index] + first * self.row_bytes
-            binding.bind_input(past, self.banks.device, 0, self.dtype, shape, pointer)
-            binding.bind_output(present, self.banks.device, 0, self.dtype, shape, pointer)
+            binding.bind_input(past, self.banks.device, 0, self.cache_dtype, shape, pointer)
+            binding.bind_output(present, self.banks.device, 0, self.cache_dtype, shape, pointer)
 
     def run_piece(self, session: ort.InferenceSession, row: int, piece: Sequence[int], start: int) -> np.ndarray:
         """Run ``piece`` at batch 1 after the ``start`` tokens cached in ``row`` (the prefill graph).

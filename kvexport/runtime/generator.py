@@ -36,7 +36,7 @@ from tokenizers import Tokenizer
 
 from kvexport.errors import KvexportError
 from kvexport.manifest import GRAPH_NAMES, Manifest
-from kvexport.runtime.cache import CacheBanks, numpy_dtype
+from kvexport.runtime.cache import CacheBanks, cache_layout_of, numpy_dtype
 from kvexport.runtime.opened import check_room, check_token_ids, open_export
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
@@ -198,6 +198,8 @@ class Generator:
                 f"prepacked: pre-packing is ONNX Runtime's CPU GEMM layout; it does not apply to {self.provider}"
             )
         self.dtype = numpy_dtype(self.manifest.dtype)
+        # the cache's own type and row width: the graph's float, or an int8 / int4 cache
+        self.cache_dtype, self._stored_dim = cache_layout_of(self.manifest)
         dims = self.manifest.dims
         self.n_layer, self.n_head, self.head_dim = dims.n_layer, dims.n_head, dims.head_dim
         self.vocab_size, self.n_positions = dims.vocab_size, dims.n_positions
@@ -334,7 +336,7 @@ class Generator:
         banks = CacheBanks(
             len(self._past_names),
             int(np.prod(self._full_shape(request))),
-            self.dtype,
+            self.cache_dtype,
             "cuda" if self.provider == "cuda" else "cpu",
             banks=1 if self._in_place else 2,
         )
@@ -424,7 +426,7 @@ class Generator:
     def _full_shape(self, request: GenerationRequest) -> tuple[int, int, int, int]:
         """A cache tensor at the request's capacity: [batch, H, prompt + max_new_tokens, D]."""
         batch, prompt = request.ids.shape
-        return (batch, self.n_head, prompt + request.max_new_tokens, self.head_dim)
+        return (batch, self.n_head, prompt + request.max_new_tokens, self._stored_dim)
 
     def _bind_logits(self, binding: ort.IOBinding, logits: np.ndarray) -> None:
         # logits always land in host memory: they are what sampling needs

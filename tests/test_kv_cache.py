@@ -1,0 +1,111 @@
+"""A quantized KV cache (``--kv-cache int8|int4``): the graphs, the manifest, quality against PyTorch, the runners."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+import pytest
+from click.testing import CliRunner
+
+from kvexport import verify
+from kvexport.cli import main
+from kvexport.runtime import Generator
+from kvexport.runtime.cache import SlotCache
+from kvexport.manifest import read_manifest
+from passes.quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
+from tests.conftest import TRAINED
+
+HELDOUT = TRAINED / "heldout.txt"
+
+
+@pytest.mark.parametrize(("kind", "element", "width"), [("int8", onnx.TensorProto.INT8, 64), ("int4", onnx.TensorProto.UINT8, 32)])
+def test_the_cache_is_quantized_in_every_attention_op_and_recorded(
+    trained_exports: dict[str, Path], kind: str, element: int, width: int
+) -> None:
+    export = trained_exports[f"kv-{kind}"]
+    for graph in ("prefill", "decode"):
+        proto = onnx.load(str(export / f"{graph}.onnx"), load_external_data=False)
+        caches = [v for v in [*proto.graph.input, *proto.graph.output] if v.name.startswith(("past.", "present."))]
+        assert len(caches) == 4 * 4  # 4 layers, key and value, past and present
+        for value in caches:
+            assert value.type.tensor_type.elem_type == element
+            assert value.type.tensor_type.shape.dim[3].dim_value == width  # head size 64, two 4-bit values a byte
+        attention = [n for n in proto.graph.node if n.op_type == "GroupQueryAttention"]
+        assert len(attention) == 4
+        for node in attention:
+            attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+            assert attrs["k_quant_type"] == attrs["v_quant_type"] == b"PER_CHANNEL"
+            assert attrs["kv_cache_bit_width"] == int(kind[3:])
+            scales = {i.name: onnx.numpy_helper.to_array(i) for i in proto.graph.initializer if i.name in node.input[12:14]}
+            for name in node.input[12:14]:
+                assert scales[name].shape == (1, 2, 1, 64) and (scales[name] > 0).all()
+    manifest = json.loads((export / "kvexport.json").read_text())
+    assert manifest["cache"]["dtype"] == kind
+    assert manifest["cache"]["quantization"]["type"] == "PER_CHANNEL"
+    assert "calibrated" in manifest["cache"]["quantization"]["scales"]
+    assert manifest["genai"]["written"] is False and not (export / "genai_config.json").exists()
+    check = CliRunner().invoke(main, ["check", str(export)])
+    assert check.exit_code == 0, check.output
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_a_quantized_cache_stays_within_its_tolerances_against_pytorch_fp32(trained_exports: dict[str, Path], kind: str) -> None:
+    report = verify(trained_exports[f"kv-{kind}"], steps=4, text=HELDOUT, text_tokens=100_000, record=False)
+    assert report.ok, report.failures()
+    assert report.tolerances == {"int8": {"min_top1_agreement": 0.95, "max_mean_kl": 0.002, "max_perplexity_delta_pct": 0.5},
+                                 "int4": {"min_top1_agreement": 0.85, "max_mean_kl": 0.03, "max_perplexity_delta_pct": 1.0}}[kind]
+    assert report.text is not None
+    # quantized, so not fp32-equal: some error, and int4's more than int8's
+    assert report.text.mean_kl > 1e-7
+    float_cache = verify(trained_exports["none"], steps=1, text=HELDOUT, text_tokens=100_000, record=False)
+    assert float_cache.text is not None and float_cache.text.mean_kl < report.text.mean_kl
+
+
+def test_each_cache_dtype_loads_in_a_cpu_session_and_generates(trained_exports: dict[str, Path]) -> None:
+    prompt = list(range(5, 25))
+    tokens = {}
+    for name, dtype, width in (("none", np.float32, 64), ("kv-int8", np.int8, 64), ("kv-int4", np.uint8, 32)):
+        export = trained_exports[name]
+        generator = Generator(export)
+        assert generator.cache_dtype is dtype
+        tokens[name] = generator.generate([prompt], 12, eos_token_id=-1)[0, len(prompt):].tolist()
+        slots = SlotCache(read_manifest(export), "cpu", 2, 40)
+        assert slots.cache_dtype is dtype and slots.row_shape == (2, 40, width)
+    # greedy over a short prompt: the int8 cache keeps fp32's tokens
+    assert tokens["kv-int8"] == tokens["none"]
+    assert len(tokens["kv-int4"]) == 12
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--kv-cache", "int8"], "Error: --kv-cache int8 needs the in-place cache (GroupQueryAttention), not --cache concat; use --target ort-cpu"),
+        (["--target", "ort-cpu", "--kv-cache", "fp16"], "Error: --kv-cache fp16 with fp32 graphs: a float cache has the graph's dtype; use --dtype fp16, or --kv-cache int8 / int4"),
+        (["--target", "ort-cpu", "--dtype", "fp16", "--kv-cache", "int4"], "Error: --kv-cache int4 needs fp32 graphs (its scales are calibrated on CPU), not fp16; drop --dtype fp16"),
+    ],
+)
+def test_a_cache_that_cannot_be_quantized_is_one_line(tmp_path: Path, args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["gpt2", "--out", str(tmp_path / "o"), "--model", str(TRAINED), *args])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == message
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_pass_refuses_a_graph_without_group_query_attention(trained_exports: dict[str, Path]) -> None:
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Identity", ["x"], ["y"])],
+        "plain",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])],
+    )
+    model = ir.from_proto(onnx.helper.make_model(graph))
+    with pytest.raises(QuantizeCacheError, match="needs GroupQueryAttention"):
+        QuantizeCachePass(CacheQuantization(bits=8), {})(model)
+    # an already quantized graph is refused too
+    quantized = ir.from_proto(onnx.load(str(trained_exports["kv-int8"] / "prefill.onnx"), load_external_data=False))
+    with pytest.raises(QuantizeCacheError, match="the cache is INT8 already"):
+        QuantizeCachePass(CacheQuantization(bits=8), {f"past.{l}.{k}": np.ones(1, np.float32) for l in range(4) for k in ("key", "value")})(quantized)
