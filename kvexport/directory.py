@@ -132,7 +132,7 @@ def _kv_cache(kind: str | None, dtype: DtypeKind, cache: CacheKind) -> CacheQuan
     if cache is not CacheKind.SHARED_BUFFER:
         raise KvexportError(
             f"--kv-cache {kind} needs the in-place cache (GroupQueryAttention), not --cache {cache.value}; "
-            "use --target ort-cpu"
+            "use ort attention (kvexport gpt2 --target ort-cpu, kvexport import --attention ort)"
         )
     if dtype is not DtypeKind.FP32:
         raise KvexportError(

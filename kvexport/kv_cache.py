@@ -24,7 +24,6 @@ from __future__ import annotations
 import pydoc_data.topics
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import onnx
@@ -36,7 +35,7 @@ from kvexport.integrity import record_files
 from kvexport.manifest import GRAPH_NAMES, GraphSpec, Manifest
 from kvexport.storage import load_graph_structure
 from passes.cache_names import cache_names
-from passes.quantize_cache import CacheQuantization, QuantizeCachePass
+from passes.quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
 
 KV_CACHE_KINDS = ("fp32", "fp16", "int8", "int4")
 CALIBRATION_TOKENS = 4096  # at most, in windows of the context
@@ -119,19 +118,23 @@ def quantize_export_cache(
     else:  # no tokenizer to read a text with: seeded random ids
         tokens = np.random.default_rng(0).integers(0, manifest.dims.vocab_size, CALIBRATION_TOKENS).tolist()
         source = "seeded random token ids (the export has no tokenizer)"
+    kind = f"int{config.bits}"
     say(f"calibrating the {config.bits}-bit cache's scales on {len(tokens)} tokens of {source}")
     scales = scales_from_peaks(calibrate_peaks(directory, manifest, tokens), config)
     specs: dict[str, GraphSpec] = {}
     for name in GRAPH_NAMES:
         path = directory / manifest.graphs[name].file
         model = ir.from_proto(onnx.load(str(path), load_external_data=False))
-        QuantizeCachePass(config, scales)(model)
+        try:
+            QuantizeCachePass(config, scales)(model)
+        except QuantizeCacheError as exc:
+            raise KvexportError(f"--kv-cache {kind}: {name}.onnx: {exc}") from None
         onnx.save(ir.to_proto(model), str(path))
         specs[name] = GraphSpec.from_proto(path.name, load_graph_structure(path))
     manifest.graphs = specs
     manifest.cache = {
         **manifest.cache,
-        "dtype": f"int{config.bits}",
+        "dtype": kind,
         "quantization": {
             "bits": config.bits,
             "type": config.quant_type,
@@ -148,6 +151,17 @@ def quantize_export_cache(
     return manifest
 
 
-def describe(manifest: Manifest) -> dict[str, Any]:
-    """The cache's dtype and quantization, as the manifest records them."""
-    return {"dtype": manifest.cache_dtype, **(manifest.cache.get("quantization") or {})}
+def copy_with_quantized_cache(base: Path, out: Path, config: CacheQuantization) -> Path:
+    """``out``: a copy of the in-place float export ``base`` with the cache ``config`` (made again unless it already is one)."""
+    import shutil
+
+    from kvexport.manifest import read_manifest
+
+    if (out / "kvexport.json").exists():
+        recorded = read_manifest(out).cache.get("quantization") or {}
+        if recorded.get("bits") == config.bits and recorded.get("type") == config.quant_type:
+            return out
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(base, out, ignore=shutil.ignore_patterns(".*"))
+    quantize_export_cache(out, read_manifest(out), config)
+    return out

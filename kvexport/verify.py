@@ -38,7 +38,7 @@ from kvexport.errors import KvexportError, ManifestError
 from kvexport.integrity import preflight
 from kvexport.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
-from kvexport.runtime.cache import CacheBanks, SlotCache, cache_layout_of, numpy_dtype
+from kvexport.runtime.cache import CacheBanks, SlotCache, cache_layout_of
 from kvexport.runtime.generator import positions_from_mask
 from kvexport.runtime.session import open_session, resolve_provider
 from passes.cache_names import cache_names

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
         build_pipeline,
         run_pipeline,
     )
+    from passes.quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
     from passes.quantize_weights import QuantizationConfig, QuantizeWeightsPass
     from passes.rename_cache import CacheNamingError, NoCacheError, RenameCachePass
     from passes.transposed_weight_gemm import TransposedWeightGemmPass
@@ -46,6 +47,9 @@ _LAZY = {
     "PassReport": "passes.pipeline",
     "build_pipeline": "passes.pipeline",
     "run_pipeline": "passes.pipeline",
+    "CacheQuantization": "passes.quantize_cache",
+    "QuantizeCacheError": "passes.quantize_cache",
+    "QuantizeCachePass": "passes.quantize_cache",
     "QuantizationConfig": "passes.quantize_weights",
     "QuantizeWeightsPass": "passes.quantize_weights",
     "CacheNamingError": "passes.rename_cache",
@@ -68,6 +72,7 @@ __all__ = [
     "PASS_NAMES",
     "Attention",
     "CacheNamingError",
+    "CacheQuantization",
     "CacheSlot",
     "CleanupPass",
     "FoldShapesPass",
@@ -76,6 +81,8 @@ __all__ = [
     "NoCacheError",
     "PassReport",
     "QuantizationConfig",
+    "QuantizeCacheError",
+    "QuantizeCachePass",
     "QuantizeWeightsPass",
     "RenameCachePass",
     "TransposedWeightGemmPass",

@@ -125,3 +125,22 @@ def test_bench_times_an_import_without_checkpoint_and_says_why_pytorch_is_missin
     systems = {m["system"] for m in json.loads((results / "bench.json").read_text())["measurements"]}
     assert {"kvexport", "floor"} <= systems
     assert not systems & {"pytorch", "no-cache"}
+
+
+def test_an_imported_graph_takes_a_quantized_cache_and_verifies(optimum_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "imported-kv8"
+    manifest = _import(optimum_dir, out, "--model", str(CHECKPOINT), "--attention", "ort", "--kv-cache", "int8")
+    assert manifest["cache"]["dtype"] == "int8"  # type: ignore[index]
+    assert manifest["genai"]["written"] is False  # type: ignore[index]
+    decode = onnx.load(str(out / "decode.onnx"), load_external_data=False)
+    pasts = [i for i in decode.graph.input if i.name.startswith("past.")]
+    assert len(pasts) == 6 and {i.type.tensor_type.elem_type for i in pasts} == {onnx.TensorProto.INT8}
+    report = verify(out, steps=3, record=False)
+    assert report.ok, report.failures()
+    assert report.tolerances is not None  # judged by quality, not fp32 parity
+    refused = CliRunner().invoke(main, ["import", str(optimum_dir), "--out", str(tmp_path / "o"), "--kv-cache", "int8"])
+    assert refused.exit_code == 2
+    assert refused.stderr.strip() == (
+        "Error: --kv-cache int8 needs the in-place cache (GroupQueryAttention), not --cache concat; use ort attention (kvexport gpt2 --target ort-cpu, kvexport import --attention ort)"
+    )
+    assert not (tmp_path / "o").exists()

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 
 from kvexport import verify
 from kvexport.cli import main
+from kvexport.manifest import read_manifest
 from kvexport.runtime import Generator
 from kvexport.runtime.cache import SlotCache
-from kvexport.manifest import read_manifest
 from passes.quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
 from tests.conftest import TRAINED
 
@@ -83,7 +83,7 @@ def test_each_cache_dtype_loads_in_a_cpu_session_and_generates(trained_exports: 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--kv-cache", "int8"], "Error: --kv-cache int8 needs the in-place cache (GroupQueryAttention), not --cache concat; use --target ort-cpu"),
+        (["--kv-cache", "int8"], "Error: --kv-cache int8 needs the in-place cache (GroupQueryAttention), not --cache concat; use ort attention (kvexport gpt2 --target ort-cpu, kvexport import --attention ort)"),
         (["--target", "ort-cpu", "--kv-cache", "fp16"], "Error: --kv-cache fp16 with fp32 graphs: a float cache has the graph's dtype; use --dtype fp16, or --kv-cache int8 / int4"),
         (["--target", "ort-cpu", "--dtype", "fp16", "--kv-cache", "int4"], "Error: --kv-cache int4 needs fp32 graphs (its scales are calibrated on CPU), not fp16; drop --dtype fp16"),
     ],
@@ -108,4 +108,38 @@ def test_the_pass_refuses_a_graph_without_group_query_attention(trained_exports:
     # an already quantized graph is refused too
     quantized = ir.from_proto(onnx.load(str(trained_exports["kv-int8"] / "prefill.onnx"), load_external_data=False))
     with pytest.raises(QuantizeCacheError, match="the cache is INT8 already"):
-        QuantizeCachePass(CacheQuantization(bits=8), {f"past.{l}.{k}": np.ones(1, np.float32) for l in range(4) for k in ("key", "value")})(quantized)
+        QuantizeCachePass(CacheQuantization(bits=8), {f"past.{layer}.{k}": np.ones(1, np.float32) for layer in range(4) for k in ("key", "value")})(quantized)
+
+
+def test_kv_memory_sizes_the_slots_from_the_cache_dtype(trained_exports: dict[str, Path]) -> None:
+    from kvexport.serving import Engine
+    from kvexport.serving.engine import slot_bytes
+
+    per_slot = {name: slot_bytes(read_manifest(trained_exports[name]), 64) for name in ("none", "kv-int8", "kv-int4")}
+    # 4 layers x K and V x 2 heads x 64 positions x 64 channels: 4 bytes, 1 byte, half a byte each
+    assert per_slot == {"none": 2 * 4 * 2 * 64 * 64 * 4, "kv-int8": 2 * 4 * 2 * 64 * 64, "kv-int4": 2 * 4 * 2 * 64 * 32}
+    budget = 10 * per_slot["none"] + 1
+    for name, slots in (("none", 10), ("kv-int8", 40), ("kv-int4", 80)):
+        with Engine(trained_exports[name], kv_memory=budget, max_context=64, warm_up=0) as engine:
+            assert engine.slots == slots
+            cache = engine.runner.cache
+            buffers = sum(cache.banks.host_view(0, i, (cache.slots, *cache.row_shape)).nbytes for i in range(len(cache.past)))
+            assert buffers == slots * per_slot[name] <= budget
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--slots", "4", "--kv-memory", "1GiB"], "Error: --slots and --kv-memory both size the cache; give one"),
+        (["--kv-memory", "lots"], "Error: 'lots': not a size; write bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB"),
+        (
+            ["--kv-memory", "1KiB", "--max-context", "64"],
+            "Error: kv_memory 1024 bytes holds no slot: one slot of 64 tokens takes 65536 bytes of int8 cache; "
+            "give more, or a smaller max_context",
+        ),
+    ],
+)
+def test_bad_kv_memory_is_one_line(trained_exports: dict[str, Path], args: list[str], message: str) -> None:
+    result = CliRunner().invoke(main, ["serve", str(trained_exports["kv-int8"]), "--port", "0", *args])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == message

@@ -8,6 +8,7 @@ from it (:meth:`EngineConfig.from_strings`), so no setting can be forgotten on o
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ class EngineConfig:
 
     Attributes:
         slots: rows of the cache: requests generating at once.
+        kv_memory: size the slots from this many bytes of cache instead (as many slots of
+            ``max_context`` tokens as fit, in the export's cache dtype: an int8 cache holds
+            4x the fp32 cache's slots); refused beside an explicit ``slots``.
         max_context: tokens per slot (prompt + completion); default the model's positions.
         max_queue: requests that may wait for a slot; more are refused.
         chunk: prompt tokens prefilled per engine step.
@@ -46,6 +50,7 @@ class EngineConfig:
     """
 
     slots: int = 8
+    kv_memory: int | None = None
     max_context: int | None = None
     max_queue: int = 64
     chunk: int = DEFAULT_CHUNK
@@ -66,6 +71,8 @@ class EngineConfig:
                 raise KvexportError(f"{name} {value}: must be at least {low}")
         if self.prompt_lookup and self.draft is not None:
             raise KvexportError("--prompt-lookup and --draft: pick one drafter")
+        if self.kv_memory is not None and self.kv_memory < 1:
+            raise KvexportError(f"kv_memory {self.kv_memory}: must be a positive number of bytes")
 
     def drafter(self) -> Drafter | None:
         """The drafter these settings ask for (None: no speculative decoding)."""
@@ -92,6 +99,17 @@ class EngineConfig:
         return dataclasses.replace(self, **settings)
 
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """``"2GiB"``, ``"512MB"``, ``"1e9"`` or ``"1073741824"`` as bytes; one line naming the units otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?(?:e[0-9]+)?)\s*([a-z]*)\s*", text.lower())
+    if match is None or match.group(2) not in _UNITS:
+        raise KvexportError(f"{text!r}: not a size; write bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
 def _parse(name: str, text: Any, hint: Any) -> Any:
     """``text`` as a value of the annotated type ``hint`` (int, bool, str, or one of them or None)."""
     if not isinstance(text, str):
@@ -105,6 +123,8 @@ def _parse(name: str, text: Any, hint: Any) -> Any:
         if lowered not in ("true", "false", "1", "0", "yes", "no"):
             raise KvexportError(f"{name}={text}: expected true or false")
         return lowered in ("true", "1", "yes")
+    if kind is int and name == "kv_memory":
+        return parse_bytes(text)
     if kind is int:
         try:
             return int(text)

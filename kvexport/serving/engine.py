@@ -44,9 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from kvexport.errors import KvexportError, first_line
+from kvexport.manifest import Manifest
+from kvexport.runtime.cache import cache_layout_of
 from kvexport.runtime.opened import check_prompt, open_export
 from kvexport.runtime.speculative import DraftBudget, Drafter, require_all_logits, speculative_round
 from kvexport.serving.config import EngineConfig
@@ -59,6 +62,24 @@ from kvexport.serving.request import (
 from kvexport.serving.runner import ModelRunner
 from kvexport.serving.scheduler import EngineFull, PrefillChunk, PrefixJob, Scheduler, StepPlan
 from kvexport.serving.slots import SlotTable
+
+
+def slot_bytes(manifest: Manifest, capacity: int) -> int:
+    """Bytes of cache one slot of ``capacity`` tokens holds, in the export's cache dtype (every layer, K and V)."""
+    element, stored_dim = cache_layout_of(manifest)
+    dims = manifest.dims
+    return 2 * dims.n_layer * dims.n_head * capacity * stored_dim * np.dtype(element).itemsize
+
+
+def slots_for_memory(manifest: Manifest, capacity: int, budget: int) -> int:
+    """How many slots of ``capacity`` tokens ``budget`` bytes of cache hold; one line if not even one."""
+    per_slot = slot_bytes(manifest, capacity)
+    if budget < per_slot:
+        raise KvexportError(
+            f"kv_memory {budget} bytes holds no slot: one slot of {capacity} tokens takes {per_slot} bytes of "
+            f"{manifest.cache_dtype} cache; give more, or a smaller max_context"
+        )
+    return budget // per_slot
 
 
 class EngineClosed(KvexportError):
@@ -139,6 +160,8 @@ class Engine:
         self.capacity = dims.n_positions if config.max_context is None else config.max_context
         if not 2 <= self.capacity <= dims.n_positions:
             raise KvexportError(f"max_context {self.capacity}: must be 2..{dims.n_positions} (the model's positions)")
+        if config.kv_memory is not None:
+            config = self.config = config.updated(slots=slots_for_memory(self.manifest, self.capacity, config.kv_memory))
         self.slots, self.max_queue, self.chunk = config.slots, config.max_queue, config.chunk
         self.prefix_cache = config.prefix_cache
         self.vocab_size = dims.vocab_size

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvexport.errors import KvexportError
 from kvexport.serving.config import EngineConfig
-from kvexport.serving.engine import Engine
+from kvexport.serving.engine import Engine, slot_bytes
 
 
 def model_name(directory: Path) -> str:
@@ -71,7 +71,7 @@ def serve(
         )
     say(
         f"serving {path} as {served!r} on http://{host}:{bound_port} ({engine.slots} slots of {engine.capacity} tokens, "
-        f"{engine.provider}); stop with Ctrl-C or SIGTERM"
+        f"{cache_summary(engine)}, {engine.provider}); stop with Ctrl-C or SIGTERM"
     )
     try:
         server.run(sockets=[listener])
@@ -82,3 +82,12 @@ def serve(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     say("stopped")
+
+
+def cache_summary(engine: Engine) -> str:
+    """The cache's dtype and size, and how --kv-memory sized it: ``int8 cache 1.2 GiB (--kv-memory: 16 slots of 75.5 MiB)``."""
+    per_slot = slot_bytes(engine.manifest, engine.capacity)
+    text = f"{engine.manifest.cache_dtype} cache {engine.slots * per_slot / 2**30:.2f} GiB"
+    if engine.config.kv_memory is not None:
+        text += f" (--kv-memory {engine.config.kv_memory} bytes: {engine.slots} slots of {per_slot / 2**20:.1f} MiB)"
+    return text
