@@ -705,6 +705,7 @@ def bench_command(
 ) -> None:
     """Time TTFT and decode ms/token against PyTorch, no-cache and the bandwidth floor, in one run."""
     _run(lambda: require_export_extra("kvexport bench (the PyTorch baselines)"))
+    _run(lambda: require_extra("bench", "kvexport bench (its plot)"))
     from kvexport.bench import run_bench, write_json, write_plot
 
     report = _run(
@@ -793,6 +794,12 @@ def bench_command(
     "--warm-up", default=2, show_default=True, type=click.IntRange(0), help="Requests run before serving, so the first clients are not slower (0: none)."
 )
 @click.option("--no-check", is_flag=True, help="Skip comparing every file's sha256 with the manifest before loading.")
+@click.option(
+    "--api-key",
+    envvar="KVEXPORT_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' on every /v1 and tokenizer route (401 otherwise) [env: KVEXPORT_API_KEY].",
+)
 @provider_option
 def serve_command(
     directory: Path,
@@ -813,6 +820,7 @@ def serve_command(
     chat_template: Path | None,
     warm_up: int,
     no_check: bool,
+    api_key: str | None,
     provider: str,
 ) -> None:
     """Serve DIRECTORY over HTTP with an OpenAI-compatible API.
@@ -850,7 +858,7 @@ def serve_command(
         _run(
             lambda: serve_with_ray(
                 directory, config, replicas=replicas, address=ray_address, host=host, port=port, name=model_name,
-                chat_template=chat_template, say=_progress,
+                chat_template=chat_template, api_key=api_key or None, say=_progress,
             )
         )
         return
@@ -861,7 +869,8 @@ def serve_command(
 
     _run(
         lambda: serve(
-            directory, config, host=host, port=port, name=model_name, chat_template=chat_template, say=_progress
+            directory, config, host=host, port=port, name=model_name, chat_template=chat_template,
+            api_key=api_key or None, say=_progress,
         )
     )
 

@@ -4,7 +4,9 @@
 numpy and tokenizers. Export and verify also need torch and transformers, which come
 with ``pip install 'kvexport[export]'`` (as ``optimum[exporters]`` adds its exporters), and
 ``kvexport serve`` FastAPI, uvicorn and prometheus-client with ``kvexport[serve]``, and
-``kvexport serve --replicas`` Ray Serve besides with ``kvexport[ray]``.
+``kvexport serve --replicas`` Ray Serve besides with ``kvexport[ray]``, and ``kvexport bench``
+matplotlib for its plot with ``kvexport[bench]``. Each command checks its extras before it
+starts work, so none fails minutes in.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "export": ("torch", "transformers"),
     "serve": ("fastapi", "uvicorn", "prometheus_client", "jinja2"),
     "ray": ("fastapi", "uvicorn", "prometheus_client", "ray"),
+    "bench": ("matplotlib",),  # bench's plot; its baselines need the export extra
 }
 EXPORT_EXTRA = "kvexport[export]"
 

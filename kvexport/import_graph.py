@@ -44,7 +44,7 @@ from kvexport.model_info import ModelDims, ModelSource
 from kvexport.rewrite import load_graph
 from kvexport.storage import atomic_output_dir, check_output_dir
 from passes import (
-    CacheNamingError,
+    PassInputError,
     QuantizationConfig,
     RenameCachePass,
     build_pipeline,
@@ -209,18 +209,18 @@ def _specialise(
     _check_inputs(graph, graph_path)
     try:
         RenameCachePass()(graph)
-    except CacheNamingError as exc:
-        raise KvexportError(f"{graph_path}: {exc}") from exc
-    dims = _dims(graph, config_dir, graph_path)
-    if name == "prefill":
-        _empty_past(graph)
-    else:
-        _one_token(graph)
-    rename_dims(graph, _PREFILL_DIMS if name == "prefill" else _DECODE_DIMS)
-    pipeline = build_pipeline(
-        options.attention.value, shared_buffer=options.in_place_cache, quantization=options.quantization
-    )
-    reports = [{"graph": name, **report.to_json()} for report in run_pipeline(graph, pipeline)]
+        dims = _dims(graph, config_dir, graph_path)
+        if name == "prefill":
+            _empty_past(graph)
+        else:
+            _one_token(graph)
+        rename_dims(graph, _PREFILL_DIMS if name == "prefill" else _DECODE_DIMS)
+        pipeline = build_pipeline(
+            options.attention.value, shared_buffer=options.in_place_cache, quantization=options.quantization
+        )
+        reports = [{"graph": name, **report.to_json()} for report in run_pipeline(graph, pipeline)]
+    except PassInputError as exc:  # any pass's refusal of this graph: one line
+        raise KvexportError(f"{graph_path}: {exc}") from None
     last_only = _last_position_logits(graph) if name == "prefill" else True
     return graph, dims, reports, last_only
 

@@ -27,7 +27,7 @@ from kvexport.storage import (
 )
 from passes import (
     DEFAULT_REWRITE_PASSES,
-    CacheNamingError,
+    PassInputError,
     PassReport,
     QuantizationConfig,
     RenameCachePass,
@@ -106,8 +106,8 @@ def rewrite_graph(
         reports = run_pipeline(model, pipeline)
         if names != "canonical":
             RenameCachePass(style=names)(model)
-    except CacheNamingError as exc:
-        raise KvexportError(f"{source}: {exc}") from exc
+    except PassInputError as exc:  # any pass's refusal of this graph: one line
+        raise KvexportError(f"{source}: {exc}") from None
     data_name = f"{output.name}.data"
     with created_parents(output):
         data_file = _write_atomically(model, output, data_name)

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from passes.cache_names import CacheSlot
     from passes.choices import Attention
     from passes.cleanup import CleanupPass
+    from passes.errors import PassInputError
     from passes.fold_shapes import FoldShapesPass
     from passes.fuse_attention import FuseAttentionPass
     from passes.fuse_ort_block import FuseOrtBlockPass
@@ -42,6 +43,7 @@ _LAZY = {
     "FoldShapesPass": "passes.fold_shapes",
     "FuseAttentionPass": "passes.fuse_attention",
     "FuseOrtBlockPass": "passes.fuse_ort_block",
+    "PassInputError": "passes.errors",
     "DEFAULT_REWRITE_PASSES": "passes.pipeline",
     "PASS_NAMES": "passes.pipeline",
     "PassReport": "passes.pipeline",
@@ -79,6 +81,7 @@ __all__ = [
     "FuseAttentionPass",
     "FuseOrtBlockPass",
     "NoCacheError",
+    "PassInputError",
     "PassReport",
     "QuantizationConfig",
     "QuantizeCacheError",

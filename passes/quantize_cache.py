@@ -28,16 +28,17 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
+from onnx_ir.passes import InPlacePass, PassResult
 
 from passes.cache_names import canonical_slot
+from passes.errors import PassInputError
 from passes.values import initializer
 
 _MS = "com.microsoft"
 _K_SCALE, _V_SCALE = 12, 13
 
 
-class QuantizeCacheError(PreconditionError, ValueError):
+class QuantizeCacheError(PassInputError):
     """The graph can't take a quantized cache (no GroupQueryAttention, or not over canonical in-place buffers)."""
 
 

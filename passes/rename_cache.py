@@ -34,6 +34,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
 from passes.cache_names import CacheSlot, Direction, Kind, Style, canonical_slot
+from passes.errors import PassInputError
 from passes.values import initializer
 
 _ORIGINAL_NAME = "kvexport.original_name"
@@ -43,7 +44,7 @@ _VALUE_TOKENS = {"value", "values", "v"}
 _CACHE_TOKENS = {"past", "present", "pkv", "cache", "kv", "layer_past", "cached"}
 
 
-class CacheNamingError(ValueError):
+class CacheNamingError(PassInputError):
     """The graph's cache tensors can't be mapped onto canonical names without guessing."""
 
 
@@ -232,9 +233,8 @@ class RenameCachePass(InPlacePass):
                 f"past has {len(past_layers)} layers but present has {len(present_layers)}"
             )
 
-    def call(self, model: ir.Model) -> PassResult:
-        """Rename (and split) in place; all checks run before the first change."""
-        graph = model.graph
+    def _checked_plan(self, graph: ir.Graph) -> dict[ir.Value, CacheSlot]:
+        """The renaming, after every check: complete, unambiguous, and onto names no other tensor holds."""
         plan = self._plan(graph)
         self._check_complete(plan)
         target_names = set()
@@ -248,6 +248,16 @@ class RenameCachePass(InPlacePass):
                     f"{value.name!r} is already used by a tensor that is not a cache tensor; "
                     "rename it first"
                 )
+        return plan
+
+    def requires(self, model: ir.Model) -> None:
+        """The graph's cache maps onto canonical names without a guess; :class:`CacheNamingError` otherwise."""
+        self._checked_plan(model.graph)
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Rename (and split) in place; all checks ran before the first change."""
+        graph = model.graph
+        plan = self._checked_plan(graph)
         # Free every target name first so that a swap (a->b, b->a) can't collide.
         renamed = split = 0
         names_before = {value: value.name for value in plan}

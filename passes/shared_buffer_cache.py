@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import numpy as np
 import onnx_ir as ir
-from onnx_ir.passes import InPlacePass, PassResult, PreconditionError
+from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import TopologicalSortPass
 
 from passes._masks import is_mask_where, padding_condition
 from passes.cache_names import canonical_slot
+from passes.errors import PassInputError
 from passes.values import initializer
 
 CAPACITY_DIM = "max_sequence"
@@ -50,7 +51,7 @@ TOTAL_DIM = "total_sequence"
 _MS = "com.microsoft"
 
 
-class SharedBufferCacheError(PreconditionError, ValueError):
+class SharedBufferCacheError(PassInputError):
     """The graph can't be given a shared-buffer cache (no attention_mask, unexpected MHA inputs)."""
 
 
@@ -219,6 +220,9 @@ class SharedBufferCachePass(InPlacePass):
             slots = [canonical_slot(o.name or "") for o in node.outputs[1:3]]
             if len(node.outputs) < 3 or not all(s is not None and s.direction == "present" for s in slots):
                 raise SharedBufferCacheError(f"{node.name}: its presents are not present.<l>.key|value outputs")
+            bias = node.inputs[5] if len(node.inputs) > 5 else None
+            if bias is not None and is_mask_where(bias.producer()) and _input(model.graph, "input_ids") is None:
+                raise SharedBufferCacheError("the graph has no input_ids input to take the query length from")
 
     def call(self, model: ir.Model) -> PassResult:
         """Rewrite in place (what :meth:`requires` checked holds)."""

@@ -42,6 +42,10 @@ def _ray_processes() -> set[int]:
     return found
 
 
+API_KEY = "ray-secret"
+AUTHORIZED = {"authorization": f"Bearer {API_KEY}"}
+
+
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
@@ -52,7 +56,8 @@ def _free_port() -> int:
 def ray_server(trained_exports: dict[str, Path]) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     before = _ray_processes()
     port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    # the key from the environment, as a deployment would pass it: every replica requires it
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "KVEXPORT_API_KEY": API_KEY}
     command = [sys.executable, "-m", "kvexport.cli", "serve", str(trained_exports["none"]), "--replicas", "2"]
     command += ["--slots", "4", "--max-context", "128", "--port", str(port)]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -83,7 +88,7 @@ def ray_server(trained_exports: dict[str, Path]) -> Iterator[tuple[str, subproce
 
 
 def _complete(url: str, body: dict[str, object], timeout: float = 60) -> httpx.Response:
-    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout)
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=timeout, headers=AUTHORIZED)
 
 
 def _replicas_seen(url: str, count: int) -> tuple[set[str], list[httpx.Response]]:
@@ -106,12 +111,16 @@ def test_requests_spread_over_both_replicas_with_the_embedded_servers_tokens(
     metrics = httpx.get(f"{url}/metrics", timeout=10)
     assert metrics.status_code == 200 and "kvexport_generation_tokens_total" in metrics.text
     assert metrics.headers["x-kvexport-replica"] in replicas
+    # every replica requires the key: without it, or with another, 401 in OpenAI's shape
+    for headers in ({}, {"authorization": "Bearer wrong"}):
+        refused = httpx.post(f"{url}/v1/completions", json=GREEDY, timeout=30, headers=headers)
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
 
 
 def test_a_killed_replica_is_replaced_and_no_request_hangs(ray_server: tuple[str, subprocess.Popen[str]]) -> None:
     url, _ = ray_server
     long = {**GREEDY, "max_tokens": 100, "stream": True}
-    with httpx.Client(timeout=httpx.Timeout(60, read=30)) as client, client.stream("POST", f"{url}/v1/completions", json=long) as stream:
+    with httpx.Client(timeout=httpx.Timeout(60, read=30)) as client, client.stream("POST", f"{url}/v1/completions", json=long, headers=AUTHORIZED) as stream:
         victim = stream.headers["x-kvexport-replica"]
         os.kill(int(victim.rsplit(":", 1)[1]), signal.SIGKILL)
         started = time.monotonic()

@@ -261,12 +261,14 @@ def test_a_concat_export_is_refused_in_one_line(tiny_export: Path) -> None:
 
 
 @contextlib.contextmanager
-def _server(directory: Path, template: ChatTemplate | None = None, **engine_options: object) -> Iterator[tuple[str, Engine]]:
+def _server(
+    directory: Path, template: ChatTemplate | None = None, api_key: str | None = None, **engine_options: object
+) -> Iterator[tuple[str, Engine]]:
     """The app on uvicorn in a thread, on 127.0.0.1 and a free port."""
     engine = Engine(directory, **engine_options)  # type: ignore[arg-type]
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    app = create_app(engine, "trained", chat_template=template)
+    app = create_app(engine, "trained", chat_template=template, api_key=api_key)
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()

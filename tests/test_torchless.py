@@ -105,3 +105,14 @@ def test_serve_without_the_serve_extra_says_so_in_one_line(tiny_ort_export: Path
         "Error: kvexport serve needs fastapi and uvicorn, which the base install leaves out; "
         "install them with: pip install 'kvexport[serve]'"
     )
+
+
+def test_bench_without_matplotlib_says_so_before_it_measures(tiny_export: Path, tmp_path: Path) -> None:
+    done = run_cli_without(("matplotlib",), ["bench", str(tiny_export), "--results", str(tmp_path / "results")])
+    assert done.returncode == 2
+    assert done.stderr.splitlines()[-2] == (
+        "Error: kvexport bench (its plot) needs matplotlib, which the base install leaves out; "
+        "install them with: pip install 'kvexport[bench]'"
+    )
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "results").exists()  # refused before measuring anything

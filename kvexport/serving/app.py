@@ -13,6 +13,14 @@ Routes, with vLLM's request and response shapes (``vllm/entrypoints/openai``):
   the chat shape, streamed ``chat.completion.chunk`` deltas.
 - ``POST /tokenize``, ``POST /detokenize``, ``GET /tokenizer_info``; ``GET /v1/models``,
   ``GET /health``, ``GET /metrics`` (Prometheus text).
+- ``GET /``: the playground, one HTML page with no external assets (``playground.html``):
+  a prompt, max tokens, temperature, the tokens as they stream with TTFT and tokens/s, a
+  chat mode when there is a chat template and a key field when there is an API key.
+
+With an API key (``--api-key`` or ``KVEXPORT_API_KEY``) every ``/v1`` route and the
+tokenizer routes need ``Authorization: Bearer KEY`` (compared in constant time) and answer
+401 in OpenAI's error shape without it; ``/health``, ``/metrics`` and ``/`` stay open
+(``/metrics`` shows counts and latencies, no request text).
 
 Log-probabilities are of the model's own distribution, before temperature, penalties
 and the other controls (vLLM's default, ``raw_logprobs``). Prompt log-probabilities
@@ -29,13 +37,16 @@ within one step.
 
 from __future__ import annotations
 
+import hmac
+import json
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
@@ -68,6 +79,29 @@ from kvexport.serving.responses import (
 )
 
 RETRY_AFTER_S = 1
+# the routes an API key guards (vLLM's --api-key guards /v1; the tokenizer routes read the model too)
+_KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
+API_KEY_ENV = "KVEXPORT_API_KEY"
+
+
+PLAYGROUND = Path(__file__).with_name("playground.html")
+
+
+def playground_page(model: str, *, chat: bool, api_key: bool) -> str:
+    """The playground's HTML (no external assets), told the model name and whether chat and a key apply."""
+    config = json.dumps({"model": model, "chat": chat, "api_key": api_key}).replace("<", "\\u003c")
+    return PLAYGROUND.read_text(encoding="utf-8").replace("__SERVER_CONFIG__", config)
+
+
+def needs_key(path: str) -> bool:
+    """Whether ``path`` is guarded by the API key: ``/v1/*`` and the tokenizer routes; not ``/health``, ``/metrics``, ``/``."""
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in _KEYED_PREFIXES)
+
+
+def key_matches(header: str | None, api_key: str) -> bool:
+    """Whether an ``Authorization`` header carries ``Bearer <api_key>``, compared in constant time."""
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 DEFAULT_MAX_TOKENS = 16  # completions: also for max_tokens null, as vLLM normalizes it
 _BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -139,14 +173,35 @@ def _param_of(message: str, body: SamplingFields, fallback: str) -> str:
     return word if word in type(body).model_fields else fallback
 
 
-def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_template: ChatTemplate | None = None) -> FastAPI:
+def create_app(
+    engine: Engine,
+    model: str,
+    *,
+    replica: str | None = None,
+    chat_template: ChatTemplate | None = None,
+    api_key: str | None = None,
+) -> FastAPI:
     """The FastAPI app serving ``engine`` under the model name ``model``.
 
     ``replica`` names this copy of the app in an ``x-kvexport-replica`` response header
     (a deployment with several replicas sets it); ``chat_template`` renders chat messages
-    (without one, ``/v1/chat/completions`` answers 400 naming ``--chat-template``).
+    (without one, ``/v1/chat/completions`` answers 400 naming ``--chat-template``);
+    ``api_key``, when set, is required on every ``/v1`` and tokenizer route as
+    ``Authorization: Bearer KEY`` (see :func:`key_matches`).
     """
     app = FastAPI(title="kvexport", docs_url=None, redoc_url=None, openapi_url=None)
+
+    if api_key is not None:
+        @app.middleware("http")
+        async def require_key(request: Request, call_next: Any) -> Response:
+            if needs_key(request.url.path) and not key_matches(request.headers.get("authorization"), api_key):
+                return error_response(
+                    401,
+                    "missing or wrong API key: send the server's --api-key as 'Authorization: Bearer KEY'",
+                    code="invalid_api_key",
+                )
+            response: Response = await call_next(request)
+            return response
     metrics = ServerMetrics(engine, model)
     engine.add_listener(metrics)
     app.state.engine, app.state.metrics, app.state.model = engine, metrics, model
@@ -191,6 +246,12 @@ def create_app(engine: Engine, model: str, *, replica: str | None = None, chat_t
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
+
+    page = playground_page(model, chat=chat_template is not None, api_key=api_key is not None)
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground() -> HTMLResponse:
+        return HTMLResponse(page)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

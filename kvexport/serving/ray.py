@@ -34,7 +34,7 @@ from ray import serve
 from ray.serve import Application
 
 from kvexport.errors import KvexportError
-from kvexport.serving.app import create_app
+from kvexport.serving.app import API_KEY_ENV, create_app
 from kvexport.serving.chat import ChatTemplate
 from kvexport.serving.config import EngineConfig
 from kvexport.serving.engine import Engine
@@ -49,16 +49,22 @@ class KvexportReplica:
     """One replica: an engine over the export directory, behind the app of ``kvexport serve``."""
 
     def __init__(
-        self, directory: str, config: EngineConfig, name: str | None = None, chat_template: str | None = None
+        self,
+        directory: str,
+        config: EngineConfig,
+        name: str | None = None,
+        chat_template: str | None = None,
+        api_key: str | None = None,
     ) -> None:
         self.template = ChatTemplate.find(Path(directory), chat_template)
+        self.api_key = api_key
         self.engine = Engine(directory, config)
         self.model = name or model_name(Path(directory))
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
     def __serve_build_asgi_app__(self) -> Any:
         """The app of ``kvexport serve`` over this replica's engine (Serve calls it after ``__init__``)."""
-        return create_app(self.engine, self.model, replica=self.replica, chat_template=self.template)
+        return create_app(self.engine, self.model, replica=self.replica, chat_template=self.template, api_key=self.api_key)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -73,8 +79,9 @@ def build(
     replicas: int = 2,
     name: str | None = None,
     chat_template: str | Path | None = None,
+    api_key: str | None = None,
 ) -> Application:
-    """The Serve application: ``replicas`` copies of :class:`KvexportReplica` over ``directory``."""
+    """The Serve application: ``replicas`` copies of :class:`KvexportReplica` over ``directory`` (each requiring ``api_key`` when set)."""
     config = config or EngineConfig()
     path = Path(directory).resolve()
     if not (path / "kvexport.json").is_file():
@@ -83,24 +90,28 @@ def build(
     deployment = KvexportReplica.options(  # type: ignore[attr-defined]
         num_replicas=replicas, max_ongoing_requests=config.slots + config.max_queue
     )
-    return deployment.bind(str(path), config, name, None if chat_template is None else str(chat_template))
+    return deployment.bind(str(path), config, name, None if chat_template is None else str(chat_template), api_key)
 
 
 # the application's own arguments; every other key=value is an EngineConfig field
-_APP_ARGUMENTS = ("dir", "replicas", "name", "chat_template")
+_APP_ARGUMENTS = ("dir", "replicas", "name", "chat_template", "api_key")
 
 
 def app(args: dict[str, Any]) -> Application:
     """Serve's application builder: ``serve run kvexport.serving.ray:app dir=DIR [replicas=2 slots=8 ...]``.
 
-    Besides ``dir``, ``replicas``, ``name`` and ``chat_template``, every key is a field of
+    Besides ``dir``, ``replicas``, ``name``, ``chat_template`` and ``api_key`` (default: the
+    ``KVEXPORT_API_KEY`` environment variable), every key is a field of
     :class:`~kvexport.serving.config.EngineConfig` (``prefix_cache=false``, ``chunk=128``, ...).
     """
     if "dir" not in args:
         raise KvexportError("pass the export directory: serve run kvexport.serving.ray:app dir=DIR")
     config = EngineConfig.from_strings({k: v for k, v in args.items() if k not in _APP_ARGUMENTS})
     replicas = int(args.get("replicas", "2"))
-    return build(args["dir"], config, replicas=replicas, name=args.get("name"), chat_template=args.get("chat_template"))
+    return build(
+        args["dir"], config, replicas=replicas, name=args.get("name"), chat_template=args.get("chat_template"),
+        api_key=args.get("api_key") or os.environ.get(API_KEY_ENV) or None,
+    )
 
 
 def serve_with_ray(
@@ -113,6 +124,7 @@ def serve_with_ray(
     port: int = 8000,
     name: str | None = None,
     chat_template: str | Path | None = None,
+    api_key: str | None = None,
     say: Callable[[str], None] = lambda message: None,
     stop: threading.Event | None = None,
 ) -> None:
@@ -123,7 +135,7 @@ def serve_with_ray(
     """
     import ray
 
-    application = build(directory, config, replicas=replicas, name=name, chat_template=chat_template)
+    application = build(directory, config, replicas=replicas, name=name, chat_template=chat_template, api_key=api_key)
     started_here = address is None
     ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     finished = stop or threading.Event()

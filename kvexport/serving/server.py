@@ -33,12 +33,14 @@ def serve(
     port: int = 8000,
     name: str | None = None,
     chat_template: str | Path | None = None,
+    api_key: str | None = None,
     say: Callable[[str], None] = lambda message: None,
 ) -> None:
     """Serve ``directory`` with the engine ``config`` describes until SIGTERM or SIGINT; returns after a clean shutdown.
 
     ``chat_template`` is a Jinja chat template file for ``/v1/chat/completions`` (default:
-    the export's ``tokenizer_config.json`` template, if it has one).
+    the export's ``tokenizer_config.json`` template, if it has one). ``api_key``: every
+    ``/v1`` and tokenizer route then needs ``Authorization: Bearer KEY`` (401 without it).
     """
     import uvicorn
 
@@ -49,7 +51,7 @@ def serve(
     template = ChatTemplate.find(path, chat_template)  # a bad template file fails before the engine loads
     engine = Engine(path, config or EngineConfig())
     served = name or model_name(path)
-    app = create_app(engine, served, chat_template=template)
+    app = create_app(engine, served, chat_template=template, api_key=api_key)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -71,7 +73,7 @@ def serve(
         )
     say(
         f"serving {path} as {served!r} on http://{host}:{bound_port} ({engine.slots} slots of {engine.capacity} tokens, "
-        f"{cache_summary(engine)}, {engine.provider}); stop with Ctrl-C or SIGTERM"
+        f"{cache_summary(engine)}, {engine.provider}{', API key required' if api_key else ''}); stop with Ctrl-C or SIGTERM"
     )
     try:
         server.run(sockets=[listener])
