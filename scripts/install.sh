@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv (if missing) and install kvexport with the export extra (torch, transformers),
 # the serve extra (FastAPI, uvicorn, prometheus-client), Ray Serve (the ray extra)
-# and its test tools into it.
+# and its test tools into it, and Debian's chromium and chromium-driver for the playground's
+# browser test (as root, when they are missing).
 # torch is pinned first: its CPU build lies on the CI machines' disk, while an unpinned
 # torch on a fresh venv may pull a multi-GB CUDA build.
 set -euo pipefail
@@ -12,3 +13,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[export,serve,test]"
+if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null
+  else
+    echo "note: tests/test_playground.py needs chromium and chromium-driver: sudo apt-get install chromium chromium-driver" >&2
+  fi
+fi

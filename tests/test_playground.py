@@ -1,0 +1,93 @@
+"""The playground at ``/``, driven in a real headless browser (Debian's chromium through Selenium).
+
+The page is loaded from ``kvexport serve``'s app, a prompt typed, the stream started, and
+the streamed text compared with the API's greedy text for the same request. A screenshot
+is saved under ``test-artifacts/`` (git-ignored) for a person to look at.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support.ui import WebDriverWait
+
+from kvexport.serving.chat import ChatTemplate
+from tests.test_serving import _server
+
+ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
+TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    binary, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    assert binary and driver, "the browser test needs Debian's chromium and chromium-driver (scripts/install.sh installs them)"
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1100,800"):
+        options.add_argument(flag)
+    chrome = webdriver.Chrome(service=Service(driver), options=options)
+    try:
+        yield chrome
+    finally:
+        chrome.quit()
+
+
+def _run_page(browser: webdriver.Chrome, url: str, prompt: str, *, tokens: int, mode: str | None = None, key: str | None = None) -> str:
+    browser.get(url + "/")
+    box = browser.find_element(By.ID, "prompt")
+    box.clear()
+    box.send_keys(prompt)
+    for field, value in (("max-tokens", str(tokens)), ("temperature", "0")):
+        element = browser.find_element(By.ID, field)
+        element.clear()
+        element.send_keys(value)
+    if mode is not None:
+        browser.find_element(By.CSS_SELECTOR, f"#mode option[value={mode}]").click()
+    if key is not None:
+        browser.find_element(By.ID, "api-key").send_keys(key)
+    browser.find_element(By.ID, "start").click()
+    WebDriverWait(browser, 60).until(lambda b: b.find_element(By.ID, "status").text in ("done", "error"))
+    assert browser.find_element(By.ID, "status").text == "done", browser.find_element(By.ID, "output").text
+    assert browser.find_element(By.ID, "ttft").text.endswith(" ms")
+    return str(browser.execute_script("return document.getElementById('output').textContent"))
+
+
+def test_the_page_streams_the_apis_greedy_text(browser: webdriver.Chrome, trained_exports: dict[str, Path], tmp_path: Path) -> None:
+    template_file = tmp_path / "chat.jinja"
+    template_file.write_text(TEMPLATE)
+    template = ChatTemplate.find(trained_exports["none"], template_file)
+    with _server(trained_exports["none"], template, slots=2, max_context=128) as (url, _):
+        prompt = "The class statement"
+        shown = _run_page(browser, url, prompt, tokens=24)
+        want = httpx.post(f"{url}/v1/completions", json={"model": "trained", "prompt": prompt, "max_tokens": 24, "temperature": 0}, timeout=60)
+        assert shown == want.json()["choices"][0]["text"] and shown
+        ARTIFACTS.mkdir(exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / "playground.png"))
+        # the chat mode, as the server has a template
+        chat_shown = _run_page(browser, url, "What is a class?", tokens=12, mode="chat")
+        chat = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={"model": "trained", "messages": [{"role": "user", "content": "What is a class?"}], "max_tokens": 12, "temperature": 0},
+            timeout=60,
+        )
+        assert chat_shown == chat.json()["choices"][0]["message"]["content"]
+
+
+def test_the_page_sends_the_key_when_the_server_has_one(browser: webdriver.Chrome, trained_exports: dict[str, Path]) -> None:
+    with _server(trained_exports["none"], api_key="page-key", slots=2, max_context=64) as (url, _):
+        assert httpx.get(f"{url}/", timeout=10).status_code == 200  # the page itself stays open
+        shown = _run_page(browser, url, "The", tokens=6, key="page-key")
+        want = httpx.post(
+            f"{url}/v1/completions", json={"model": "trained", "prompt": "The", "max_tokens": 6, "temperature": 0},
+            headers={"authorization": "Bearer page-key"}, timeout=60,
+        )
+        assert shown == want.json()["choices"][0]["text"]
+        assert browser.find_element(By.ID, "mode-label").is_displayed() is False  # no template, no chat mode
