@@ -142,11 +142,11 @@ class QuantizeCachePass(InPlacePass):
                     if value.shape is not None and len(value.shape) == 4 and isinstance(value.shape[3], int):
                         dims = list(value.shape)
                         value.shape = ir.Shape([*dims[:3], config.stored_dim(value.shape[3])])
-            for index, value in enumerate(inputs):
+            for index, wanted in enumerate(inputs):
                 if index >= len(node.inputs):
                     node.resize_inputs(index + 1)
-                if node.inputs[index] is not value:
-                    node.replace_input_with(index, value)
+                if node.inputs[index] is not wanted:
+                    node.replace_input_with(index, wanted)
             node.attributes["k_quant_type"] = ir.AttrString("k_quant_type", config.quant_type)
             node.attributes["v_quant_type"] = ir.AttrString("v_quant_type", config.quant_type)
             node.attributes["kv_cache_bit_width"] = ir.AttrInt64("kv_cache_bit_width", config.bits)
