@@ -146,6 +146,10 @@ def test_engine_config_parses_every_field_from_strings() -> None:
         {"slots": "4", "max_context": "none", "prefix_cache": "false", "draft": "/x", "spinning": "0", "warm_up": "0"}
     )
     assert (config.slots, config.max_context, config.prefix_cache, config.draft, config.spinning) == (4, None, False, "/x", False)
+    sized = EngineConfig.from_strings({"kv_memory": "1.5GiB"})
+    assert sized.kv_memory == 3 * 2**29 and EngineConfig.from_strings({"kv_memory": "2000"}).kv_memory == 2000
+    with pytest.raises(Exception, match="^'lots': not a size; write bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB$"):
+        EngineConfig.from_strings({"kv_memory": "lots"})
     with pytest.raises(Exception, match="unknown engine setting 'slot'; the settings are slots, max_context"):
         EngineConfig.from_strings({"slot": "4"})
     with pytest.raises(Exception, match="^prefix_cache=maybe: expected true or false$"):

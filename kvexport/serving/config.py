@@ -27,10 +27,10 @@ class EngineConfig:
 
     Attributes:
         slots: rows of the cache: requests generating at once.
+        max_context: tokens per slot (prompt + completion); default the model's positions.
         kv_memory: size the slots from this many bytes of cache instead (as many slots of
             ``max_context`` tokens as fit, in the export's cache dtype: an int8 cache holds
-            4x the fp32 cache's slots); refused beside an explicit ``slots``.
-        max_context: tokens per slot (prompt + completion); default the model's positions.
+            4x the fp32 cache's slots); it overrides ``slots`` (the CLI refuses both).
         max_queue: requests that may wait for a slot; more are refused.
         chunk: prompt tokens prefilled per engine step.
         provider: ``cpu``, ``cuda`` or ``auto``.
@@ -50,8 +50,8 @@ class EngineConfig:
     """
 
     slots: int = 8
-    kv_memory: int | None = None
     max_context: int | None = None
+    kv_memory: int | None = None
     max_queue: int = 64
     chunk: int = DEFAULT_CHUNK
     provider: str = "cpu"
