@@ -56,8 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_cpp_compare as llama
 
-from kvexport.kv_cache import copy_with_quantized_cache
-from passes.quantize_cache import CacheQuantization
+from kvexport.kv_cache import cache_quantization, copy_with_quantized_cache
 
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_0"))
 VLLM_PYTHON = Path("/work/vllm-env/bin/python")  # where --vllm auto looks
@@ -324,9 +323,10 @@ def main(argv: list[str] | None = None) -> int:
                 url, process = start_kvexport(exports[label], args.slots, args.context, log)
                 servers[f"kvexport {label}"] = (url, process, exports[label].name)
                 if args.kv_cache is not None:
+                    config = cache_quantization(args.kv_cache)
+                    assert config is not None  # argparse allows int8 and int4 only
                     quantized = copy_with_quantized_cache(
-                        exports[label], args.work / f"hf-{name}" / f"kvexport-{label.replace(' ', '-')}-kv-{args.kv_cache}",
-                        CacheQuantization(bits=int(args.kv_cache[3:])),
+                        exports[label], args.work / f"hf-{name}" / f"kvexport-{label.replace(' ', '-')}-kv-{args.kv_cache}", config
                     )
                     url, process = start_kvexport(quantized, args.slots, args.context, args.work / f"serve-{label.replace(' ', '-')}-kv.log")
                     servers[f"kvexport {label} kv-{args.kv_cache}"] = (url, process, quantized.name)

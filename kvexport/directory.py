@@ -197,10 +197,6 @@ class ExportOptions:
             kv_cache=_kv_cache(kv_cache, dtype_kind, cache_kind),
         )
 
-    def kv_cache_kind(self) -> str:
-        """What ``--kv-cache`` resolved to: the graph dtype, ``int8`` or ``int4``."""
-        return self.dtype.value if self.kv_cache is None else f"int{self.kv_cache.bits}"
-
     @property
     def in_place_cache(self) -> bool:
         """Whether past and present share one buffer (``--cache shared-buffer``)."""

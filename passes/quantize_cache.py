@@ -60,6 +60,11 @@ class CacheQuantization:
             raise ValueError(f"a {self.bits}-bit cache: choose 8 or 4")
 
     @property
+    def kind(self) -> str:
+        """The cache's kind as ``--kv-cache`` and the manifest name it: ``int8`` or ``int4``."""
+        return f"int{self.bits}"
+
+    @property
     def quant_type(self) -> str:
         """GroupQueryAttention's ``k_quant_type`` / ``v_quant_type``."""
         return "PER_CHANNEL" if self.per_channel else "PER_TENSOR"

@@ -38,6 +38,12 @@ def cache_layout_of(manifest: Manifest) -> tuple[type[np.generic], int]:
     head_dim = manifest.dims.head_dim
     return _CACHE_DTYPES[kind], head_dim // 2 if kind == "int4" else head_dim
 
+
+def cache_row_bytes(manifest: Manifest, capacity: int) -> int:
+    """Bytes one sequence of ``capacity`` tokens takes in one cache tensor (``[H, capacity, D]``, the cache's dtype)."""
+    element, stored_dim = cache_layout_of(manifest)
+    return manifest.dims.n_head * capacity * stored_dim * np.dtype(element).itemsize
+
 class CacheBanks:
     """Banks of flat cache buffers on the device; views of any length are bound by pointer.
 
@@ -105,10 +111,9 @@ class SlotCache:
         self.row_shape = (dims.n_head, capacity, stored_dim)
         self.past = cache_names("past", dims.n_layer)
         self.present = cache_names("present", dims.n_layer)
-        row = int(np.prod(self.row_shape))
-        self.row_bytes = row * np.dtype(self.cache_dtype).itemsize
+        self.row_bytes = cache_row_bytes(manifest, capacity)
         device = "cuda" if provider == "cuda" else "cpu"
-        self.banks = CacheBanks(len(self.past), slots * row, self.cache_dtype, device, banks=1)
+        self.banks = CacheBanks(len(self.past), slots * int(np.prod(self.row_shape)), self.cache_dtype, device, banks=1)
         self._row_bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (session, row) -> binding
 
     def bind(self, binding: ort.IOBinding, first: int, rows: int) -> None:

@@ -44,12 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 from tokenizers import Tokenizer
 
 from kvexport.errors import KvexportError, first_line
 from kvexport.manifest import Manifest
-from kvexport.runtime.cache import cache_layout_of
+from kvexport.runtime.cache import cache_row_bytes
 from kvexport.runtime.opened import check_prompt, open_export
 from kvexport.runtime.speculative import DraftBudget, Drafter, require_all_logits, speculative_round
 from kvexport.serving.config import EngineConfig
@@ -66,9 +65,7 @@ from kvexport.serving.slots import SlotTable
 
 def slot_bytes(manifest: Manifest, capacity: int) -> int:
     """Bytes of cache one slot of ``capacity`` tokens holds, in the export's cache dtype (every layer, K and V)."""
-    element, stored_dim = cache_layout_of(manifest)
-    dims = manifest.dims
-    return 2 * dims.n_layer * dims.n_head * capacity * stored_dim * np.dtype(element).itemsize
+    return 2 * manifest.dims.n_layer * cache_row_bytes(manifest, capacity)
 
 
 def slots_for_memory(manifest: Manifest, capacity: int, budget: int) -> int:
