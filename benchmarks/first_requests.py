@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/first-requests"))
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    vocab = json.loads((args.export / "kvexport.json").read_text())["model"]["config"]["vocab_size"]
+    vocab = json.loads((args.export / "kvexport.json").read_text())["model"]["dims"]["vocab_size"]
     results: dict[str, list[list[float]]] = {"--warm-up 2": [], "--warm-up 0": []}
     for round_ in range(args.rounds):
         for setting in results:

@@ -21,7 +21,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from passes import QuantizationConfig, QuantizeWeightsPass
+from kvexport.passes import QuantizationConfig, QuantizeWeightsPass
 
 SHAPES = (("qkv", 768, 2304), ("proj", 768, 768), ("fc", 768, 3072), ("fc-proj", 3072, 768), ("head", 768, 50257))
 KINDS = {

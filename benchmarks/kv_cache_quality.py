@@ -3,7 +3,7 @@
 
 For fp32 and int8 weights, an export with the fp32 cache, then copies of it with an int8
 and an int4 cache, each with per-channel scales (kvexport's rule) and per-tensor scales (the
-alternative), all calibrated on the default text (``kvexport.kv_cache``). Each is judged
+alternative), all calibrated on the default text (``kvexport.export.calibration``). Each is judged
 by ``verify --text`` on the held-out text: perplexity, its change against PyTorch fp32 and
 against the same weights with the fp32 cache, top-1 agreement and mean KL against PyTorch.
 
@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kvexport import export_gpt2, verify  # noqa: E402
-from kvexport.kv_cache import copy_with_quantized_cache  # noqa: E402
-from passes.quantize_cache import CacheQuantization  # noqa: E402
+from kvexport.export.calibration import copy_with_quantized_cache  # noqa: E402
+from kvexport.passes.quantize_cache import CacheQuantization  # noqa: E402
 
 TRAINED = ROOT / "tests" / "data" / "tiny-trained"
 HELDOUT = TRAINED / "heldout.txt"

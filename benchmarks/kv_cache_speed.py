@@ -3,7 +3,7 @@
 
 For each base export (an in-place ``--target ort-cpu`` export, e.g. GPT-2 124M random init
 with fp32 or per-channel int8 weights), copies with an int8 and an int4 cache are made
-(``kvexport.kv_cache.quantize_export_cache``, the default calibration). Then, each in a
+(``kvexport.export.calibration.quantize_export_cache``, the default calibration). Then, each in a
 process of its own so no other session's threads compete for the cores:
 
 - memory: the serving engine with ``--slots 16 --max-context 1024``, its process PSS after
@@ -36,7 +36,7 @@ ROWS = (1, 16)
 
 _MEMORY = """
 import json, sys
-from kvexport.bench import pss_mb
+from kvexport.tools.bench import pss_mb
 from kvexport.serving import Engine
 engine = Engine(sys.argv[1], slots=16, max_context=1024)
 cache = engine.runner.cache
@@ -77,8 +77,8 @@ def _python(code: str, *args: str) -> dict[str, Any]:
 
 def cache_variants(base: Path, work: Path) -> dict[str, Path]:
     """The base export (fp32 cache) and its copies with an int8 and an int4 cache."""
-    from kvexport.kv_cache import copy_with_quantized_cache
-    from passes.quantize_cache import CacheQuantization
+    from kvexport.export.calibration import copy_with_quantized_cache
+    from kvexport.passes.quantize_cache import CacheQuantization
 
     variants = {"fp32": base}
     for bits in (8, 4):

@@ -104,7 +104,7 @@ def hf_directory(model: str, random_init: bool, out: Path) -> Path:
     from tokenizers import Tokenizer
 
     from kvexport.models.gpt2 import load_gpt2, resolve_source
-    from kvexport.tokenizer import choose_tokenizer
+    from kvexport.models.tokenizer import choose_tokenizer
 
     source = resolve_source(model, random_init=random_init, seed=0)
     torch_model = load_gpt2(source, "fp32")
@@ -192,7 +192,7 @@ def kvexport_exports(
     import dataclasses
 
     from kvexport import export_gpt2
-    from kvexport.directory import QUANTIZATION_SCHEMES
+    from kvexport.export.writer import QUANTIZATION_SCHEMES
 
     wanted: dict[str, tuple[str, Any]] = {scheme: (scheme, None) for scheme, _ in SCHEMES}
     for block in int4_blocks:
@@ -221,8 +221,8 @@ def _stale(out: Path, knobs: Any) -> bool:
 
 
 def kvexport_speed(export: Path, prompt: int, repeats: int = 3) -> dict[str, float]:
-    from kvexport.bench import time_generator, warm_up
     from kvexport.runtime import Generator
+    from kvexport.tools.bench import time_generator, warm_up
 
     generator = Generator(export)
     warm_up(generator)

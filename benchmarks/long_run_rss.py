@@ -11,8 +11,8 @@ import argparse
 
 import numpy as np
 
-from kvexport.bench import rss_mb
 from kvexport.runtime import Generator
+from kvexport.tools.bench import rss_mb
 
 
 def main() -> None:

@@ -3,7 +3,7 @@
 For each depth, exports the graphs the way other tools leave them (Optimum cache names, no
 passes), runs kvexport's full pipeline for each attention target, prints per graph and
 pass: nodes, Shape nodes, fused attention ops and Softmax nodes before/after, and checks
-parity with PyTorch by running ``kvexport.verify`` on the result.
+parity with PyTorch by running ``kvexport.tools.verify`` on the result.
 
     python benchmarks/pass_report.py --layers 6,12 --work /tmp/pass-report [--json report.json]
 """
@@ -26,8 +26,8 @@ def main() -> None:
     from transformers import GPT2Config
 
     from kvexport import export_gpt2, verify
+    from kvexport.passes import build_pipeline, run_pipeline
     from kvexport.testing import export_foreign, kvexport_dir_with_graphs
-    from passes import build_pipeline, run_pipeline
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", default="6,12")

@@ -41,7 +41,7 @@ import onnxruntime as ort
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_cpp_compare as llama
 
-from kvexport.manifest import read_manifest
+from kvexport.bundle.manifest import read_manifest
 from kvexport.runtime.cache import SlotCache
 from kvexport.runtime.session import open_session, session_options
 

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=320)
     args = parser.parse_args(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    vocab = json.loads((args.export / "kvexport.json").read_text())["model"]["config"]["vocab_size"]
+    vocab = json.loads((args.export / "kvexport.json").read_text())["model"]["dims"]["vocab_size"]
     model = args.export.resolve().name
     systems = {"embedded": (), "ray, 1 replica": ("--replicas", "1"), "ray, 2 replicas": ("--replicas", "2")}
     rows = {}

@@ -56,7 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_cpp_compare as llama
 
-from kvexport.kv_cache import cache_quantization, copy_with_quantized_cache
+from kvexport.export.calibration import cache_quantization, copy_with_quantized_cache
 
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_0"))
 VLLM_PYTHON = Path("/work/vllm-env/bin/python")  # where --vllm auto looks
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     if vllm is not None:
         checkpoint = vllm_checkpoint(vllm, hf_dir, args.work / f"vllm-{name}")
     exports = llama.kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", [], args.int8_per_channel)
-    vocab = json.loads((exports["int8"] / "kvexport.json").read_text())["model"]["config"]["vocab_size"]
+    vocab = json.loads((exports["int8"] / "kvexport.json").read_text())["model"]["dims"]["vocab_size"]
     schemes = args.schemes.split(",")
     servers: dict[str, tuple[str, subprocess.Popen[Any], str]] = {}
     levels: dict[str, list[dict[str, Any]]] = {}

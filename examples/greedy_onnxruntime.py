@@ -28,18 +28,18 @@ from tokenizers import Tokenizer
 def generate(directory: str, prompt_ids: list[int], new_tokens: int) -> list[int]:
     root = Path(directory)
     manifest = json.loads((root / "kvexport.json").read_text())
-    config = manifest["model"]["config"]
+    dims = manifest["model"]["dims"]
     shared = manifest["cache"]["layout"] == "shared-buffer"
     dtype = np.float16 if manifest["dtype"] == "fp16" else np.float32
     sessions = {
         graph: ort.InferenceSession(str(root / f"{graph}.onnx"), providers=["CPUExecutionProvider"])
         for graph in ("prefill", "decode")
     }
-    names = [(layer, kind) for layer in range(config["n_layer"]) for kind in ("key", "value")]
+    names = [(layer, kind) for layer in range(dims["num_layers"]) for kind in ("key", "value")]
     capacity = len(prompt_ids) + new_tokens  # the in-place buffers' max_sequence
     buffers = {
         name: ort.OrtValue.ortvalue_from_numpy(
-            np.zeros((1, config["n_head"], capacity, config["head_dim"]), dtype)
+            np.zeros((1, dims["num_kv_heads"], capacity, dims["head_dim"]), dtype)
         )
         for name in names
     }

@@ -35,39 +35,40 @@ except PackageNotFoundError:  # pragma: no cover - running from a tree that was 
     __version__ = "0+unknown"
 
 if TYPE_CHECKING:
-    from kvexport.directory import ExportOptions
-    from kvexport.export import ExportResult, export_gpt2
-    from kvexport.import_graph import import_decoder
-    from kvexport.manifest import Manifest, read_manifest
+    from kvexport.bundle.manifest import Manifest, read_manifest
+    from kvexport.export.exporter import ExportResult, export_gpt2, export_model
+    from kvexport.export.importer import import_decoder
+    from kvexport.export.options import ExportOptions
     from kvexport.runtime.generator import Generator
     from kvexport.runtime.speculative import DraftModel, PromptLookup, SpeculativeGenerator
     from kvexport.serving.config import EngineConfig
     from kvexport.serving.engine import Engine
     from kvexport.serving.request import SamplingParams
-    from kvexport.verify import VerifyReport, verify
+    from kvexport.tools.verify import VerifyReport, verify
 
 # public name -> the module that defines it (imported on first use)
 _LAZY = {
     "Engine": "kvexport.serving.engine",
     "EngineConfig": "kvexport.serving.config",
-    "ExportOptions": "kvexport.directory",
+    "ExportOptions": "kvexport.export.options",
     "SamplingParams": "kvexport.serving.request",
-    "ExportResult": "kvexport.export",
-    "export_gpt2": "kvexport.export",
+    "ExportResult": "kvexport.export.exporter",
+    "export_gpt2": "kvexport.export.exporter",
+    "export_model": "kvexport.export.exporter",
     "Generator": "kvexport.runtime.generator",
     "DraftModel": "kvexport.runtime.speculative",
     "PromptLookup": "kvexport.runtime.speculative",
     "SpeculativeGenerator": "kvexport.runtime.speculative",
-    "import_decoder": "kvexport.import_graph",
-    "Manifest": "kvexport.manifest",
-    "read_manifest": "kvexport.manifest",
-    "VerifyReport": "kvexport.verify",
-    "verify": "kvexport.verify",
+    "import_decoder": "kvexport.export.importer",
+    "Manifest": "kvexport.bundle.manifest",
+    "read_manifest": "kvexport.bundle.manifest",
+    "VerifyReport": "kvexport.tools.verify",
+    "verify": "kvexport.tools.verify",
 }
 
 
 # the names that need the ``export`` extra (torch, transformers)
-_NEEDS_EXPORT_EXTRA = {"ExportResult": "kvexport.ExportResult", "export_gpt2": "kvexport.export_gpt2", "VerifyReport": "kvexport.VerifyReport", "verify": "kvexport.verify"}
+_NEEDS_EXPORT_EXTRA = {"ExportResult": "kvexport.ExportResult", "export_gpt2": "kvexport.export_gpt2", "export_model": "kvexport.export_model", "VerifyReport": "kvexport.VerifyReport", "verify": "kvexport.verify"}
 
 
 def __getattr__(name: str) -> Any:
@@ -100,6 +101,7 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "export_gpt2",
+    "export_model",
     "import_decoder",
     "read_manifest",
     "verify",

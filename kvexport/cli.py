@@ -21,7 +21,11 @@ from typing import Any, TypeVar
 
 import click
 
-from kvexport.choices import (
+from kvexport.errors import KvexportError
+from kvexport.export.choices import (
+    DEFAULT_OPSET,
+    EXPORT_STRATEGIES,
+    KV_CACHE_KINDS,
     AttentionKind,
     CacheKind,
     DtypeKind,
@@ -30,7 +34,6 @@ from kvexport.choices import (
     TargetKind,
     values,
 )
-from kvexport.errors import KvexportError
 from kvexport.extras import require_export_extra, require_extra
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -164,16 +167,16 @@ def quantization_options(function: F) -> F:
 
 def _knobs(choice: QuantizationChoice) -> Any:
     """The :class:`~passes.QuantizationConfig` a command's ``quantization`` stands for (None: float)."""
-    from kvexport.directory import quantization_config
+    from kvexport.export.quantization import quantization_config
 
     return _run(lambda: quantization_config(choice))
 
 
 def kv_cache_option(function: F) -> F:
-    """``--kv-cache fp32|fp16|int8|int4``, shared by ``gpt2`` and ``import``."""
+    """``--kv-cache`` (:data:`~kvexport.export.choices.KV_CACHE_KINDS`), shared by the export commands and ``import``."""
     return click.option(
         "--kv-cache",
-        type=click.Choice(["fp32", "fp16", "int8", "int4"]),
+        type=click.Choice(KV_CACHE_KINDS),
         default=None,
         help="The KV cache's type [default: the graph dtype]; int8 / int4 quantize it in GroupQueryAttention "
         "(the in-place cache, fp32 graphs) with per-channel scales calibrated on text at export.",
@@ -199,15 +202,59 @@ def provider_option(function: F) -> F:
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvexport")
 def main() -> None:
-    """Export GPT-2 to ONNX prefill/decode graphs with a KV cache, and verify them."""
+    """Export decoder LMs (GPT-2, ...) to ONNX prefill/decode graphs with a KV cache, verify and serve them."""
     _quiet_libraries()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
 
 
+def export_options(function: F) -> F:
+    """The options every export command takes (all but ``--model``), from the export's choices."""
+    for option in reversed(
+        [
+            click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output directory."),
+            click.option("--random-init", is_flag=True, help="Seeded random weights for the architecture (offline)."),
+            click.option("--seed", default=0, show_default=True, type=int, help="Seed for --random-init."),
+            click.option(
+                "--target",
+                type=click.Choice(values(TargetKind)),
+                default=TargetKind.PORTABLE.value,
+                show_default=True,
+                help="Where the graphs will run: portable (standard ops), ort-cpu / ort-cuda (ONNX Runtime fused ops; ort-cuda defaults to fp16).",
+            ),
+            attention_option(default=None, note="; default per target"),
+            click.option(
+                "--dtype",
+                type=click.Choice(values(DtypeKind)),
+                default=None,
+                help="Weights and activations [default: fp16 for ort-cuda, else fp32].",
+            ),
+            cache_option(
+                "Cache layout: concat (a new present per step) or shared-buffer (one buffer updated in "
+                "place; needs ort attention) [default: shared-buffer for ort targets, else concat]."
+            ),
+            quantization_options,
+            click.option(
+                "--opset", default=DEFAULT_OPSET, show_default=True, type=click.IntRange(14, 24), help="ONNX opset."
+            ),
+            click.option("--all-logits", is_flag=True, help="Prefill returns logits for every position."),
+            kv_cache_option,
+            click.option("--force", is_flag=True, help="Replace a non-empty output directory."),
+            click.option("--allow-pickle", is_flag=True, help="Allow a trusted pickle (.bin) checkpoint."),
+            click.option(
+                "--exporter",
+                type=click.Choice(["auto", *EXPORT_STRATEGIES]),
+                default="auto",
+                show_default=True,
+                help="Export road; auto tries dynamo, then torchscript.",
+            ),
+            json_option,
+        ]
+    ):
+        function = option(function)
+    return function
+
+
 @main.command("gpt2")
-@click.option(
-    "--out", "out", required=True, type=click.Path(path_type=Path), help="Output directory."
-)
 @click.option(
     "--model",
     default="gpt2",
@@ -215,47 +262,30 @@ def main() -> None:
     help="Model directory or hub id; with --random-init a preset (gpt2, distilgpt2, gpt2-medium, "
     "gpt2-large, gpt2-xl) or a config.json.",
 )
+@export_options
+def gpt2_command(model: str, **options: Any) -> None:
+    """Export GPT-2 to OUT/ (prefill.onnx, decode.onnx, weights, kvexport.json, tokenizer.json)."""
+    _export("kvexport gpt2", model, "gpt2", **options)
+
+
+@main.command("export")
 @click.option(
-    "--random-init", is_flag=True, help="Seeded random weights for the architecture (offline)."
+    "--model",
+    required=True,
+    help="A model directory (config.json + safetensors + tokenizer files), or with --random-init "
+    "a preset or a config.json; the family comes from its model_type.",
 )
-@click.option("--seed", default=0, show_default=True, type=int, help="Seed for --random-init.")
-@click.option(
-    "--target",
-    type=click.Choice(values(TargetKind)),
-    default=TargetKind.PORTABLE.value,
-    show_default=True,
-    help="Where the graphs will run: portable (standard ops), ort-cpu / ort-cuda (ONNX Runtime fused ops; ort-cuda defaults to fp16).",
-)
-@attention_option(default=None, note="; default per target")
-@click.option(
-    "--dtype",
-    type=click.Choice(values(DtypeKind)),
-    default=None,
-    help="Weights and activations [default: fp16 for ort-cuda, else fp32].",
-)
-@cache_option(
-    "Cache layout: concat (a new present per step) or shared-buffer (one buffer updated in "
-    "place; needs ort attention) [default: shared-buffer for ort targets, else concat]."
-)
-@quantization_options
-@click.option(
-    "--opset", default=18, show_default=True, type=click.IntRange(14, 24), help="ONNX opset."
-)
-@click.option("--all-logits", is_flag=True, help="Prefill returns logits for every position.")
-@kv_cache_option
-@click.option("--force", is_flag=True, help="Replace a non-empty output directory.")
-@click.option("--allow-pickle", is_flag=True, help="Allow a trusted pickle (.bin) checkpoint.")
-@click.option(
-    "--exporter",
-    type=click.Choice(["auto", "dynamo", "torchscript"]),
-    default="auto",
-    show_default=True,
-    help="Export road; auto tries dynamo, then torchscript.",
-)
-@json_option
-def gpt2_command(
-    out: Path,
+@export_options
+def export_command(model: str, **options: Any) -> None:
+    """Export a model of any known family to OUT/ (the family from its config's model_type)."""
+    _export("kvexport export", model, None, **options)
+
+
+def _export(
+    command: str,
     model: str,
+    family: str | None,
+    out: Path,
     random_init: bool,
     seed: int,
     target: str,
@@ -271,16 +301,17 @@ def gpt2_command(
     exporter: str,
     as_json: bool,
 ) -> None:
-    """Export GPT-2 to OUT/ (prefill.onnx, decode.onnx, weights, kvexport.json, tokenizer.json)."""
-    _run(lambda: require_export_extra("kvexport gpt2"))
-    from kvexport.export import DEFAULT_STRATEGY_ORDER, export_gpt2
+    """Run one export command and render its result."""
+    _run(lambda: require_export_extra(command))
+    from kvexport.export.exporter import DEFAULT_STRATEGY_ORDER, export_model
 
     strategies = DEFAULT_STRATEGY_ORDER if exporter == "auto" else (exporter,)
     knobs = _knobs(quantization)
     result = _run(
-        lambda: export_gpt2(
+        lambda: export_model(
             out,
             model,
+            family=family,
             random_init=random_init,
             seed=seed,
             target=target,  # type: ignore[arg-type]
@@ -305,8 +336,8 @@ def gpt2_command(
     dims = manifest.dims
     click.echo(f"exported {manifest.source.describe()} to {result.out_dir}")
     click.echo(
-        f"  layers {dims.n_layer}, heads {dims.n_head} x {dims.head_dim}, vocab {dims.vocab_size}, "
-        f"positions {dims.n_positions}, {manifest.dtype}, opset {manifest.opset}"
+        f"  layers {dims.num_layers}, heads {dims.num_heads} (cache {dims.num_kv_heads}) x {dims.head_dim}, vocab {dims.vocab_size}, "
+        f"positions {dims.max_positions}, {manifest.dtype}, opset {manifest.opset}"
     )
     click.echo(f"  target {manifest.target}, attention {manifest.attention}, cache {_cache_line(manifest)}")
     if manifest.quantization:
@@ -344,7 +375,7 @@ def verify_command(
     divergence) within its scheme's tolerances, not by fp32 parity.
     """
     _run(lambda: require_export_extra("kvexport verify (the PyTorch reference)"))
-    from kvexport.verify import verify
+    from kvexport.tools.verify import verify
 
     if steps < 1:
         raise UserError(f"--steps {steps}: must be at least 1")
@@ -376,7 +407,7 @@ def check_command(directory: Path, steps: int, provider: str, as_json: bool) -> 
 
     Exit 0 when every check holds, 1 when one fails, 2 when there is nothing to check.
     """
-    from kvexport.checking import check
+    from kvexport.tools.check import check
 
     report = _run(lambda: check(directory, steps=steps, provider=provider, progress=_progress))
     if as_json:
@@ -706,7 +737,7 @@ def bench_command(
     """Time TTFT and decode ms/token against PyTorch, no-cache and the bandwidth floor, in one run."""
     _run(lambda: require_export_extra("kvexport bench (the PyTorch baselines)"))
     _run(lambda: require_extra("bench", "kvexport bench (its plot)"))
-    from kvexport.bench import run_bench, write_json, write_plot
+    from kvexport.tools.bench import run_bench, write_json, write_plot
 
     report = _run(
         lambda: run_bench(
@@ -880,7 +911,7 @@ def serve_command(
 @json_option
 def inspect_command(path: Path, as_json: bool) -> None:
     """Show the IO signature, op histogram and pass report of an export directory or .onnx file."""
-    from kvexport.inspection import folded_tensors, inspect_path
+    from kvexport.tools.inspect import folded_tensors, inspect_path
 
     report = _run(lambda: inspect_path(path))
     if as_json:
@@ -1002,7 +1033,7 @@ def rewrite_command(
     as_json: bool,
 ) -> None:
     """Run the rewrite passes on any decoder graph SOURCE.onnx and write OUTPUT.onnx."""
-    from kvexport.rewrite import rewrite_graph
+    from kvexport.tools.rewrite import rewrite_graph
 
     knobs = _knobs(quantization)
     chosen = [p.strip() for p in pass_list.split(",") if p.strip()] if pass_list else None
@@ -1058,7 +1089,7 @@ def import_command(
     as_json: bool,
 ) -> None:
     """Turn a one-graph decoder SOURCE (an Optimum export directory or its .onnx) into a kvexport directory."""
-    from kvexport.import_graph import import_decoder
+    from kvexport.export.importer import import_decoder
 
     knobs = _knobs(quantization)
     manifest = _run(

@@ -2,7 +2,7 @@
 
 Not part of the deployment API: these produce *inputs* for the passes (foreign cache
 names, no passes run) and assemble export directories around rewritten graphs so that
-:func:`kvexport.verify` can check them against PyTorch.
+:func:`kvexport.tools.verify` can check them against PyTorch.
 """
 
 from __future__ import annotations
@@ -54,15 +54,15 @@ def export_foreign(
     import onnx_ir as ir
     import torch
 
-    from kvexport.export import STRATEGIES, graph_requests, quiet_exporters
-    from kvexport.models.gpt2 import ModelDims, load_gpt2, resolve_source
+    from kvexport.export.exporter import STRATEGIES, graph_requests, quiet_exporters
+    from kvexport.models.gpt2 import FAMILY, resolve_source
 
     rename = FOREIGN_STYLES[style]
-    model = load_gpt2(resolve_source(str(config), random_init=True, seed=seed), "fp32")
-    dims = ModelDims.from_config(model.config)
+    model = FAMILY.load(resolve_source(str(config), random_init=True, seed=seed), "fp32")
+    dims = FAMILY.dims(model.config.to_dict())
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
-        for request in graph_requests(model, dims, False, 18):
+        for request in graph_requests(FAMILY, model, dims, False, 18):
             foreign = dataclasses.replace(
                 request,
                 input_names=[rename(n) for n in request.input_names],
@@ -95,8 +95,8 @@ def kvexport_dir_with_graphs(export: Path, graphs: dict[str, Path], out: Path) -
 
 def refresh_file_record(directory: Path) -> None:
     """Record the directory's files anew in its manifest, after a test replaced some on purpose."""
-    from kvexport.integrity import record_files
-    from kvexport.manifest import read_manifest
+    from kvexport.bundle.integrity import record_files
+    from kvexport.bundle.manifest import read_manifest
 
     manifest = read_manifest(directory)
     manifest.files = record_files(directory)
@@ -168,7 +168,7 @@ def run_single_graph(
 
 def past_inputs(session: Any) -> dict[CacheSlotKey, tuple[str, int, int]]:
     """An ONNX Runtime session's cache inputs by (layer, kind) parsed from their names: name, heads, head dim."""
-    from passes.rename_cache import parse_cache_name
+    from kvexport.passes.rename_cache import parse_cache_name
 
     found: dict[CacheSlotKey, tuple[str, int, int]] = {}
     for arg in session.get_inputs():
@@ -180,7 +180,7 @@ def past_inputs(session: Any) -> dict[CacheSlotKey, tuple[str, int, int]]:
 
 def cache_by_slot(outputs: dict[str, np.ndarray]) -> dict[CacheSlotKey, np.ndarray]:
     """The present tensors of one step's ``outputs``, by (layer, kind) parsed from their names."""
-    from passes.rename_cache import parse_cache_name
+    from kvexport.passes.rename_cache import parse_cache_name
 
     found: dict[CacheSlotKey, np.ndarray] = {}
     for name, array in outputs.items():

@@ -5,9 +5,11 @@ Each pass is an ``onnx_ir.passes`` pass: call it on an ``ir.Model`` and it retur
 :func:`build_pipeline` / :func:`run_pipeline` compose them the way ``kvexport gpt2``
 and ``kvexport rewrite`` do.
 
-``import passes`` is cheap: each public name loads its module (and onnx_ir, onnxscript)
-on first use, so :mod:`passes.cache_names` and :mod:`passes.choices` serve the torch-
-and onnx_ir-free runtime too.
+Installed as ``kvexport.passes`` (the folder stays at the repository's top level; every
+import inside it is relative, so it imports nothing of the rest of kvexport).
+``import kvexport.passes`` is cheap: each public name loads its module (and onnx_ir,
+onnxscript) on first use, so :mod:`kvexport.passes.cache_names` and
+:mod:`kvexport.passes.choices` serve the torch- and onnx_ir-free runtime too.
 """
 
 from __future__ import annotations
@@ -16,57 +18,57 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from passes.cache_names import CacheSlot
-    from passes.choices import Attention
-    from passes.cleanup import CleanupPass
-    from passes.errors import PassInputError
-    from passes.fold_shapes import FoldShapesPass
-    from passes.fuse_attention import FuseAttentionPass
-    from passes.fuse_ort_block import FuseOrtBlockPass
-    from passes.pipeline import (
+    from .cache_names import CacheSlot
+    from .choices import Attention
+    from .cleanup import CleanupPass
+    from .errors import PassInputError
+    from .fold_shapes import FoldShapesPass
+    from .fuse_attention import FuseAttentionPass
+    from .fuse_ort_block import FuseOrtBlockPass
+    from .pipeline import (
         DEFAULT_REWRITE_PASSES,
         PASS_NAMES,
         PassReport,
         build_pipeline,
         run_pipeline,
     )
-    from passes.quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
-    from passes.quantize_weights import QuantizationConfig, QuantizeWeightsPass
-    from passes.rename_cache import CacheNamingError, NoCacheError, RenameCachePass
-    from passes.transposed_weight_gemm import TransposedWeightGemmPass
+    from .quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
+    from .quantize_weights import QuantizationConfig, QuantizeWeightsPass
+    from .rename_cache import CacheNamingError, NoCacheError, RenameCachePass
+    from .transposed_weight_gemm import TransposedWeightGemmPass
 
 # public name -> the module that defines it (imported on first use)
 _LAZY = {
-    "Attention": "passes.choices",
-    "CacheSlot": "passes.cache_names",
-    "CleanupPass": "passes.cleanup",
-    "FoldShapesPass": "passes.fold_shapes",
-    "FuseAttentionPass": "passes.fuse_attention",
-    "FuseOrtBlockPass": "passes.fuse_ort_block",
-    "PassInputError": "passes.errors",
-    "DEFAULT_REWRITE_PASSES": "passes.pipeline",
-    "PASS_NAMES": "passes.pipeline",
-    "PassReport": "passes.pipeline",
-    "build_pipeline": "passes.pipeline",
-    "run_pipeline": "passes.pipeline",
-    "CacheQuantization": "passes.quantize_cache",
-    "QuantizeCacheError": "passes.quantize_cache",
-    "QuantizeCachePass": "passes.quantize_cache",
-    "QuantizationConfig": "passes.quantize_weights",
-    "QuantizeWeightsPass": "passes.quantize_weights",
-    "CacheNamingError": "passes.rename_cache",
-    "NoCacheError": "passes.rename_cache",
-    "RenameCachePass": "passes.rename_cache",
-    "TransposedWeightGemmPass": "passes.transposed_weight_gemm",
+    "Attention": ".choices",
+    "CacheSlot": ".cache_names",
+    "CleanupPass": ".cleanup",
+    "FoldShapesPass": ".fold_shapes",
+    "FuseAttentionPass": ".fuse_attention",
+    "FuseOrtBlockPass": ".fuse_ort_block",
+    "PassInputError": ".errors",
+    "DEFAULT_REWRITE_PASSES": ".pipeline",
+    "PASS_NAMES": ".pipeline",
+    "PassReport": ".pipeline",
+    "build_pipeline": ".pipeline",
+    "run_pipeline": ".pipeline",
+    "CacheQuantization": ".quantize_cache",
+    "QuantizeCacheError": ".quantize_cache",
+    "QuantizeCachePass": ".quantize_cache",
+    "QuantizationConfig": ".quantize_weights",
+    "QuantizeWeightsPass": ".quantize_weights",
+    "CacheNamingError": ".rename_cache",
+    "NoCacheError": ".rename_cache",
+    "RenameCachePass": ".rename_cache",
+    "TransposedWeightGemmPass": ".transposed_weight_gemm",
 }
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
         globals()[name] = value
         return value
-    raise AttributeError(f"module 'passes' has no attribute {name!r}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from passes.values import const_float, const_ints, initializer
+from .values import const_float, const_ints, initializer
 
 
 def is_mask_where(node: ir.Node | None) -> bool:

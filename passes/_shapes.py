@@ -5,7 +5,7 @@ from __future__ import annotations
 import onnx
 import onnx_ir as ir
 
-from passes.values import dims_of
+from .values import dims_of
 
 _LARGE_ELEMENTS = 1024  # tensors this big are weights, never shape arithmetic
 

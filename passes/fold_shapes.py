@@ -60,10 +60,10 @@ from onnx_ir.passes.common import (
 from onnxscript import optimizer
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes._masks import is_mask_where, is_padding_condition, padding_condition
-from passes._rules import apply_rules
-from passes._shapes import annotate_symbolic_shapes
-from passes.values import const_ints, dims_of, ints
+from ._masks import is_mask_where, is_padding_condition, padding_condition
+from ._rules import apply_rules
+from ._shapes import annotate_symbolic_shapes
+from .values import const_ints, dims_of, ints
 
 _MAX_ROUNDS = 6
 

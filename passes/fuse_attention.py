@@ -38,9 +38,9 @@ from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 from onnxscript.rewriter.pattern import OrValue
 from onnxscript.rewriter.pattern import Var as _Var
 
-from passes._masks import is_lowest
-from passes._rules import apply_rules
-from passes.values import const_float, const_ints, dims_of
+from ._masks import is_lowest
+from ._rules import apply_rules
+from .values import const_float, const_ints, dims_of
 
 AttentionTarget = Literal["onnx", "ort"]
 ONNX_ATTENTION_OPSET = 23

@@ -22,8 +22,8 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 
-from passes._rules import RulePass
-from passes.values import const_close, const_float
+from ._rules import RulePass
+from .values import const_close, const_float
 
 _GELU_CONSTANTS = {"half": 0.5, "cube": 3.0, "coefficient": 0.044715, "sqrt_2_over_pi": 0.7978845608, "one": 1.0}
 

@@ -15,15 +15,15 @@ from typing import Any
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassError, PassManager, PassResult
 
-from passes.choices import Attention
-from passes.cleanup import CleanupPass
-from passes.fold_shapes import FoldShapesPass, count_ops
-from passes.fuse_attention import FuseAttentionPass, count_attention_ops
-from passes.fuse_ort_block import FuseOrtBlockPass
-from passes.quantize_weights import QuantizationConfig, QuantizeWeightsPass
-from passes.rename_cache import RenameCachePass
-from passes.shared_buffer_cache import SharedBufferCachePass
-from passes.transposed_weight_gemm import TransposedWeightGemmPass
+from .choices import Attention
+from .cleanup import CleanupPass
+from .fold_shapes import FoldShapesPass, count_ops
+from .fuse_attention import FuseAttentionPass, count_attention_ops
+from .fuse_ort_block import FuseOrtBlockPass
+from .quantize_weights import QuantizationConfig, QuantizeWeightsPass
+from .rename_cache import RenameCachePass
+from .shared_buffer_cache import SharedBufferCachePass
+from .transposed_weight_gemm import TransposedWeightGemmPass
 
 DEFAULT_REWRITE_PASSES = ("rename_cache", "fold_shapes", "cleanup")
 

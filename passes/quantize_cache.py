@@ -30,9 +30,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.cache_names import canonical_slot
-from passes.errors import PassInputError
-from passes.values import initializer
+from .cache_names import canonical_slot
+from .errors import PassInputError
+from .values import initializer
 
 _MS = "com.microsoft"
 _K_SCALE, _V_SCALE = 12, 13

@@ -52,7 +52,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from passes.values import initializer
+from .values import initializer
 
 MS_DOMAIN = "com.microsoft"
 _CHANNEL_MAX = 63  # per-channel weights' range: 7 bits (see QuantizeWeightsPass._pack_channels)

@@ -33,9 +33,9 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult, PostconditionError
 
-from passes.cache_names import CacheSlot, Direction, Kind, Style, canonical_slot
-from passes.errors import PassInputError
-from passes.values import initializer
+from .cache_names import CacheSlot, Direction, Kind, Style, canonical_slot
+from .errors import PassInputError
+from .values import initializer
 
 _ORIGINAL_NAME = "kvexport.original_name"
 _KEY_TOKENS = {"key", "keys", "k"}

@@ -41,10 +41,10 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import TopologicalSortPass
 
-from passes._masks import is_mask_where, padding_condition
-from passes.cache_names import canonical_slot
-from passes.errors import PassInputError
-from passes.values import initializer
+from ._masks import is_mask_where, padding_condition
+from .cache_names import canonical_slot
+from .errors import PassInputError
+from .values import initializer
 
 CAPACITY_DIM = "max_sequence"
 TOTAL_DIM = "total_sequence"

@@ -26,8 +26,8 @@ import onnx_ir as ir
 from onnx_ir.passes import PassResult
 from onnxscript.rewriter import MatchResult, RewriteRule
 
-from passes._rules import RulePass
-from passes.values import ints
+from ._rules import RulePass
+from .values import ints
 
 
 def _pattern(op: Any, x: ir.Value, weight: ir.Value) -> ir.Value:

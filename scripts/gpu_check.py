@@ -93,8 +93,8 @@ def _torch_timing(source: Any, dtype: str, device: str, grid: list[tuple[int, in
     """PyTorch eager generate (cache on): TTFT and ms/token per (batch, context)."""
     import torch
 
-    from kvexport.bench import bench_prompt
     from kvexport.models.gpt2 import load_gpt2
+    from kvexport.tools.bench import bench_prompt
 
     model = load_gpt2(source, dtype).to(device)  # type: ignore[arg-type]
     out: dict[str, Any] = {}
@@ -125,10 +125,10 @@ def main() -> int:
     import onnxruntime as ort
 
     from kvexport import export_gpt2, verify
-    from kvexport.bench import bench_prompt, time_generator
-    from kvexport.manifest import read_manifest
+    from kvexport.bundle.manifest import read_manifest
     from kvexport.runtime import Generator
     from kvexport.runtime.session import session_options, session_providers
+    from kvexport.tools.bench import bench_prompt, time_generator
 
     model = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
     provider = os.environ.get("GPU_CHECK_PROVIDER", "cuda")
@@ -189,7 +189,7 @@ def main() -> int:
             )
 
             generator = Generator(out, provider=provider, trace_cache=True)
-            length = min(128, generator.n_positions - 40)
+            length = min(128, generator.max_positions - 40)
             prompt = [int(t) for t in np.random.default_rng(0).integers(0, generator.vocab_size, length)]
             tokens = generator.generate([prompt], 16, eos_token_id=-1)
             trace = generator.last_stats.cache_pointers
@@ -204,7 +204,7 @@ def main() -> int:
                 reference = Generator(out, provider="cpu").generate([prompt], 16, eos_token_id=-1)
                 check(f"{label}: cuda greedy tokens == cpu greedy tokens", bool((tokens == reference).all()))
 
-            grid = [(b, c) for b in batches for c in contexts if c + 40 <= generator.n_positions]
+            grid = [(b, c) for b in batches for c in contexts if c + 40 <= generator.max_positions]
             cells: dict[str, Any] = {}
             for batch, context in grid:  # as kvexport bench times it: min TTFT, median step
                 generator.generate(bench_prompt(generator.vocab_size, batch, context), 4, eos_token_id=-1)

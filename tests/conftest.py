@@ -80,7 +80,7 @@ def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
     and an int4 cache (``kv-int8``, ``kv-int4``).
     """
     from kvexport import export_gpt2
-    from passes import QuantizationConfig
+    from kvexport.passes import QuantizationConfig
 
     root = tmp_path_factory.mktemp("trained")
     exports = {

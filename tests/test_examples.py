@@ -29,7 +29,7 @@ PROMPT = [464, 6766, 318, 4171]
 @pytest.fixture(scope="module")
 def imported_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Optimum's one-graph decoder (tests/data/foreign) through ``kvexport import --attention ort``: in-place cache."""
-    from kvexport.import_graph import import_decoder
+    from kvexport.export.importer import import_decoder
 
     source = tmp_path_factory.mktemp("optimum-export")
     shutil.copy(FOREIGN / "optimum-l3.onnx", source / "model.onnx")

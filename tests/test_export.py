@@ -13,9 +13,9 @@ import torch
 
 from kvexport import __version__ as kvexport_version
 from kvexport import export_gpt2, read_manifest, verify
+from kvexport.bundle.storage import EXTERNAL_THRESHOLD_BYTES, WEIGHTS_FILE
 from kvexport.models.gpt2 import ModelSource, load_gpt2
-from kvexport.storage import EXTERNAL_THRESHOLD_BYTES, WEIGHTS_FILE
-from passes.cache_names import cache_names
+from kvexport.passes.cache_names import cache_names
 
 from .conftest import TINY
 
@@ -58,7 +58,7 @@ def _expected_signature(
 def test_graphs_follow_the_io_contract(fixture: str, request: pytest.FixtureRequest) -> None:
     out: Path = request.getfixturevalue(fixture)
     dims = read_manifest(out).dims
-    expected = _expected_signature(dims.n_layer, dims.n_head, dims.head_dim, dims.vocab_size)
+    expected = _expected_signature(dims.num_layers, dims.num_kv_heads, dims.head_dim, dims.vocab_size)
     for graph in ("prefill", "decode"):
         assert _signature(out / f"{graph}.onnx") == expected[graph]
         # order matters to positional consumers: inputs ids, mask, positions, then past in layer order
@@ -118,16 +118,18 @@ def test_manifest_records_source_strategy_passes_and_versions(
     tiny_export: Path, tiny_config: Path
 ) -> None:
     data = json.loads((tiny_export / "kvexport.json").read_text())
-    assert data["format"] == "kvexport" and data["format_version"] == 1
+    assert data["format"] == "kvexport" and data["format_version"] == 2
     assert data["model"]["source"]["kind"] == "random-init"
     assert data["model"]["source"]["seed"] == 1
-    assert data["model"]["config"] == {
-        "n_layer": 2,
-        "n_head": 3,
+    assert data["model"]["family"] == "gpt2"
+    assert data["model"]["dims"] == {
+        "num_layers": 2,
+        "num_heads": 3,
+        "num_kv_heads": 3,
         "head_dim": 16,
-        "n_embd": 48,
+        "hidden_size": 48,
         "vocab_size": TINY["vocab_size"],
-        "n_positions": 64,
+        "max_positions": 64,
     }
     assert data["export"]["strategy"] == "dynamo"
     assert [a["graph"] for a in data["export"]["attempts"]] == ["prefill", "decode"]
@@ -171,7 +173,7 @@ def test_manifest_records_source_strategy_passes_and_versions(
 
 def _greedy_with_onnx(out: Path, ids: np.ndarray, mask: np.ndarray, new_tokens: int) -> np.ndarray:
     """A plain ONNX Runtime loop, written independently of kvexport's verify."""
-    n_layer = read_manifest(out).dims.n_layer
+    n_layer = read_manifest(out).dims.num_layers
     prefill = ort.InferenceSession(str(out / "prefill.onnx"), providers=["CPUExecutionProvider"])
     decode = ort.InferenceSession(str(out / "decode.onnx"), providers=["CPUExecutionProvider"])
     positions = np.maximum(mask.cumsum(-1) - 1, 0)
@@ -260,7 +262,7 @@ def test_same_seed_gives_same_weights_and_other_seed_differs(tiny_odd_config: Pa
 def test_fused_targets_export_verify_and_are_small(
     target: str, attention: str | None, fused_op: str, tiny_config: Path, tmp_path: Path
 ) -> None:
-    from kvexport.inspection import inspect_path
+    from kvexport.tools.inspect import inspect_path
 
     result = export_gpt2(
         tmp_path / "out", str(tiny_config), random_init=True, seed=1, target=target, attention=attention  # type: ignore[arg-type]

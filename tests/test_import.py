@@ -12,10 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from kvexport import Generator, verify
-from kvexport.checking import check
 from kvexport.cli import main
+from kvexport.passes.fuse_attention import count_attention_ops
 from kvexport.testing import run_single_graph
-from passes.fuse_attention import count_attention_ops
+from kvexport.tools.check import check
 
 FOREIGN = Path(__file__).parent / "data" / "foreign"
 CHECKPOINT = FOREIGN / "checkpoint-l3"

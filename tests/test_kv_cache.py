@@ -12,11 +12,11 @@ import pytest
 from click.testing import CliRunner
 
 from kvexport import verify
+from kvexport.bundle.manifest import read_manifest
 from kvexport.cli import main
-from kvexport.manifest import read_manifest
+from kvexport.passes.quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
 from kvexport.runtime import Generator
 from kvexport.runtime.cache import SlotCache
-from passes.quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
 from tests.conftest import TRAINED
 
 HELDOUT = TRAINED / "heldout.txt"

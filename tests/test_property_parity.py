@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from kvexport import export_gpt2
 from kvexport.models.gpt2 import load_gpt2
-from passes.cache_names import cache_names
+from kvexport.passes.cache_names import cache_names
 
 from .conftest import write_config
 

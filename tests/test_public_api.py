@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import kvexport
-import passes
+import kvexport.passes as passes
 
 
 def test_kvexport_public_names() -> None:
@@ -25,6 +25,7 @@ def test_kvexport_public_names() -> None:
         "VerifyReport",
         "__version__",
         "export_gpt2",
+        "export_model",
         "import_decoder",
         "read_manifest",
         "verify",

@@ -12,9 +12,9 @@ from click.testing import CliRunner
 
 from kvexport import verify
 from kvexport.cli import main
+from kvexport.passes.fold_shapes import count_ops
+from kvexport.passes.rename_cache import canonical_cache_names
 from kvexport.testing import FOREIGN_STYLES, export_foreign, kvexport_dir_with_graphs
-from passes.fold_shapes import count_ops
-from passes.rename_cache import canonical_cache_names
 from tests.conftest import TINY
 
 PIPELINE_PREFIXES = [

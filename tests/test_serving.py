@@ -514,8 +514,8 @@ def test_sigterm_finishes_the_running_request_and_exits_0(trained_exports: dict[
 
 @pytest.mark.parametrize("stop", [(), ("東京",), ("sky", "\n\t")])
 def test_streamed_text_is_the_decoded_text_cut_at_the_first_stop(stop: tuple[str, ...]) -> None:
+    from kvexport.models.tokenizer import gpt2_tokenizer
     from kvexport.runtime.text import TextStream, text_pieces
-    from kvexport.tokenizer import gpt2_tokenizer
 
     tokenizer = gpt2_tokenizer()
     rng = random.Random(0)

@@ -9,9 +9,9 @@ import numpy as np
 import onnx
 import pytest
 
-import kvexport.directory
+import kvexport.export.writer
 from kvexport import KvexportError, ManifestError, export_gpt2
-from kvexport.storage import atomic_output_dir, check_external_data
+from kvexport.bundle.storage import atomic_output_dir, check_external_data
 
 
 def _siblings(path: Path) -> list[str]:
@@ -75,7 +75,7 @@ def test_interrupted_export_leaves_neither_target_nor_temporaries(
     def interrupted(*args: object, **kwargs: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(kvexport.directory, "save_with_shared_weights", interrupted)
+    monkeypatch.setattr(kvexport.export.writer, "save_with_shared_weights", interrupted)
     out = tmp_path / "exports" / "model"
     out.parent.mkdir()
     with pytest.raises(KeyboardInterrupt):

@@ -18,9 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from kvexport.cli import main
+from kvexport.passes.fold_shapes import count_ops
+from kvexport.passes.fuse_attention import count_attention_ops
 from kvexport.testing import cache_by_slot, left_padded_batch, run_single_graph
-from passes.fold_shapes import count_ops
-from passes.fuse_attention import count_attention_ops
 
 FOREIGN = Path(__file__).parent / "data" / "foreign"
 PROMPTS = [[5, 17, 300, 42, 9, 2047], [88, 1024, 7]]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from kvexport.tokenizer import GPT2_EOS_TOKEN_ID, choose_tokenizer, gpt2_tokenizer
+from kvexport.models.tokenizer import GPT2_EOS_TOKEN_ID, choose_tokenizer, gpt2_tokenizer
 
 
 def test_bundled_tokenizer_is_real_gpt2_bpe() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvexport import KvexportError, ManifestError, verify
-from kvexport.storage import WEIGHTS_FILE
+from kvexport.bundle.storage import WEIGHTS_FILE
 from kvexport.testing import refresh_file_record
 
 from .conftest import copy_with_swapped_graphs
@@ -27,7 +27,7 @@ def test_verify_passes_every_step_for_both_cases(
     cases = {c.case for c in report.tensors}
     assert cases == {"batch1", "batch2-left-padded"}
     # prefill (step 0) plus 5 decode steps, for logits and every present tensor
-    n_layer = json.loads((out / "kvexport.json").read_text())["model"]["config"]["n_layer"]
+    n_layer = json.loads((out / "kvexport.json").read_text())["model"]["dims"]["num_layers"]
     for case in cases:
         assert sorted({c.step for c in report.tensors if c.case == case}) == list(range(6))
         assert len([c for c in report.tensors if c.case == case]) == 6 * (1 + 2 * n_layer)
@@ -72,7 +72,7 @@ def test_verify_reports_a_layer_count_that_does_not_match(
     out = tmp_path / "layers"
     shutil.copytree(tiny_export, out)
     data = json.loads((out / "kvexport.json").read_text())
-    data["model"]["config"]["n_layer"] = 3
+    data["model"]["dims"]["num_layers"] = 3
     (out / "kvexport.json").write_text(json.dumps(data))
     report = verify(out, steps=1, record=False)
     assert not report.ok

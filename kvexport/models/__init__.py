@@ -1,21 +1,55 @@
-"""Model loading and the exportable prefill / decode wrappers."""
+"""The model families kvexport exports, and the registry that picks one from a config.
 
-from kvexport.models.gpt2 import (
-    PRESETS,
-    DecodeModule,
-    ModelDims,
-    ModelSource,
-    PrefillModule,
-    load_gpt2,
-    weights_fingerprint,
-)
+:data:`FAMILIES` maps each Hugging Face ``model_type`` to the module that defines its
+:class:`~kvexport.models.base.ModelFamily`; a family's module is imported only when it is
+asked for, so reading the registry needs neither torch nor transformers.
+"""
 
-__all__ = [
-    "PRESETS",
-    "DecodeModule",
-    "ModelDims",
-    "ModelSource",
-    "PrefillModule",
-    "load_gpt2",
-    "weights_fingerprint",
-]
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from kvexport.errors import KvexportError
+from kvexport.models.base import ModelFamily, read_config
+
+# model_type -> the module whose FAMILY exports it
+FAMILIES: dict[str, str] = {"gpt2": "kvexport.models.gpt2"}
+
+__all__ = ["FAMILIES", "ModelFamily", "family_for", "family_of_model", "known_model_types"]
+
+
+def known_model_types() -> list[str]:
+    """The ``model_type`` values some family exports, sorted."""
+    return sorted(FAMILIES)
+
+
+def family_for(model_type: object, where: str = "config.json") -> ModelFamily:
+    """The family that exports ``model_type``, or one line naming the known ones."""
+    module = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if module is None:
+        raise KvexportError(
+            f"{where}: model_type {model_type!r} is not a family kvexport exports; "
+            f"known: {', '.join(known_model_types())}"
+        )
+    family: ModelFamily = importlib.import_module(module).FAMILY
+    return family
+
+
+def family_of_model(model: str, *, random_init: bool) -> ModelFamily:
+    """The family of ``--model``: a preset name (with ``--random-init``), a config file, or a model directory."""
+    if random_init:
+        for model_type in known_model_types():
+            family = family_for(model_type)
+            if model in family.presets:
+                return family
+    path = Path(model)
+    if not path.exists():
+        presets = [p for t in known_model_types() for p in family_for(t).presets]
+        raise KvexportError(
+            f"--model {model}: no such directory or config file"
+            + (f", and not a preset ({', '.join(presets)})" if random_init else "")
+            + "; pass a model directory with a config.json"
+        )
+    config_path = path / "config.json" if path.is_dir() else path
+    return family_for(read_config(path).get("model_type"), str(config_path))

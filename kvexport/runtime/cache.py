@@ -14,9 +14,9 @@ from typing import Any
 import numpy as np
 import onnxruntime as ort
 
+from kvexport.bundle.manifest import Manifest
 from kvexport.errors import ManifestError
-from kvexport.manifest import Manifest
-from passes.cache_names import cache_names
+from kvexport.passes.cache_names import cache_names
 
 _NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.float16}
 # a cache's element type: the graph's float, or int8 / int4 (two 4-bit values a uint8)
@@ -42,7 +42,7 @@ def cache_layout_of(manifest: Manifest) -> tuple[type[np.generic], int]:
 def cache_row_bytes(manifest: Manifest, capacity: int) -> int:
     """Bytes one sequence of ``capacity`` tokens takes in one cache tensor (``[H, capacity, D]``, the cache's dtype)."""
     element, stored_dim = cache_layout_of(manifest)
-    return manifest.dims.n_head * capacity * stored_dim * np.dtype(element).itemsize
+    return manifest.dims.num_kv_heads * capacity * stored_dim * np.dtype(element).itemsize
 
 class CacheBanks:
     """Banks of flat cache buffers on the device; views of any length are bound by pointer.
@@ -108,9 +108,9 @@ class SlotCache:
         self.dtype = numpy_dtype(manifest.dtype)  # the logits'
         self.cache_dtype, stored_dim = cache_layout_of(manifest)
         self.slots = slots
-        self.row_shape = (dims.n_head, capacity, stored_dim)
-        self.past = cache_names("past", dims.n_layer)
-        self.present = cache_names("present", dims.n_layer)
+        self.row_shape = (dims.num_kv_heads, capacity, stored_dim)
+        self.past = cache_names("past", dims.num_layers)
+        self.present = cache_names("present", dims.num_layers)
         self.row_bytes = cache_row_bytes(manifest, capacity)
         device = "cuda" if provider == "cuda" else "cpu"
         self.banks = CacheBanks(len(self.past), slots * int(np.prod(self.row_shape)), self.cache_dtype, device, banks=1)

@@ -34,15 +34,15 @@ import onnx
 import onnxruntime as ort
 from tokenizers import Tokenizer
 
+from kvexport.bundle.manifest import GRAPH_NAMES, Manifest
 from kvexport.errors import KvexportError
-from kvexport.manifest import GRAPH_NAMES, Manifest
+from kvexport.passes.cache_names import cache_names
 from kvexport.runtime.cache import CacheBanks, cache_layout_of, numpy_dtype
 from kvexport.runtime.opened import check_room, check_token_ids, open_export
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
 from kvexport.runtime.session import open_session, session_options
 from kvexport.runtime.text import text_pieces
-from passes.cache_names import cache_names
 
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
 
@@ -201,10 +201,10 @@ class Generator:
         # the cache's own type and row width: the graph's float, or an int8 / int4 cache
         self.cache_dtype, self._stored_dim = cache_layout_of(self.manifest)
         dims = self.manifest.dims
-        self.n_layer, self.n_head, self.head_dim = dims.n_layer, dims.n_head, dims.head_dim
-        self.vocab_size, self.n_positions = dims.vocab_size, dims.n_positions
-        self._past_names = cache_names("past", self.n_layer)
-        self._present_names = cache_names("present", self.n_layer)
+        self.num_layers, self.num_kv_heads, self.head_dim = dims.num_layers, dims.num_kv_heads, dims.head_dim
+        self.vocab_size, self.max_positions = dims.vocab_size, dims.max_positions
+        self._past_names = cache_names("past", self.num_layers)
+        self._present_names = cache_names("present", self.num_layers)
         protos = opened.protos
         self._weights = (
             _MappedWeights(self.directory, self.manifest.weights["file"]) if share_weights else None
@@ -283,12 +283,12 @@ class Generator:
         self, ids: np.ndarray, mask: np.ndarray, max_new_tokens: int, truncate: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """The prompt as it is when prompt + new tokens fit the model's positions, else refused or truncated."""
-        if ids.shape[1] + max_new_tokens <= self.n_positions:
+        if ids.shape[1] + max_new_tokens <= self.max_positions:
             return ids, mask
-        keep = self.n_positions - max_new_tokens
+        keep = self.max_positions - max_new_tokens
         if not truncate or keep < 1:
             hint = "; or truncate the prompt (truncate=True, --truncate)" if keep >= 1 else ""
-            check_room(ids.shape[1], max_new_tokens, self.n_positions, hint=hint)
+            check_room(ids.shape[1], max_new_tokens, self.max_positions, hint=hint)
         # keep each row's most recent tokens: the left-padded tail of the batch
         return ids[:, -keep:], mask[:, -keep:]
 
@@ -386,7 +386,7 @@ class Generator:
         self._bind_logits(binding, logits)
         if self._in_place:
             self._bind_cache(binding, self._past_names, banks, 0, full, stats, output=False)
-        present = full if self._in_place else (batch, self.n_head, prompt, self.head_dim)
+        present = full if self._in_place else (batch, self.num_kv_heads, prompt, self.head_dim)
         self._bind_cache(binding, self._present_names, banks, 0, present, stats, output=True)
         self.sessions["prefill"].run_with_iobinding(binding)
 
@@ -415,9 +415,9 @@ class Generator:
             binding.bind_cpu_input("attention_mask", mask)
             binding.bind_cpu_input("position_ids", positions)
             if not self._in_place:
-                shape = (batch, self.n_head, length, self.head_dim)
+                shape = (batch, self.num_kv_heads, length, self.head_dim)
                 self._bind_cache(binding, self._past_names, banks, current, shape, stats, output=False)
-                grown = (batch, self.n_head, length + 1, self.head_dim)
+                grown = (batch, self.num_kv_heads, length + 1, self.head_dim)
                 self._bind_cache(binding, self._present_names, banks, 1 - current, grown, stats, output=True)
                 current = 1 - current
             decode.run_with_iobinding(binding)
@@ -426,7 +426,7 @@ class Generator:
     def _full_shape(self, request: GenerationRequest) -> tuple[int, int, int, int]:
         """A cache tensor at the request's capacity: [batch, H, prompt + max_new_tokens, D]."""
         batch, prompt = request.ids.shape
-        return (batch, self.n_head, prompt + request.max_new_tokens, self._stored_dim)
+        return (batch, self.num_kv_heads, prompt + request.max_new_tokens, self._stored_dim)
 
     def _bind_logits(self, binding: ort.IOBinding, logits: np.ndarray) -> None:
         # logits always land in host memory: they are what sampling needs

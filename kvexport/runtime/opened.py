@@ -17,9 +17,9 @@ from typing import Literal
 import numpy as np
 import onnx
 
+from kvexport.bundle.integrity import preflight
+from kvexport.bundle.manifest import Manifest
 from kvexport.errors import KvexportError
-from kvexport.integrity import preflight
-from kvexport.manifest import Manifest
 from kvexport.runtime.session import resolve_provider
 from kvexport.runtime.text import ExportTokenizer
 

@@ -44,8 +44,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError, first_line
-from kvexport.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.runtime.session import session_options
 
 CACHE_DIR = ".ort-prepacked"

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import onnx
 import onnxruntime as ort
 
+from kvexport.bundle.storage import check_external_data
 from kvexport.errors import ManifestError, ProviderError, first_line
-from kvexport.storage import check_external_data
 
 Provider = Literal["cpu", "cuda", "auto"]
 ORT_PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}

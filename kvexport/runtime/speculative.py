@@ -37,8 +37,8 @@ from typing import Protocol
 import numpy as np
 from tokenizers import Tokenizer
 
+from kvexport.bundle.manifest import Manifest
 from kvexport.errors import KvexportError
-from kvexport.manifest import Manifest
 from kvexport.runtime.cache import SlotCache
 from kvexport.runtime.opened import OpenedExport, check_prompt, open_export
 from kvexport.runtime.sampling import SamplingConfig, draw, token_probabilities
@@ -97,7 +97,7 @@ class _Row:
         opened.require_in_place("speculative decoding rolls rejected drafts back in the in-place cache")
         self.manifest: Manifest = opened.manifest
         self.provider = opened.provider
-        self.capacity = min(capacity or self.manifest.dims.n_positions, self.manifest.dims.n_positions)
+        self.capacity = min(capacity or self.manifest.dims.max_positions, self.manifest.dims.max_positions)
         options = session_options(intra_op_threads, spinning=spinning)
         self.session = open_session(opened.directory / self.manifest.graphs["prefill"].file, self.provider, options)
         self.cache = SlotCache(self.manifest, self.provider, 1, self.capacity)
@@ -345,7 +345,7 @@ class SpeculativeGenerator:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise KvexportError(f"max_new_tokens {max_new_tokens!r}: must be a positive integer")
         tokens = [int(t) for t in prompt]
-        limit = self.manifest.dims.n_positions
+        limit = self.manifest.dims.max_positions
         check_prompt(tokens, self.manifest.dims.vocab_size, max_new_tokens, limit)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
         rng = np.random.default_rng(sampling.seed)

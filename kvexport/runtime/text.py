@@ -7,8 +7,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from kvexport.bundle.manifest import Manifest
 from kvexport.errors import KvexportError
-from kvexport.manifest import Manifest
 
 
 class ExportTokenizer:

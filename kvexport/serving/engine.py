@@ -46,8 +46,8 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
+from kvexport.bundle.manifest import Manifest
 from kvexport.errors import KvexportError, first_line
-from kvexport.manifest import Manifest
 from kvexport.runtime.cache import cache_row_bytes
 from kvexport.runtime.opened import check_prompt, open_export
 from kvexport.runtime.speculative import DraftBudget, Drafter, require_all_logits, speculative_round
@@ -65,7 +65,7 @@ from kvexport.serving.slots import SlotTable
 
 def slot_bytes(manifest: Manifest, capacity: int) -> int:
     """Bytes of cache one slot of ``capacity`` tokens holds, in the export's cache dtype (every layer, K and V)."""
-    return 2 * manifest.dims.n_layer * cache_row_bytes(manifest, capacity)
+    return 2 * manifest.dims.num_layers * cache_row_bytes(manifest, capacity)
 
 
 def slots_for_memory(manifest: Manifest, capacity: int, budget: int) -> int:
@@ -154,9 +154,9 @@ class Engine:
         opened.require_in_place("the engine needs the in-place cache")
         self.directory, self.manifest, self.provider = opened.directory, opened.manifest, opened.provider
         dims = self.manifest.dims
-        self.capacity = dims.n_positions if config.max_context is None else config.max_context
-        if not 2 <= self.capacity <= dims.n_positions:
-            raise KvexportError(f"max_context {self.capacity}: must be 2..{dims.n_positions} (the model's positions)")
+        self.capacity = dims.max_positions if config.max_context is None else config.max_context
+        if not 2 <= self.capacity <= dims.max_positions:
+            raise KvexportError(f"max_context {self.capacity}: must be 2..{dims.max_positions} (the model's positions)")
         if config.kv_memory is not None:
             config = self.config = config.updated(slots=slots_for_memory(self.manifest, self.capacity, config.kv_memory))
         self.slots, self.max_queue, self.chunk = config.slots, config.max_queue, config.chunk

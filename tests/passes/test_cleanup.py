@@ -7,7 +7,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from passes import CleanupPass
+from kvexport.passes import CleanupPass
 
 
 def test_cleanup_removes_dead_nodes_and_duplicate_weights() -> None:

@@ -10,9 +10,9 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
+from kvexport.passes import FoldShapesPass
+from kvexport.passes.fold_shapes import count_ops
 from kvexport.testing import export_foreign
-from passes import FoldShapesPass
-from passes.fold_shapes import count_ops
 from tests.conftest import TINY, write_config
 
 

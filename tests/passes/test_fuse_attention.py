@@ -8,10 +8,10 @@ import onnx_ir as ir
 import pytest
 
 from kvexport import verify
+from kvexport.passes import FoldShapesPass, FuseAttentionPass, RenameCachePass
+from kvexport.passes.fold_shapes import count_ops
+from kvexport.passes.fuse_attention import count_attention_ops
 from kvexport.testing import export_foreign, kvexport_dir_with_graphs
-from passes import FoldShapesPass, FuseAttentionPass, RenameCachePass
-from passes.fold_shapes import count_ops
-from passes.fuse_attention import count_attention_ops
 from tests.conftest import TINY
 
 FUSED_OP = {"onnx": ("", "Attention"), "ort": ("com.microsoft", "MultiHeadAttention")}

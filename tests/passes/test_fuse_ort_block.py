@@ -7,7 +7,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from passes import FuseOrtBlockPass
+from kvexport.passes import FuseOrtBlockPass
 
 E = 8
 

@@ -8,7 +8,7 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from passes import QuantizationConfig, QuantizeWeightsPass
+from kvexport.passes import QuantizationConfig, QuantizeWeightsPass
 
 V, C, HIDDEN = 67, 64, 128  # odd vocab; K = 64 and 128 are multiples of the block sizes
 

@@ -8,8 +8,8 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from passes import CacheNamingError, NoCacheError, RenameCachePass
-from passes.rename_cache import canonical_cache_names, parse_cache_name
+from kvexport.passes import CacheNamingError, NoCacheError, RenameCachePass
+from kvexport.passes.rename_cache import canonical_cache_names, parse_cache_name
 
 CACHE = ["b", 2, "s", 4]
 

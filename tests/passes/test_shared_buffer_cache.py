@@ -8,8 +8,12 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from passes import CleanupPass, build_pipeline, run_pipeline
-from passes.shared_buffer_cache import CAPACITY_DIM, SharedBufferCacheError, SharedBufferCachePass
+from kvexport.passes import CleanupPass, build_pipeline, run_pipeline
+from kvexport.passes.shared_buffer_cache import (
+    CAPACITY_DIM,
+    SharedBufferCacheError,
+    SharedBufferCachePass,
+)
 from tests.conftest import TINY
 
 

@@ -7,7 +7,7 @@ import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 
-from passes import TransposedWeightGemmPass
+from kvexport.passes import TransposedWeightGemmPass
 
 
 def _model(x_shape: list[int]) -> onnx.ModelProto:

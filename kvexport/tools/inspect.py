@@ -9,10 +9,10 @@ from typing import Any
 
 import onnx
 
+from kvexport.bundle.manifest import GRAPH_NAMES, MANIFEST_FILE, read_manifest
+from kvexport.bundle.storage import check_external_data, load_graph_structure
 from kvexport.errors import KvexportError
-from kvexport.manifest import GRAPH_NAMES, MANIFEST_FILE, read_manifest
-from kvexport.storage import check_external_data, load_graph_structure
-from passes.cache_names import canonical_slot
+from kvexport.passes.cache_names import canonical_slot
 
 
 @dataclass(frozen=True)
@@ -136,7 +136,8 @@ def inspect_path(path: str | Path) -> InspectReport:
         data = manifest.to_dict()
         summary = {
             "source": data["model"]["source"],
-            "config": data["model"]["config"],
+            "family": data["model"]["family"],
+            "dims": data["model"]["dims"],
             "dtype": data["dtype"],
             "opset": data["opset"],
             "target": data["target"],

@@ -54,9 +54,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvexport.bundle.manifest import Manifest, read_manifest
 from kvexport.errors import KvexportError
-from kvexport.manifest import Manifest, read_manifest
-from kvexport.models.gpt2 import load_gpt2
+from kvexport.models import family_for
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.session import resolve_provider
@@ -307,7 +307,7 @@ def time_speculation(
     drafters.update({f"draft:{Path(d).name}": DraftModel(d, provider) for d in drafts})
     speculative = {name: SpeculativeGenerator(directory, drafter, provider=provider) for name, drafter in drafters.items()}
     ids = plain.encode(text.read_text(encoding="utf-8")) if text is not None else None
-    for task, prompt in speculation_prompts(plain.vocab_size, plain.manifest.dims.n_positions, ids).items():
+    for task, prompt in speculation_prompts(plain.vocab_size, plain.manifest.dims.max_positions, ids).items():
         plain_steps: list[float] = []
         samples: dict[str, list[float]] = {name: [] for name in speculative}
         for _ in range(repeats + 1):  # the first round warms up and is dropped
@@ -419,11 +419,11 @@ def _checked_inputs(
                 f"--compare {other_dir}: holds other weights than {directory}; "
                 "compare exports of the same model"
             )
-    too_long = [c for c in contexts if c < 1 or c + new_tokens > manifest.dims.n_positions]
+    too_long = [c for c in contexts if c < 1 or c + new_tokens > manifest.dims.max_positions]
     if too_long:
         raise KvexportError(
             f"--contexts {too_long}: each context + {new_tokens} new tokens must fit the model's "
-            f"{manifest.dims.n_positions} positions"
+            f"{manifest.dims.max_positions} positions"
         )
     return manifest, others
 
@@ -506,7 +506,7 @@ def _floors(
     for batch in batches:
         for context in contexts:
             for system, weight_bytes, cache_element in floors:
-                cache_bytes = 2 * dims.n_layer * batch * context * dims.n_embd * cache_element
+                cache_bytes = 2 * dims.num_layers * batch * context * dims.hidden_size * cache_element
                 floor_ms = 1000 * (weight_bytes + cache_bytes) / (bandwidth * 1e9)
                 report.measurements.append(Measurement(system, batch, context, None, floor_ms))
 
@@ -574,13 +574,13 @@ def run_bench(
     model = None
     if baselines:
         say("loading the PyTorch reference")
-        model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
+        model = family_for(manifest.family).load(manifest.source, manifest.dtype)  # type: ignore[arg-type]
     systems = [("kvexport", generator), *variants, *compared]
     bandwidths = [bandwidth, *_time_cells(report, systems, model, batches, contexts, new_tokens, repeats, say)]
     report.bandwidth_gb_s = round(max(bandwidths), 2)
     _floors(report, floors, max(bandwidths), manifest.dims, batches, contexts)
     if prefix > 0 and manifest.cache_layout == "shared-buffer":
-        prefix = min(prefix, manifest.dims.n_positions - PREFIX_SUFFIX - 1)
+        prefix = min(prefix, manifest.dims.max_positions - PREFIX_SUFFIX - 1)
         say(f"engine: TTFT with and without a cached {prefix}-token prefix")
         report.measurements.extend(time_prefix_cache(directory, provider, prefix, repeats))
     if manifest.cache_layout == "shared-buffer" and manifest.all_logits:

@@ -1,7 +1,9 @@
-"""What describes a GPT-2 export without torch: its dims and where its weights came from.
+"""What describes an export's model without torch: its dims and where its weights came from.
 
 The manifest, the runner and ``kvexport check`` read these; loading the model itself
-(torch, transformers) lives in :mod:`kvexport.models.gpt2`.
+(torch, transformers) lives in the family's module under :mod:`kvexport.models`.
+The dims are generic: every family maps its own config keys onto them in its module, so
+nothing above the export reads a family's config keys.
 """
 
 from __future__ import annotations
@@ -14,33 +16,39 @@ from kvexport.errors import KvexportError
 SourceKind = Literal["random-init", "local", "hub", "graph"]
 Dtype = Literal["fp32", "fp16"]
 
+# manifest format 1 stored GPT-2's config keys; format 2 stores the generic names
+_FORMAT_1_KEYS = {"n_layer": "num_layers", "n_embd": "hidden_size", "n_positions": "max_positions"}
+
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The numbers of a GPT-2 architecture that the graphs and the runner depend on."""
+    """The numbers of a decoder that the graphs, the cache and the runner depend on.
 
-    n_layer: int
-    n_head: int
+    ``num_kv_heads`` is the heads the cache stores (``past.<l>.key`` is
+    ``[batch, num_kv_heads, past_sequence, head_dim]``): equal to ``num_heads`` for
+    multi-head attention, fewer under grouped-query attention.
+    """
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
     head_dim: int
-    n_embd: int
+    hidden_size: int
     vocab_size: int
-    n_positions: int
-
-    @classmethod
-    def from_config(cls, config: Any) -> ModelDims:
-        """Read the dims from a Hugging Face ``GPT2Config``."""
-        return cls(
-            n_layer=config.n_layer,
-            n_head=config.n_head,
-            head_dim=config.n_embd // config.n_head,
-            n_embd=config.n_embd,
-            vocab_size=config.vocab_size,
-            n_positions=config.n_positions,
-        )
+    max_positions: int
 
     def to_dict(self) -> dict[str, int]:
         """Plain-dict form for the manifest."""
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelDims:
+        """Inverse of :meth:`to_dict`; also reads format 1's GPT-2 keys (``n_layer``, ``n_head``, ...)."""
+        if "n_head" in data:  # format 1: GPT-2's own keys, multi-head attention
+            data = {_FORMAT_1_KEYS.get(key, key): value for key, value in data.items()}
+            heads = data.pop("n_head")
+            data = {**data, "num_heads": heads, "num_kv_heads": heads}
+        return cls(**{name: int(data[name]) for name in cls.__dataclass_fields__})
 
 
 @dataclass(frozen=True)

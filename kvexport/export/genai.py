@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvexport.model_info import ModelDims
+from kvexport.bundle.model_info import ModelDims
 
 GENAI_CONFIG = "genai_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -48,7 +48,7 @@ def genai_config(
             "bos_token_id": eos,
             "eos_token_id": eos,
             "pad_token_id": eos,
-            "context_length": dims.n_positions,
+            "context_length": dims.max_positions,
             "vocab_size": dims.vocab_size,
             "decoder": {
                 "filename": graph_file,
@@ -60,10 +60,10 @@ def genai_config(
                     "provider_options": provider_options,
                 },
                 "head_size": dims.head_dim,
-                "hidden_size": dims.n_embd,
-                "num_attention_heads": dims.n_head,
-                "num_key_value_heads": dims.n_head,
-                "num_hidden_layers": dims.n_layer,
+                "hidden_size": dims.hidden_size,
+                "num_attention_heads": dims.num_heads,
+                "num_key_value_heads": dims.num_kv_heads,
+                "num_hidden_layers": dims.num_layers,
                 "inputs": {
                     "input_ids": "input_ids",
                     "attention_mask": "attention_mask",
@@ -82,7 +82,7 @@ def genai_config(
             "do_sample": False,
             "early_stopping": True,
             "length_penalty": 1.0,
-            "max_length": dims.n_positions,
+            "max_length": dims.max_positions,
             "min_length": 0,
             "no_repeat_ngram_size": 0,
             "num_beams": 1,
@@ -106,7 +106,7 @@ def tokenizer_config(dims: ModelDims) -> dict[str, Any]:
         "unk_token": EOS_TOKEN,
         "add_bos_token": False,
         "add_prefix_space": False,
-        "model_max_length": dims.n_positions,
+        "model_max_length": dims.max_positions,
         "clean_up_tokenization_spaces": False,
     }
 

@@ -21,37 +21,34 @@ without it the source is the graph itself, and verify says so.
 
 from __future__ import annotations
 
-import json
+import tempfile
 import time
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import onnx_ir as ir
 
-from kvexport.directory import (
-    ExportOptions,
-    ExportRecord,
-    Progress,
-    rename_dims,
-    write_export_directory,
-)
+from kvexport.bundle.manifest import Manifest
+from kvexport.bundle.model_info import ModelDims, ModelSource
+from kvexport.bundle.storage import atomic_output_dir, check_output_dir
 from kvexport.errors import KvexportError
+from kvexport.export.calibration import quantize_cache_step
+from kvexport.export.options import ExportOptions
+from kvexport.export.writer import ExportRecord, Progress, rename_dims, write_export_directory
 from kvexport.extras import require_export_extra
-from kvexport.manifest import Manifest
-from kvexport.model_info import ModelDims, ModelSource
-from kvexport.rewrite import load_graph
-from kvexport.storage import atomic_output_dir, check_output_dir
-from passes import (
+from kvexport.models import family_for
+from kvexport.models.base import ModelFamily, read_config
+from kvexport.passes import (
     PassInputError,
     QuantizationConfig,
     RenameCachePass,
     build_pipeline,
     run_pipeline,
 )
-from passes.choices import Attention
-from passes.values import ints
+from kvexport.passes.choices import Attention
+from kvexport.passes.values import ints
+from kvexport.tools.rewrite import load_graph
 
 # Optimum's and torch's dim names -> the contract's, per graph.
 _PREFILL_DIMS = {
@@ -105,8 +102,8 @@ def _dims(model: ir.Model, config_dir: Path | None, graph_path: Path) -> ModelDi
     heads, head_dim = int(past[0].shape[1]), int(past[0].shape[3])  # type: ignore[arg-type]
     config_file = config_dir / "config.json" if config_dir is not None else None
     if config_file is not None and config_file.is_file():
-        dims = ModelDims.from_config(SimpleNamespace(**json.loads(config_file.read_text())))
-        if (dims.n_layer * 2, dims.n_head, dims.head_dim) != (len(past), heads, head_dim):
+        dims = _family(config_dir).dims(read_config(config_file))
+        if (dims.num_layers * 2, dims.num_kv_heads, dims.head_dim) != (len(past), heads, head_dim):
             raise KvexportError(f"{config_file}: does not describe {graph_path} (layers, heads or head size differ)")
         return dims
     logits = next((v for v in model.graph.outputs if v.name == "logits"), None)
@@ -118,7 +115,16 @@ def _dims(model: ir.Model, config_dir: Path | None, graph_path: Path) -> ModelDi
     ]
     if not isinstance(vocab, int) or len(positions) != 1:
         raise KvexportError(f"{graph_path}: can't read vocab and positions off the graph; put its config.json beside it")
-    return ModelDims(len(past) // 2, heads, head_dim, heads * head_dim, vocab, positions[0])
+    # no config: read as GPT-2 reads (multi-head attention, learned positions)
+    return ModelDims(len(past) // 2, heads, heads, head_dim, heads * head_dim, vocab, positions[0])
+
+
+def _family(config_dir: Path | None) -> ModelFamily:
+    """The family the checkpoint's config names; GPT-2's where there is no config to read."""
+    if config_dir is None or not (config_dir / "config.json").is_file():
+        return family_for("gpt2")
+    config_file = config_dir / "config.json"
+    return family_for(read_config(config_file).get("model_type"), str(config_file))
 
 
 def _empty_past(model: ir.Model) -> None:
@@ -189,10 +195,11 @@ def _source(model_dir: Path | None, graph_path: Path) -> tuple[ModelSource, str]
     """
     if model_dir is None:
         return ModelSource("graph", str(graph_path)), ""
-    from kvexport.models.gpt2 import load_gpt2, resolve_source, weights_fingerprint
+    from kvexport.models.base import source_of, weights_fingerprint
 
-    source = resolve_source(str(model_dir), random_init=False, seed=0)
-    torch_model = load_gpt2(source, "fp32")
+    family = _family(model_dir)
+    source = source_of(family, str(model_dir), random_init=False, seed=0)
+    torch_model = family.load(source, "fp32")
     return source, weights_fingerprint(torch_model)
 
 
@@ -296,9 +303,15 @@ def import_decoder(
         passes=reports,
         tokenizer_dir=source_dir if (source_dir / "tokenizer.json").is_file() else model_dir,
         started=started,
+        family=_family(config_dir),
         all_logits=not last_only,
     )
-    with atomic_output_dir(out_path, force) as tmp:
+    with (
+        atomic_output_dir(out_path, force) as tmp,
+        tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
+    ):
+        if options.kv_cache is not None:
+            record = quantize_cache_step(graphs, record, Path(work), say)
         manifest = write_export_directory(tmp, graphs, record, say)
     say(f"wrote {out_path}")
     return manifest

@@ -32,16 +32,18 @@ from typing import Any
 
 import numpy as np
 import torch
-from transformers import DynamicCache, GPT2LMHeadModel
+from transformers import DynamicCache, PreTrainedModel
 
+from kvexport.bundle.integrity import preflight
+from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError, ManifestError
-from kvexport.integrity import preflight
-from kvexport.manifest import GRAPH_NAMES, Manifest, read_manifest
-from kvexport.models.gpt2 import cache_layers, load_gpt2, weights_fingerprint
+from kvexport.models import family_for
+from kvexport.models.base import weights_fingerprint
+from kvexport.models.wrappers import cache_layers
+from kvexport.passes.cache_names import cache_names
 from kvexport.runtime.cache import CacheBanks, SlotCache, cache_layout_of
 from kvexport.runtime.generator import positions_from_mask
 from kvexport.runtime.session import open_session, resolve_provider
-from passes.cache_names import cache_names
 
 # (atol, rtol) per dtype: a check holds when |onnx - torch| <= atol + rtol * |torch|.
 TOLERANCES: dict[str, tuple[float, float]] = {"fp32": (1e-4, 1e-3), "fp16": (2e-2, 2e-2)}
@@ -113,7 +115,7 @@ class VerifyReport:
     steps: int
     dtype: str
     io_problems: list[str] = field(default_factory=list)
-    # files whose size or sha256 differ from the manifest's record (kvexport.integrity)
+    # files whose size or sha256 differ from the manifest's record (kvexport.bundle.integrity)
     file_problems: list[str] = field(default_factory=list)
     weights_match: bool = True
     tensors: list[TensorCheck] = field(default_factory=list)
@@ -309,12 +311,12 @@ class _StepRunner:
 
         self.sessions = sessions
         self.in_place = manifest.cache_layout == "shared-buffer"
-        n_layer, dims = manifest.dims.n_layer, manifest.dims
+        n_layer, dims = manifest.dims.num_layers, manifest.dims
         self.past_names = cache_names("past", n_layer)
         self.present_names = cache_names("present", n_layer)
         dtype, stored_dim = cache_layout_of(manifest)
         # the Generator's own cache buffers and binding: one bank, past and present alike
-        self.shape = (batch, dims.n_head, capacity, stored_dim)
+        self.shape = (batch, dims.num_kv_heads, capacity, stored_dim)
         self.banks = (
             CacheBanks(len(self.past_names), int(np.prod(self.shape)), dtype, "cuda" if provider == "cuda" else "cpu", banks=1)
             if self.in_place
@@ -396,7 +398,7 @@ def _quality(case: str, step: int, got: np.ndarray, want: np.ndarray) -> Quality
 
 
 def _torch_logits(
-    model: GPT2LMHeadModel, inputs: dict[str, np.ndarray], cache: DynamicCache, last_only: bool
+    model: PreTrainedModel, inputs: dict[str, np.ndarray], cache: DynamicCache, last_only: bool
 ) -> np.ndarray:
     """PyTorch's logits for one step ([batch, 1 or sequence, V]); ``cache`` grows in place."""
     with torch.no_grad():
@@ -442,7 +444,7 @@ def _run_case(
     mask: np.ndarray,
     manifest: Manifest,
     sessions: dict[str, Any],
-    model: GPT2LMHeadModel,
+    model: PreTrainedModel,
     steps: int,
     report: VerifyReport,
 ) -> None:
@@ -452,8 +454,8 @@ def _run_case(
     back as the next step's pasts, as a deployment feeds them.
     """
     runner = _StepRunner(manifest, sessions, report.provider, ids.shape[0], ids.shape[1] + steps)
-    past_names = cache_names("past", manifest.dims.n_layer)
-    present_names = cache_names("present", manifest.dims.n_layer)
+    past_names = cache_names("past", manifest.dims.num_layers)
+    present_names = cache_names("present", manifest.dims.num_layers)
     inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask)}
     pasts: dict[str, np.ndarray] = {}
     cache = DynamicCache(config=model.config)
@@ -484,7 +486,7 @@ def _run_rows(slots: SlotCache, session: Any, inputs: dict[str, np.ndarray], fir
 
 
 def _run_slots_case(
-    manifest: Manifest, sessions: dict[str, Any], model: GPT2LMHeadModel, steps: int, report: VerifyReport
+    manifest: Manifest, sessions: dict[str, Any], model: PreTrainedModel, steps: int, report: VerifyReport
 ) -> None:
     """In-place exports: prompts of different lengths in rows of one buffer, decoded together.
 
@@ -494,7 +496,7 @@ def _run_slots_case(
     at every step, and each row's cache at the end; both sides continue on PyTorch's tokens.
     """
     dims = manifest.dims
-    lengths = [min(length, dims.n_positions - steps) for length in _SLOT_LENGTHS]
+    lengths = [min(length, dims.max_positions - steps) for length in _SLOT_LENGTHS]
     capacity = max(lengths) + steps
     prompts = [np.random.default_rng(row).integers(0, dims.vocab_size, (1, n), dtype=np.int64) for row, n in enumerate(lengths)]
     slots = SlotCache(manifest, report.provider, len(prompts), capacity)
@@ -561,7 +563,7 @@ def _text_quality(
     path: Path,
     manifest: Manifest,
     sessions: dict[str, Any],
-    model: GPT2LMHeadModel,
+    model: PreTrainedModel,
     provider: str,
     max_tokens: int,
     window: int,
@@ -573,9 +575,9 @@ def _text_quality(
     ids = tokenizer.encode(text).ids[: max_tokens + 1]
     if len(ids) < 2:
         raise KvexportError(f"--text {text_file}: fewer than 2 tokens; pass a longer text")
-    window = max(2, min(window, manifest.dims.n_positions))
-    past_names = cache_names("past", manifest.dims.n_layer)
-    present_names = cache_names("present", manifest.dims.n_layer)
+    window = max(2, min(window, manifest.dims.max_positions))
+    past_names = cache_names("past", manifest.dims.num_layers)
+    present_names = cache_names("present", manifest.dims.num_layers)
     got_rows, want_rows, targets = [], [], []
     for start in range(0, len(ids) - 1, window - 1):  # windows overlap by one token
         chunk = ids[start : start + window]
@@ -721,9 +723,9 @@ def verify(
         graph: open_session(path / manifest.graphs[graph].file, resolved) for graph in GRAPH_NAMES
     }
     say("rebuilding the PyTorch reference from the manifest's source")
-    model = load_gpt2(manifest.source, manifest.dtype)  # type: ignore[arg-type]
+    model = family_for(manifest.family).load(manifest.source, manifest.dtype)  # type: ignore[arg-type]
     report.weights_match = weights_fingerprint(model) == manifest.weights_sha256
-    for case, (ids, mask) in _cases(manifest.dims.vocab_size, manifest.dims.n_positions, steps).items():
+    for case, (ids, mask) in _cases(manifest.dims.vocab_size, manifest.dims.max_positions, steps).items():
         say(f"running {case}")
         _run_case(case, ids, mask, manifest, sessions, model, steps, report)
     if manifest.cache_layout == "shared-buffer":

@@ -1,4 +1,4 @@
-"""Export GPT-2 to the prefill and decode graphs, with manifest, weights and tokenizer.
+"""Export a model of any known family to the prefill and decode graphs, with manifest, weights and tokenizer.
 
 Two export roads exist, each a named strategy tried in a declared order:
 
@@ -25,29 +25,20 @@ from typing import Any, Literal, Protocol
 
 import onnx_ir as ir
 import torch
+from transformers import PreTrainedModel
 
-from kvexport.directory import (
-    DEFAULT_OPSET,
-    ExportOptions,
-    ExportRecord,
-    Progress,
-    rename_dims,
-    write_export_directory,
-)
+from kvexport.bundle.manifest import Manifest
+from kvexport.bundle.model_info import Dtype, ModelDims
+from kvexport.bundle.storage import atomic_output_dir, check_output_dir
 from kvexport.errors import ExportError, KvexportError, first_line
-from kvexport.manifest import Manifest
-from kvexport.models.gpt2 import (
-    DecodeModule,
-    Dtype,
-    ModelDims,
-    PrefillModule,
-    load_gpt2,
-    resolve_source,
-    weights_fingerprint,
-)
-from kvexport.storage import atomic_output_dir, check_output_dir
-from passes import QuantizationConfig, build_pipeline, run_pipeline
-from passes.cache_names import cache_names
+from kvexport.export.calibration import quantize_cache_step
+from kvexport.export.choices import DEFAULT_OPSET, EXPORT_STRATEGIES
+from kvexport.export.options import ExportOptions
+from kvexport.export.writer import ExportRecord, Progress, rename_dims, write_export_directory
+from kvexport.models import family_for, family_of_model
+from kvexport.models.base import ModelFamily, source_of, weights_fingerprint
+from kvexport.passes import QuantizationConfig, build_pipeline, run_pipeline
+from kvexport.passes.cache_names import cache_names
 
 Target = Literal["portable", "ort-cpu", "ort-cuda"]
 Attention = Literal["unfused", "onnx", "ort"]
@@ -167,7 +158,7 @@ class TorchScriptStrategy:
 STRATEGIES: dict[str, ExportStrategy] = {
     s.name: s for s in (DynamoStrategy(), TorchScriptStrategy())
 }
-DEFAULT_STRATEGY_ORDER = ("dynamo", "torchscript")
+DEFAULT_STRATEGY_ORDER = EXPORT_STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -198,7 +189,7 @@ class ExportResult:
 
 
 def graph_requests(
-    model: torch.nn.Module, dims: ModelDims, all_logits: bool, opset: int
+    family: ModelFamily, model: PreTrainedModel, dims: ModelDims, all_logits: bool, opset: int
 ) -> list[GraphRequest]:
     """The prefill and decode graphs to export, with sample inputs that keep every dynamic dim dynamic."""
     gen = torch.Generator().manual_seed(0)
@@ -207,10 +198,10 @@ def graph_requests(
     ids = torch.randint(0, dims.vocab_size, (batch, prompt), generator=gen)
     mask = torch.ones(batch, prompt, dtype=torch.int64)
     positions = torch.arange(prompt).expand(batch, prompt).contiguous()
-    present = cache_names("present", dims.n_layer)
+    present = cache_names("present", dims.num_layers)
     prefill = GraphRequest(
         name="prefill",
-        module=PrefillModule(model, all_logits=all_logits),  # type: ignore[arg-type]
+        module=family.prefill_module(model, all_logits=all_logits),
         args=(ids, mask, positions),
         input_names=IO_INPUTS,
         output_names=["logits", *present],
@@ -218,11 +209,11 @@ def graph_requests(
         opset=opset,
         logits_length="sequence" if all_logits else 1,
     )
-    cache_shape = (batch, dims.n_head, past, dims.head_dim)
+    cache_shape = (batch, dims.num_kv_heads, past, dims.head_dim)
     past_tensors = tuple(
-        torch.randn(cache_shape, generator=gen).to(param.dtype) for _ in range(2 * dims.n_layer)
+        torch.randn(cache_shape, generator=gen).to(param.dtype) for _ in range(2 * dims.num_layers)
     )
-    past_names = cache_names("past", dims.n_layer)
+    past_names = cache_names("past", dims.num_layers)
     decode_axes = {
         "input_ids": {0: "batch"},
         "attention_mask": {0: "batch", 1: "total_sequence"},
@@ -231,7 +222,7 @@ def graph_requests(
     }
     decode = GraphRequest(
         name="decode",
-        module=DecodeModule(model),  # type: ignore[arg-type]
+        module=family.decode_module(model),
         args=(
             ids[:, :1].contiguous(),
             torch.ones(batch, past + 1, dtype=torch.int64),
@@ -298,10 +289,11 @@ def _export_graphs(
     )
 
 
-def export_gpt2(
+def export_model(
     out: str | Path,
-    model: str = "gpt2",
+    model: str,
     *,
+    family: str | None = None,
     random_init: bool = False,
     seed: int = 0,
     target: Target = "portable",
@@ -318,11 +310,13 @@ def export_gpt2(
     strategies: Sequence[str] = DEFAULT_STRATEGY_ORDER,
     progress: Progress | None = None,
 ) -> ExportResult:
-    """Export a GPT-2 model to ``out/`` (prefill.onnx, decode.onnx, weights, manifest, tokenizer).
+    """Export a model to ``out/`` (prefill.onnx, decode.onnx, weights, manifest, tokenizer).
 
     Args:
         out: output directory; written atomically, refused if non-empty unless ``force``.
         model: a preset or config path with ``random_init``, else a model directory or hub id.
+        family: the model family (a ``model_type`` of :data:`kvexport.models.FAMILIES`); None:
+            the one ``model``'s config (or preset) names.
         random_init: build the architecture with seeded random weights (offline default).
         seed: torch seed for ``random_init``.
         target: where the graphs will run: ``portable`` (standard ONNX ops, unfused
@@ -335,14 +329,14 @@ def export_gpt2(
             ``shared-buffer`` (one in-place buffer per cache tensor; needs ``ort``
             attention). None: ``shared-buffer`` for the ort targets, else ``concat``.
         quantize: ``int8`` / ``int4`` store the weights with ONNX Runtime's weight-only
-            operators (``ort`` attention only); see :data:`kvexport.directory.QUANTIZATION_SCHEMES`.
+            operators (``ort`` attention only); see :data:`kvexport.export.quantization.QUANTIZATION_SCHEMES`.
         quantization: override the scheme's knobs (block size, symmetric, accuracy
             level, LM-head bits); needs ``quantize``.
         opset: ONNX opset of the graphs.
         all_logits: prefill returns logits for every position, not only the last.
         kv_cache: the cache's type: None or the graph dtype (a float cache), ``int8`` or
             ``int4`` (GroupQueryAttention's quantized cache, per-channel scales calibrated on
-            text at export; needs the in-place cache and fp32 graphs; see :mod:`kvexport.kv_cache`).
+            text at export; needs the in-place cache and fp32 graphs; see :mod:`kvexport.export.calibration`).
         force: replace a non-empty ``out``.
         allow_pickle: allow loading a pickle (.bin) checkpoint from a trusted directory.
         strategies: export strategies to try, in order (see :data:`STRATEGIES`).
@@ -360,12 +354,13 @@ def export_gpt2(
     _check_strategies(strategies)
     check_output_dir(out_path.absolute(), force)
     started = time.perf_counter()
-    source = resolve_source(model, random_init=random_init, seed=seed)
+    chosen = family_for(family) if family is not None else family_of_model(model, random_init=random_init)
+    source = source_of(chosen, model, random_init=random_init, seed=seed)
     report(f"loading {source.describe()}")
-    torch_model = load_gpt2(source, options.dtype.value, allow_pickle=allow_pickle)
-    dims = ModelDims.from_config(torch_model.config)
+    torch_model = chosen.load(source, options.dtype.value, allow_pickle=allow_pickle)
+    dims = chosen.dims(torch_model.config.to_dict())
     fingerprint = weights_fingerprint(torch_model)
-    requests = graph_requests(torch_model, dims, options.all_logits, options.opset)
+    requests = graph_requests(chosen, torch_model, dims, options.all_logits, options.opset)
     with (
         atomic_output_dir(out_path, force) as tmp,
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
@@ -380,10 +375,24 @@ def export_gpt2(
             passes=_run_passes(graphs, options, report),
             tokenizer_dir=Path(source.name) if source.kind == "local" else None,
             started=started,
+            family=chosen,
         )
+        if options.kv_cache is not None:
+            scratch = Path(work) / "calibration"
+            scratch.mkdir()
+            record = quantize_cache_step(graphs, record, scratch, report)
         manifest = write_export_directory(tmp, graphs, record, report)
     report(f"wrote {out_path}")
     return ExportResult(out_path, manifest, strategy, attempts, time.perf_counter() - started)
+
+
+def export_gpt2(out: str | Path, model: str = "gpt2", **options: Any) -> ExportResult:
+    """Export a GPT-2 model (``kvexport gpt2``): :func:`export_model` with the GPT-2 family.
+
+    Takes :func:`export_model`'s keywords; ``model`` defaults to the ``gpt2`` preset (with
+    ``random_init``) or hub id, and a config of another family is refused.
+    """
+    return export_model(out, model, family="gpt2", **options)
 
 
 def _check_strategies(strategies: Sequence[str]) -> None:

@@ -16,14 +16,16 @@ from typing import Any, Literal
 
 import onnx
 
+from kvexport.bundle.model_info import ModelDims, ModelSource
+from kvexport.bundle.storage import file_mode
 from kvexport.errors import ManifestError
-from kvexport.model_info import ModelDims, ModelSource
-from kvexport.storage import file_mode
-from passes.cache_names import cache_names, canonical_slot
+from kvexport.passes.cache_names import cache_names, canonical_slot
 
 MANIFEST_FILE = "kvexport.json"
 FORMAT = "kvexport"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# versions read: 1 stored GPT-2's config keys as the dims (read as the generic ones)
+READABLE_VERSIONS = (1, 2)
 GRAPH_NAMES = ("prefill", "decode")
 
 Role = Literal[
@@ -93,6 +95,18 @@ class GraphSpec:
         )
 
     @classmethod
+    def from_model(cls, file: str, model: Any) -> GraphSpec:
+        """Describe an in-memory ``onnx_ir.Model`` as :meth:`from_proto` describes its saved proto."""
+        import onnx_ir as ir
+
+        return cls(
+            file=file,
+            inputs=[TensorSpec.from_value_info(ir.serde.serialize_value(v)) for v in model.graph.inputs],
+            outputs=[TensorSpec.from_value_info(ir.serde.serialize_value(v)) for v in model.graph.outputs],
+            nodes=len(model.graph),
+        )
+
+    @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GraphSpec:
         """Inverse of ``asdict``."""
         return cls(
@@ -133,6 +147,8 @@ class Manifest:
     files: dict[str, dict[str, Any]] | None = None
     # onnxruntime-genai: {"written": True, "files": [...]} or {"written": False, "why": ...}
     genai: dict[str, Any] | None = None
+    # the model family (a key of kvexport.models.FAMILIES) whose module rebuilds the reference
+    family: str = "gpt2"
 
     @property
     def cache_layout(self) -> str:
@@ -150,9 +166,9 @@ class Manifest:
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
             "model": {
-                "architecture": "gpt2",
+                "family": self.family,
                 "source": self.source.to_dict(),
-                "config": self.dims.to_dict(),
+                "dims": self.dims.to_dict(),
                 "weights_sha256": self.weights_sha256,
             },
             "dtype": self.dtype,
@@ -180,7 +196,7 @@ class Manifest:
             raise ManifestError(
                 'not a kvexport manifest (no "format": "kvexport"); re-export the model'
             )
-        if data.get("format_version") != FORMAT_VERSION:
+        if data.get("format_version") not in READABLE_VERSIONS:
             raise ManifestError(
                 f"manifest format_version {data.get('format_version')!r} is not supported by this "
                 f"kvexport (reads {FORMAT_VERSION}); re-export with this version"
@@ -190,7 +206,8 @@ class Manifest:
             graphs = {name: GraphSpec.from_dict(data["graphs"][name]) for name in GRAPH_NAMES}
             return cls(
                 source=ModelSource.from_dict(model["source"]),
-                dims=ModelDims(**model["config"]),
+                dims=ModelDims.from_dict(model.get("dims") or model["config"]),
+                family=str(model.get("family", "gpt2")),
                 dtype=data["dtype"],
                 opset=int(data["opset"]),
                 target=data["target"],
@@ -232,12 +249,12 @@ def read_manifest(directory: Path) -> Manifest:
     """Read ``DIR/kvexport.json``; one clear ManifestError for each way it can be wrong."""
     if not directory.is_dir():
         raise ManifestError(
-            f"{directory}: no such directory; pass a directory made by `kvexport gpt2`"
+            f"{directory}: no such directory; pass a directory made by `kvexport export` or `kvexport gpt2`"
         )
     path = directory / MANIFEST_FILE
     if not path.is_file():
         raise ManifestError(
-            f"{directory}: no {MANIFEST_FILE}; pass a directory made by `kvexport gpt2`"
+            f"{directory}: no {MANIFEST_FILE}; pass a directory made by `kvexport export` or `kvexport gpt2`"
         )
     try:
         data = json.loads(path.read_text())
@@ -273,7 +290,7 @@ def check_graph_io(manifest: Manifest, graph: str, proto: onnx.ModelProto) -> li
                     f"{graph}: {kind} {name} is {got.dtype}{got.shape} in the graph, "
                     f"{want.dtype}{want.shape} in the manifest"
                 )
-    n_layer = manifest.dims.n_layer
+    n_layer = manifest.dims.num_layers
     expected_present = cache_names("present", n_layer)
     if [t.name for t in actual.outputs if t.layer is not None] != expected_present:
         problems.append(f"{graph}: present outputs do not match the manifest's {n_layer} layers")

@@ -1,7 +1,7 @@
 """``kvexport check``: an export directory checked without torch, then run for a few steps.
 
 The manifest, each file's size and hash, each graph's external data and IO against the
-manifest (:func:`kvexport.integrity.preflight`), then a few greedy steps through the
+manifest (:func:`kvexport.bundle.integrity.preflight`), then a few greedy steps through the
 Generator. Every finding is a :class:`Check`; the report's ``ok`` is the verdict.
 """
 
@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from kvexport.bundle.integrity import preflight
+from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError
-from kvexport.integrity import preflight
-from kvexport.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.runtime.generator import Generator
 
 

@@ -3,7 +3,7 @@
 The manifest records the size and sha256 of every file the export wrote (``files``), so a
 copy on a deployment machine can be checked with onnxruntime alone. :func:`preflight` is
 the one place that loads a directory's manifest and checks it before anything runs: the
-Generator, ``kvexport check`` (:mod:`kvexport.checking`) and ``verify`` all call it, and
+Generator, ``kvexport check`` (:mod:`kvexport.tools.check`) and ``verify`` all call it, and
 each decides what a problem means for it (refuse, report, or fail the verdict).
 """
 
@@ -16,9 +16,15 @@ from typing import Any
 
 import onnx
 
+from kvexport.bundle.manifest import (
+    GRAPH_NAMES,
+    MANIFEST_FILE,
+    Manifest,
+    check_graph_io,
+    read_manifest,
+)
+from kvexport.bundle.storage import check_external_data
 from kvexport.errors import KvexportError, ManifestError
-from kvexport.manifest import GRAPH_NAMES, MANIFEST_FILE, Manifest, check_graph_io, read_manifest
-from kvexport.storage import check_external_data
 
 _CHUNK = 1 << 22
 

@@ -18,14 +18,14 @@ from pathlib import Path
 
 import onnx_ir as ir
 
-from kvexport.errors import KvexportError, first_line
-from kvexport.storage import (
+from kvexport.bundle.storage import (
     EXTERNAL_THRESHOLD_BYTES,
     check_external_data,
     check_parent_path,
     created_parents,
 )
-from passes import (
+from kvexport.errors import KvexportError, first_line
+from kvexport.passes import (
     DEFAULT_REWRITE_PASSES,
     PassInputError,
     PassReport,
@@ -34,8 +34,8 @@ from passes import (
     build_pipeline,
     run_pipeline,
 )
-from passes.cache_names import Style
-from passes.choices import Attention
+from kvexport.passes.cache_names import Style
+from kvexport.passes.choices import Attention
 
 
 @dataclass

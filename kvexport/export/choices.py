@@ -1,7 +1,7 @@
 """Every export choice, defined once: the Enums, each target's defaults, and one message per refusal.
 
 ``kvexport gpt2``, ``kvexport import``, ``kvexport rewrite``, the library's
-:class:`~kvexport.directory.ExportOptions` and the pass registry all take their choices
+:class:`~kvexport.export.writer.ExportOptions` and the pass registry all take their choices
 from here. Standard library only, so the command line lists them without loading torch,
 onnx_ir or onnxscript.
 """
@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any, TypeVar
 
 from kvexport.errors import KvexportError
-from passes.choices import Attention as AttentionKind
+from kvexport.passes.choices import Attention as AttentionKind
 
 E = TypeVar("E", bound=Enum)
 
@@ -84,6 +84,13 @@ PORTABLE_REFUSES_ORT = (
 )
 
 
+DEFAULT_OPSET = 18
+# the export roads (kvexport.export.exporter.STRATEGIES), in the order "auto" tries them
+EXPORT_STRATEGIES = ("dynamo", "torchscript")
+# --kv-cache: a float cache (fp32, fp16: the graph dtype) or GroupQueryAttention's quantized one
+KV_CACHE_KINDS = ("fp32", "fp16", "int8", "int4")
+
+
 def values(kind: type[Enum]) -> list[str]:
     """The spelled-out choices of an Enum, in order (the CLI's ``click.Choice`` lists)."""
     return [str(member.value) for member in kind]
@@ -130,7 +137,7 @@ class QuantizationChoice:
     """``--quantize`` and the knobs given beside it, as the user gave them.
 
     ``overrides`` holds only the knobs given (``block_size``, ``symmetric``,
-    ``accuracy_level``, ``head_bits``, ``per_channel``); :func:`kvexport.directory.quantization_config`
+    ``accuracy_level``, ``head_bits``, ``per_channel``); :func:`kvexport.export.writer.quantization_config`
     lays them over the scheme's defaults.
     """
 

@@ -1,0 +1,105 @@
+"""Every choice that decides what graphs an export writes, resolved and checked by one resolver.
+
+:meth:`ExportOptions.resolve` is what export and import both call; every combination that
+can't work is refused there, with one line. No torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvexport.export.choices import (
+    CACHE_DESCRIPTIONS,
+    DEFAULT_OPSET,
+    TARGET_DEFAULTS,
+    AttentionKind,
+    CacheKind,
+    DtypeKind,
+    QuantizeKind,
+    TargetKind,
+    check_combination,
+    choose,
+    default_cache,
+)
+from kvexport.export.quantization import (
+    QUANTIZATION_TOLERANCES,
+    kv_cache_quantization,
+    scheme_knobs,
+)
+from kvexport.passes.quantize_cache import CacheQuantization
+from kvexport.passes.quantize_weights import QuantizationConfig
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """Everything that decides what graphs an export writes, resolved and checked together.
+
+    Build it with :meth:`resolve` from what the user gave (strings or enums, None for the
+    target's default); every combination that can't work is refused there, with one line.
+    """
+
+    target: TargetKind
+    attention: AttentionKind
+    dtype: DtypeKind
+    cache: CacheKind
+    quantize: QuantizeKind
+    quantization: QuantizationConfig | None
+    opset: int
+    all_logits: bool
+    kv_cache: CacheQuantization | None = None
+
+    @classmethod
+    def resolve(
+        cls,
+        target: str = "portable",
+        attention: str | None = None,
+        dtype: str | None = None,
+        cache: str | None = None,
+        quantize: str = "none",
+        quantization: QuantizationConfig | None = None,
+        opset: int = DEFAULT_OPSET,
+        all_logits: bool = False,
+        kv_cache: str | None = None,
+    ) -> ExportOptions:
+        """Fill in the target's defaults and refuse what can't work (:class:`KvexportError`)."""
+        target_kind = choose(TargetKind, target, "--target")
+        default_attention, default_dtype, _ = TARGET_DEFAULTS[target_kind]
+        attention_kind = choose(AttentionKind, attention or default_attention, "--attention")
+        dtype_kind = choose(DtypeKind, dtype or default_dtype, "--dtype")
+        cache_kind = (
+            default_cache(target_kind, attention_kind, dtype_kind)
+            if cache is None
+            else choose(CacheKind, cache, "--cache")
+        )
+        quantize_kind = choose(QuantizeKind, quantize, "--quantize")
+        check_combination(target_kind, attention_kind, dtype_kind, cache_kind, quantize_kind)
+        return cls(
+            target=target_kind,
+            attention=attention_kind,
+            dtype=dtype_kind,
+            cache=cache_kind,
+            quantize=quantize_kind,
+            quantization=scheme_knobs(quantize_kind, quantization, dtype_kind),
+            opset=opset,
+            all_logits=all_logits,
+            kv_cache=kv_cache_quantization(kv_cache, dtype_kind, cache_kind),
+        )
+
+    @property
+    def in_place_cache(self) -> bool:
+        """Whether past and present share one buffer (``--cache shared-buffer``)."""
+        return self.cache is CacheKind.SHARED_BUFFER
+
+    def quantization_record(self) -> dict[str, Any] | None:
+        """The manifest's ``quantization``: the scheme, its knobs and verify's tolerances (None for float)."""
+        if self.quantization is None:
+            return None
+        scheme = self.quantize.value
+        return {"scheme": scheme, **self.quantization.to_json(), "tolerances": QUANTIZATION_TOLERANCES[scheme]}
+
+    def cache_record(self) -> dict[str, str]:
+        """The manifest's ``cache``: the layout and what it means."""
+        return {"layout": self.cache.value, "description": CACHE_DESCRIPTIONS[self.cache]}
+
+

@@ -1,0 +1,108 @@
+"""The quantization policy: the weight schemes, the cache kinds, and what verify holds each to.
+
+One module for every quantization decision that export, import, verify and the runtime
+share: the schemes' default knobs (:data:`QUANTIZATION_SCHEMES`), the tolerances
+(:data:`QUANTIZATION_TOLERANCES`), what ``--kv-cache`` kinds mean and
+the functions that turn the user's choices into pass configurations. No torch, no runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvexport.errors import KvexportError
+from kvexport.export.choices import (
+    KNOBS_WITHOUT_SCHEME,
+    KV_CACHE_KINDS,
+    CacheKind,
+    DtypeKind,
+    QuantizationChoice,
+    QuantizeKind,
+)
+from kvexport.passes.quantize_cache import CacheQuantization
+from kvexport.passes.quantize_weights import QuantizationConfig
+
+# Each scheme's default knobs, chosen by measurement (README, "Quantized exports"): int8
+# activations in the CPU kernels (accuracy level 0 ran 20x slower); the LM head (and the tied
+# embedding that shares its bytes) at 8 bits in int4 too, since a 4-bit head cost +1.5%
+# perplexity on the trained test model; int4 blocks of 128 (decode 8.3 vs 9.6 ms/token and
+# prompt 129 vs 180 ms against blocks of 32 on 124M, for +0.25% vs +0.18% perplexity);
+# int8 blocks of 32 (already faster than llama.cpp Q8_0, and the closest to fp32).
+QUANTIZATION_SCHEMES: dict[str, QuantizationConfig] = {
+    "int8": QuantizationConfig(bits=8, block_size=32, symmetric=True, accuracy_level=4, head_bits=8),
+    "int4": QuantizationConfig(bits=4, block_size=128, symmetric=True, accuracy_level=4, head_bits=8),
+}
+# What verify holds a quantized export to against PyTorch fp32, per scheme, set from the
+# trained test model's measured quality with headroom (tests/data/tiny-trained).
+QUANTIZATION_TOLERANCES: dict[str, dict[str, float]] = {
+    "int8": {"min_top1_agreement": 0.95, "max_mean_kl": 0.002, "max_perplexity_delta_pct": 0.5},
+    "int4": {"min_top1_agreement": 0.85, "max_mean_kl": 0.03, "max_perplexity_delta_pct": 1.0},
+}
+def quantization_config(choice: QuantizationChoice) -> QuantizationConfig | None:
+    """The scheme's knobs with the user's overrides laid over them (None for float weights)."""
+    if choice.scheme is QuantizeKind.NONE:
+        return None
+    try:
+        return dataclasses.replace(QUANTIZATION_SCHEMES[choice.scheme.value], **choice.overrides)
+    except ValueError as exc:
+        raise KvexportError(f"--quantize {choice.scheme.value}: {exc}") from None
+
+
+def scheme_knobs(
+    quantize: QuantizeKind, knobs: QuantizationConfig | None, dtype: DtypeKind
+) -> QuantizationConfig | None:
+    """The knobs for ``quantize`` (None for float weights), or one clear error.
+
+    Per-channel int8 needs fp32 weights (``MatMulIntegerToFloat`` here is an fp32 CPU kernel).
+    """
+    if quantize is QuantizeKind.NONE:
+        if knobs is not None:
+            raise KvexportError(KNOBS_WITHOUT_SCHEME)
+        return None
+    scheme = QUANTIZATION_SCHEMES[quantize.value]
+    if knobs is not None and knobs.bits != scheme.bits:
+        raise KvexportError(
+            f"--quantize {quantize.value} with {knobs.bits}-bit block weights: the scheme's blocks are "
+            f"{scheme.bits}-bit; pick the scheme with that width"
+        )
+    knobs = knobs or scheme
+    if knobs.per_channel and dtype is not DtypeKind.FP32:
+        raise KvexportError(
+            f"--per-channel needs fp32 weights (its int8 products are an fp32 CPU kernel), not {dtype.value}; "
+            "drop it for an fp16 export"
+        )
+    return knobs
+
+
+def kv_cache_quantization(kind: str | None, dtype: DtypeKind, cache: CacheKind) -> CacheQuantization | None:
+    """``--kv-cache``'s quantization (None: a float cache of the graph's dtype), or one clear error."""
+    if kind is None or kind == dtype.value:
+        return None
+    config = cache_quantization(kind)
+    if config is None:
+        raise KvexportError(
+            f"--kv-cache {kind} with {dtype.value} graphs: a float cache has the graph's dtype; "
+            f"use --dtype {kind}, or --kv-cache int8 / int4"
+        )
+    if cache is not CacheKind.SHARED_BUFFER:
+        raise KvexportError(
+            f"--kv-cache {kind} needs the in-place cache (GroupQueryAttention), not --cache {cache.value}; "
+            "use ort attention (kvexport gpt2 --target ort-cpu, kvexport import --attention ort)"
+        )
+    if dtype is not DtypeKind.FP32:
+        raise KvexportError(
+            f"--kv-cache {kind} needs fp32 graphs (its scales are calibrated on CPU), not {dtype.value}; "
+            "drop --dtype fp16"
+        )
+    return config
+
+
+def cache_quantization(kind: str, *, per_channel: bool = True) -> CacheQuantization | None:
+    """The quantization of ``--kv-cache kind`` (None for a float cache)."""
+    if kind not in KV_CACHE_KINDS:
+        raise KvexportError(f"--kv-cache {kind}: choose one of {', '.join(KV_CACHE_KINDS)}")
+    if kind in ("fp32", "fp16"):
+        return None
+    return CacheQuantization(bits=8 if kind == "int8" else 4, per_channel=per_channel)
+
+

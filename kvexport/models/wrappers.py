@@ -1,0 +1,117 @@
+"""The exportable prefill and decode modules, for any family's Hugging Face causal LM.
+
+Transformers 5 passes the KV cache as a ``DynamicCache`` object, which neither torch
+exporter can take as a graph input or output. The wrappers here take and return the
+cache as flat tensors (``past.<l>.key``, ``past.<l>.value``, ...), build the cache object
+inside ``forward`` and flatten it again on the way out, so the exported graphs have
+plain tensor IO. What differs between families (how the decoder body is called) comes in
+as a :data:`Body` from the family's module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+# The decoder body of a family: (model, input_ids, cache, attention_mask, position_ids) -> the
+# final hidden states [batch, sequence, hidden]; ``cache`` is extended in place.
+Body = Callable[[Any, torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(key, value) per layer of a filled cache, each ``[batch, H, total_sequence, D]``."""
+    pairs = []
+    for layer in cache.layers:
+        keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+        assert isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor), (
+            "cache layer is filled"
+        )
+        pairs.append((keys, values))
+    return pairs
+
+
+def _flatten_cache(cache: DynamicCache) -> list[torch.Tensor]:
+    return [tensor for pair in cache_layers(cache) for tensor in pair]
+
+
+def _lm_head(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """Logits from [batch, rows, hidden] hidden states, through a 2-D product.
+
+    The dynamo exporter turns the 2-D form into ``Gemm(W, transB=1)``, which reads the tied
+    weight where it is stored; a 3-D product exports as ``MatMul(X, Transpose(W))``, which
+    ONNX Runtime folds into a private transposed copy per session. (Where an exporter
+    emits ``MatMul(X2d, Transpose(W))``, the ``transposed_weight_gemm`` pass rewrites it.)
+    """
+    batch, rows, hidden_size = hidden.shape
+    logits = model.lm_head(hidden.reshape(batch * rows, hidden_size))  # [batch * rows, V]
+    vocab_size: int = model.config.vocab_size
+    return logits.reshape(batch, rows, vocab_size)  # [batch, rows, V]
+
+
+class PrefillModule(torch.nn.Module):
+    """Prompt graph: ``(input_ids, attention_mask, position_ids) -> (logits, *present)``.
+
+    With ``all_logits=False`` the LM head runs on one position per row, giving logits
+    ``[batch, 1, V]``: the row's last real token, the last 1 of its mask. Left padding puts
+    it in the last column; right-padded prompts (onnxruntime-genai's convention) end
+    earlier. The mask may be wider than the tokens fed (a chunk after a past, or one token
+    over a mask as wide as an in-place buffer): the tokens end where the row's mask ends,
+    so the index is the tokens' length less one less the columns after the row's last 1,
+    and at least 0.
+    """
+
+    def __init__(self, model: PreTrainedModel, body: Body, all_logits: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.body = body
+        self.all_logits = all_logits
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the prompt; return last-position (or all) logits and the presents."""
+        cache = DynamicCache(config=self.model.config)
+        hidden = self.body(
+            self.model, input_ids, cache, attention_mask, position_ids
+        )  # [batch, sequence, hidden]
+        if not self.all_logits:
+            # The mask's width and the tokens' length share one dim name in this graph, so any
+            # length read off a shape is the mask's: count the columns after each row's last 1
+            # from the mask's values, and the tokens fed from their values (ids are >= 0).
+            ones_from_here = attention_mask.sum(-1, keepdim=True) - attention_mask.cumsum(-1) + attention_mask
+            trailing = (ones_from_here == 0).sum(-1)  # [batch]
+            fed = (input_ids != -1).sum(-1)  # [batch]
+            index = (fed - 1 - trailing).clamp(min=0)
+            hidden = hidden.gather(1, index.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # [batch, 1, hidden]
+        return (_lm_head(self.model, hidden), *_flatten_cache(cache))
+
+
+class DecodeModule(torch.nn.Module):
+    """One-step graph: ``(input_ids, attention_mask, position_ids, *past) -> (logits, *present)``.
+
+    ``past`` is flat: ``past.0.key, past.0.value, past.1.key, ...``, each
+    ``[batch, H, past_sequence, D]``; presents come back ``[batch, H, past_sequence + 1, D]``.
+    """
+
+    def __init__(self, model: PreTrainedModel, body: Body) -> None:
+        super().__init__()
+        self.model = model
+        self.body = body
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run one token against the past; return its logits and the grown presents."""
+        pairs = [(past[2 * layer], past[2 * layer + 1]) for layer in range(len(past) // 2)]
+        cache = DynamicCache(pairs, config=self.model.config)
+        hidden = self.body(
+            self.model, input_ids, cache, attention_mask, position_ids
+        )  # [batch, 1, hidden]
+        return (_lm_head(self.model, hidden), *_flatten_cache(cache))
