@@ -41,6 +41,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -185,6 +186,26 @@ def start_kvexport(
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
     return url, process
+
+
+def format_1_copy(export: Path, out: Path) -> Path:
+    """The export with its manifest in format 1 (GPT-2's config keys), for a checkout that reads only that.
+
+    The graphs and weights are the same files (hard links); only ``kvexport.json`` differs.
+    """
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.copytree(export, out, copy_function=os.link, ignore=shutil.ignore_patterns(".*", "kvexport.json"))
+    data = json.loads((export / "kvexport.json").read_text())
+    dims = data["model"].pop("dims")
+    data["model"].pop("family", None)
+    data["model"]["architecture"] = "gpt2"
+    data["model"]["config"] = {
+        "n_layer": dims["num_layers"], "n_head": dims["num_heads"], "head_dim": dims["head_dim"],
+        "n_embd": dims["hidden_size"], "vocab_size": dims["vocab_size"], "n_positions": dims["max_positions"],
+    }
+    data["format_version"] = 1
+    (out / "kvexport.json").write_text(json.dumps(data, indent=2))
+    return out
 
 
 def start_llama(
@@ -332,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                     servers[f"kvexport {label} kv-{args.kv_cache}"] = (url, process, quantized.name)
                 if args.kvexport_before is not None:
                     before_log = args.work / f"serve-{label.replace(' ', '-')}-before.log"
-                    url, process = start_kvexport(exports[label], args.slots, args.context, before_log, checkout=args.kvexport_before.resolve())
+                    before_export = format_1_copy(exports[label], args.work / f"before-{exports[label].name}")
+                    url, process = start_kvexport(before_export, args.slots, args.context, before_log, checkout=args.kvexport_before.resolve())
                     servers[f"kvexport {label} (before)"] = (url, process, exports[label].name)
             if not args.no_llama:
                 url, process = start_llama(source, ggufs[kind], args.slots, args.context, args.threads, args.work / f"llama-server-{kind}.log")

@@ -922,7 +922,7 @@ def inspect_command(path: Path, as_json: bool) -> None:
         click.echo(
             f"{report.path}: {m['source']['name']} ({m['source']['kind']}), {m['dtype']}, opset {m['opset']}, target {m['target']}, attention {m['attention']}, cache {m.get('cache_layout', 'concat')}, exported by {m['strategy']}"
         )
-        click.echo(f"  config {m['config']}")
+        click.echo(f"  {m['family']} dims {m['dims']}")
         click.echo(
             f"  weights {m['weights']['bytes'] / 1e6:.1f} MB in {m['weights']['file']}; tokenizer: {m['tokenizer']['file'] or 'none'}"
         )

@@ -94,3 +94,54 @@ def test_small_vocab_config_does_not_keep_gpt2_special_ids(tmp_path: Path) -> No
     config = resolve_source(str(write_config(tmp_path, TINY_ODD)), random_init=True).config
     assert config is not None and config["eos_token_id"] is None
     assert json.loads(json.dumps(config))["vocab_size"] == 1001
+
+
+def test_the_registry_picks_the_family_from_model_type(local_model_dir: Path) -> None:
+    from kvexport.models import FAMILIES, family_for, family_of_model
+
+    assert family_of_model(str(local_model_dir), random_init=False).name == "gpt2"
+    assert family_of_model("distilgpt2", random_init=True).name == "gpt2"
+    assert sorted(FAMILIES) == ["gpt2"]
+    with pytest.raises(KvexportError, match=r"^x/config.json: model_type 'llama' is not a family kvexport exports; known: gpt2$"):
+        family_for("llama", "x/config.json")
+
+
+def test_gpt2_family_maps_its_config_keys_onto_the_generic_dims(local_model_dir: Path) -> None:
+    from transformers import GPT2Config
+
+    from kvexport.bundle.model_info import ModelDims
+    from kvexport.models.gpt2 import FAMILY
+
+    config = GPT2Config.from_pretrained(local_model_dir)  # transformers' own reading of the keys
+    dims = FAMILY.dims(json.loads((local_model_dir / "config.json").read_text()))
+    assert (dims.num_layers, dims.num_heads, dims.num_kv_heads) == (config.num_hidden_layers, config.num_attention_heads, config.num_attention_heads)
+    assert (dims.hidden_size, dims.head_dim) == (config.hidden_size, config.hidden_size // config.num_attention_heads)
+    assert (dims.vocab_size, dims.max_positions) == (config.vocab_size, config.max_position_embeddings)
+    # a manifest of format 1 stored GPT-2's keys: it still reads, as the same dims
+    legacy = {"n_layer": dims.num_layers, "n_head": dims.num_heads, "head_dim": dims.head_dim,
+              "n_embd": dims.hidden_size, "vocab_size": dims.vocab_size, "n_positions": dims.max_positions}
+    assert ModelDims.from_dict(legacy) == dims
+
+
+def test_export_command_picks_the_family_and_refuses_unknown_ones(local_model_dir: Path, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvexport.bundle.manifest import read_manifest
+    from kvexport.cli import main
+
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["export", "--model", str(local_model_dir), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    manifest = read_manifest(out)
+    assert manifest.family == "gpt2" and manifest.source.kind == "local"
+    assert verify(out, steps=2).ok
+
+    llama = write_config(tmp_path / "llama", {**TINY_ODD, "model_type": "llama"})
+    refused = CliRunner().invoke(main, ["export", "--model", str(llama.parent), "--out", str(tmp_path / "no")])
+    assert refused.exit_code == 2
+    assert refused.output == (
+        f"Error: {llama.parent / 'config.json'}: model_type 'llama' is not a family kvexport exports; known: gpt2\n"
+    )
+    assert not (tmp_path / "no").exists()
+    missing = CliRunner().invoke(main, ["export", "--out", str(tmp_path / "no")])
+    assert missing.exit_code == 2 and "Missing option '--model'" in missing.output

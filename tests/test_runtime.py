@@ -277,14 +277,10 @@ def test_bench_writes_json_and_plot_with_every_system(
     assert floors[("floor", 1, 8)] == pytest.approx(
         1000 * (weights + 2 * TINY["n_layer"] * 8 * TINY["n_embd"] * 4) / (data["bandwidth_gb_s"] * 1e9), rel=0.01
     )
-    # PSS counts a page mapped twice in one process once, RSS once per mapping: PSS is never
-    # above RSS, and what loading a Generator adds to PSS is never more than it adds to RSS
-    # (the tiny weights are mapped by the variants loaded before, so the default
-    # Generator's PSS growth may round to 0 here)
+    # PSS counts a page mapped twice in one process once, RSS once per mapping: within one
+    # reading PSS is never above RSS. (Growths are differences of two readings each, which
+    # other work on the machine can skew either way, so they are only recorded.)
     assert 0 < data["pss_after_load_mb"] <= data["rss_after_load_mb"]
-    assert data["generator_pss_mb"] <= data["generator_rss_mb"] + 0.5
-    for system, memory in data["variant_memory"].items():
-        assert memory["pss_mb"] <= memory["rss_mb"] + 0.5, system
     assert data["ratios"]["generator_rss_vs_weights"] == pytest.approx(
         data["generator_rss_mb"] * 2**20 / weights, abs=1.5e-3
     )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import onnx
 
-from kvexport.errors import KvexportError, ManifestError
+from kvexport.errors import KvexportError, ManifestError, first_line
 
 if TYPE_CHECKING:  # the runtime reads graphs with onnx alone; onnx_ir is the exporter's
     import onnx_ir as ir
@@ -226,3 +226,18 @@ def _external_tensors(proto: onnx.ModelProto) -> Iterator[onnx.TensorProto]:
         for attribute in node.attribute:
             if attribute.HasField("t") and attribute.t.data_location == onnx.TensorProto.EXTERNAL:
                 yield attribute.t
+
+
+def load_graph(source: Path) -> ir.Model:
+    """Load an ``.onnx`` graph after checking its external data stays in its directory; one clear error otherwise."""
+    if not source.exists():
+        raise KvexportError(f"{source}: no such file; pass an .onnx graph")
+    if source.is_dir():
+        raise KvexportError(f"{source}: is a directory; pass an .onnx graph file")
+    import onnx_ir as ir
+
+    check_external_data(source)
+    try:
+        return ir.load(source)
+    except Exception as exc:  # onnx / protobuf raise many kinds
+        raise KvexportError(f"{source}: not a readable ONNX graph ({first_line(exc)})") from exc

@@ -47,11 +47,11 @@ from kvexport.export.quantization import QUANTIZATION_TOLERANCES
 from kvexport.export.writer import (
     GENAI_QUANTIZED_CACHE,
     ExportRecord,
-    Progress,
     write_export_directory,
 )
 from kvexport.passes.cache_names import cache_names
 from kvexport.passes.quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
+from kvexport.progress import Progress, silent
 
 CALIBRATION_TOKENS = 4096  # at most, in windows of the context
 CALIBRATION_SOURCE = "pydoc_data.topics (sorted index % 8 == 0)"
@@ -96,7 +96,7 @@ def scales_from_peaks(peaks: dict[str, np.ndarray], config: CacheQuantization) -
 
 
 def calibrate(
-    directory: Path, manifest: Manifest, config: CacheQuantization, *, text: str | None = None, say: Progress
+    directory: Path, manifest: Manifest, config: CacheQuantization, *, text: str | None = None, progress: Progress
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
     """The scales of the cache ``config`` for the float export in ``directory``, and the manifest's cache record."""
     from kvexport.runtime.text import ExportTokenizer
@@ -114,7 +114,7 @@ def calibrate(
     else:  # no tokenizer to read a text with: seeded random ids
         tokens = np.random.default_rng(0).integers(0, manifest.dims.vocab_size, CALIBRATION_TOKENS).tolist()
         source = "seeded random token ids (the export has no tokenizer)"
-    say(f"calibrating the {config.bits}-bit cache's scales on {len(tokens)} tokens of {source}")
+    progress(f"calibrating the {config.bits}-bit cache's scales on {len(tokens)} tokens of {source}")
     scales = scales_from_peaks(calibrate_peaks(directory, manifest, tokens), config)
     return scales, cache_record(config, f"over {len(tokens)} tokens of {source}")
 
@@ -143,7 +143,7 @@ def quantize_graphs(graphs: dict[str, ir.Model], config: CacheQuantization, scal
 
 
 def quantize_cache_step(
-    graphs: dict[str, ir.Model], record: ExportRecord, scratch: Path, say: Progress
+    graphs: dict[str, ir.Model], record: ExportRecord, scratch: Path, progress: Progress
 ) -> ExportRecord:
     """The pipelines' step before the writer: calibrate on a float export of ``graphs`` written to ``scratch``, quantize.
 
@@ -152,10 +152,10 @@ def quantize_cache_step(
     """
     config = record.options.kv_cache
     assert config is not None, "called only for a quantized cache"
-    say("writing a float export to calibrate the cache on")
+    progress("writing a float export to calibrate the cache on")
     float_record = dataclasses.replace(record, cache_quantization=None)
-    manifest = write_export_directory(scratch, graphs, float_record, lambda message: None)
-    scales, cache = calibrate(scratch, manifest, config, say=say)
+    manifest = write_export_directory(scratch, graphs, float_record, silent)
+    scales, cache = calibrate(scratch, manifest, config, progress=progress)
     quantize_graphs(graphs, config, scales)
     return dataclasses.replace(record, cache_quantization=cache)
 
@@ -167,7 +167,7 @@ def copy_with_quantized_cache(base: Path, out: Path, config: CacheQuantization) 
         if recorded.get("bits") == config.bits and recorded.get("type") == config.quant_type:
             return out
     manifest = read_manifest(base)
-    scales, cache = calibrate(base, manifest, config, say=lambda message: None)
+    scales, cache = calibrate(base, manifest, config, progress=silent)
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(base, out, ignore=shutil.ignore_patterns(".*"))
     for name in GRAPH_NAMES:

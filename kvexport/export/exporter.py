@@ -34,11 +34,12 @@ from kvexport.errors import ExportError, KvexportError, first_line
 from kvexport.export.calibration import quantize_cache_step
 from kvexport.export.choices import DEFAULT_OPSET, EXPORT_STRATEGIES
 from kvexport.export.options import ExportOptions
-from kvexport.export.writer import ExportRecord, Progress, rename_dims, write_export_directory
+from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
 from kvexport.models.base import ModelFamily, source_of, weights_fingerprint
 from kvexport.passes import QuantizationConfig, build_pipeline, run_pipeline
 from kvexport.passes.cache_names import cache_names
+from kvexport.progress import Progress, silent
 
 Target = Literal["portable", "ort-cpu", "ort-cuda"]
 Attention = Literal["unfused", "onnx", "ort"]
@@ -346,7 +347,7 @@ def export_model(
         An :class:`ExportResult`; the manifest is also written to ``out/kvexport.json``.
 
     """
-    report = progress or (lambda message: None)
+    progress = progress or silent
     out_path = Path(out)
     options = ExportOptions.resolve(
         target, attention, dtype, cache, quantize, quantization, opset, all_logits, kv_cache
@@ -356,7 +357,7 @@ def export_model(
     started = time.perf_counter()
     chosen = family_for(family) if family is not None else family_of_model(model, random_init=random_init)
     source = source_of(chosen, model, random_init=random_init, seed=seed)
-    report(f"loading {source.describe()}")
+    progress(f"loading {source.describe()}")
     torch_model = chosen.load(source, options.dtype.value, allow_pickle=allow_pickle)
     dims = chosen.dims(torch_model.config.to_dict())
     fingerprint = weights_fingerprint(torch_model)
@@ -365,14 +366,14 @@ def export_model(
         atomic_output_dir(out_path, force) as tmp,
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
     ):
-        strategy, graphs, attempts = _export_graphs(requests, strategies, Path(work), report)
+        strategy, graphs, attempts = _export_graphs(requests, strategies, Path(work), progress)
         record = ExportRecord(
             source=source,
             dims=dims,
             weights_fingerprint=fingerprint,
             options=options,
             export={"strategy": strategy, "attempts": [a.__dict__ for a in attempts]},
-            passes=_run_passes(graphs, options, report),
+            passes=_run_passes(graphs, options, progress),
             tokenizer_dir=Path(source.name) if source.kind == "local" else None,
             started=started,
             family=chosen,
@@ -380,9 +381,9 @@ def export_model(
         if options.kv_cache is not None:
             scratch = Path(work) / "calibration"
             scratch.mkdir()
-            record = quantize_cache_step(graphs, record, scratch, report)
-        manifest = write_export_directory(tmp, graphs, record, report)
-    report(f"wrote {out_path}")
+            record = quantize_cache_step(graphs, record, scratch, progress)
+        manifest = write_export_directory(tmp, graphs, record, progress)
+    progress(f"wrote {out_path}")
     return ExportResult(out_path, manifest, strategy, attempts, time.perf_counter() - started)
 
 
@@ -403,11 +404,11 @@ def _check_strategies(strategies: Sequence[str]) -> None:
         )
 
 
-def _run_passes(graphs: dict[str, ir.Model], options: ExportOptions, report: Progress) -> list[dict[str, Any]]:
+def _run_passes(graphs: dict[str, ir.Model], options: ExportOptions, progress: Progress) -> list[dict[str, Any]]:
     """The pass pipeline the options call for, on each graph; the manifest's pass reports."""
     pass_reports = []
     for name, graph in graphs.items():
-        report(f"running passes on {name}")
+        progress(f"running passes on {name}")
         pipeline = build_pipeline(
             options.attention.value,
             shared_buffer=options.in_place_cache,

@@ -31,11 +31,11 @@ import onnx_ir as ir
 
 from kvexport.bundle.manifest import Manifest
 from kvexport.bundle.model_info import ModelDims, ModelSource
-from kvexport.bundle.storage import atomic_output_dir, check_output_dir
+from kvexport.bundle.storage import atomic_output_dir, check_output_dir, load_graph
 from kvexport.errors import KvexportError
 from kvexport.export.calibration import quantize_cache_step
 from kvexport.export.options import ExportOptions
-from kvexport.export.writer import ExportRecord, Progress, rename_dims, write_export_directory
+from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.extras import require_export_extra
 from kvexport.models import family_for
 from kvexport.models.base import ModelFamily, read_config
@@ -48,7 +48,7 @@ from kvexport.passes import (
 )
 from kvexport.passes.choices import Attention
 from kvexport.passes.values import ints
-from kvexport.tools.rewrite import load_graph
+from kvexport.progress import Progress, silent
 
 # Optimum's and torch's dim names -> the contract's, per graph.
 _PREFILL_DIMS = {
@@ -204,14 +204,14 @@ def _source(model_dir: Path | None, graph_path: Path) -> tuple[ModelSource, str]
 
 
 def _specialise(
-    graph_path: Path, name: str, options: ExportOptions, config_dir: Path | None, say: Progress
+    graph_path: Path, name: str, options: ExportOptions, config_dir: Path | None, progress: Progress
 ) -> tuple[ir.Model, ModelDims, list[dict[str, Any]], bool]:
     """One graph of the pair made from the one-graph decoder, passes run.
 
     Returns the graph, the architecture's numbers, the pass reports and whether the
     logits are the last position's only.
     """
-    say(f"specialising {graph_path.name} into {name}")
+    progress(f"specialising {graph_path.name} into {name}")
     graph = load_graph(graph_path)
     _check_inputs(graph, graph_path)
     try:
@@ -273,7 +273,7 @@ def import_decoder(
             with a cache, or a config that does not describe it.
 
     """
-    say = progress or (lambda message: None)
+    progress = progress or silent
     started = time.perf_counter()
     out_path = Path(out)
     graph_path, source_dir = _locate(Path(source))
@@ -290,7 +290,7 @@ def import_decoder(
     reports: list[dict[str, Any]] = []
     last_only = True
     for name in ("prefill", "decode"):
-        graphs[name], dims, graph_reports, graph_last_only = _specialise(graph_path, name, options, config_dir, say)
+        graphs[name], dims, graph_reports, graph_last_only = _specialise(graph_path, name, options, config_dir, progress)
         reports += graph_reports
         last_only &= graph_last_only
     model_source, fingerprint = _source(model_dir, graph_path)
@@ -311,7 +311,7 @@ def import_decoder(
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
     ):
         if options.kv_cache is not None:
-            record = quantize_cache_step(graphs, record, Path(work), say)
-        manifest = write_export_directory(tmp, graphs, record, say)
-    say(f"wrote {out_path}")
+            record = quantize_cache_step(graphs, record, Path(work), progress)
+        manifest = write_export_directory(tmp, graphs, record, progress)
+    progress(f"wrote {out_path}")
     return manifest

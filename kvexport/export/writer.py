@@ -14,7 +14,6 @@ install (``pip install kvexport``); only export and verify need ``kvexport[expor
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -29,8 +28,7 @@ from kvexport.bundle.storage import save_with_shared_weights
 from kvexport.export.genai import write_genai_files
 from kvexport.export.options import ExportOptions
 from kvexport.models.base import ModelFamily
-
-Progress = Callable[[str], None]
+from kvexport.progress import Progress
 
 # The packages whose versions the manifest records, each under the distribution names it
 # ships as (the first installed one counts), read from package metadata so that recording
@@ -98,7 +96,7 @@ GENAI_QUANTIZED_CACHE = "a quantized KV cache: not known to load in onnxruntime-
 
 
 def write_export_directory(
-    directory: Path, graphs: dict[str, ir.Model], record: ExportRecord, report: Progress
+    directory: Path, graphs: dict[str, ir.Model], record: ExportRecord, progress: Progress
 ) -> Manifest:
     """Write a complete export into ``directory`` (an empty temporary directory), each file once.
 
@@ -108,18 +106,18 @@ def write_export_directory(
     options = record.options
     opset = graphs["decode"].opset_imports.get("", options.opset)
     specs = {name: GraphSpec.from_model(f"{name}.onnx", graphs[name]) for name in GRAPH_NAMES}
-    report("writing graphs and shared weights")
+    progress("writing graphs and shared weights")
     weights = save_with_shared_weights(graphs, directory)
-    tokenizer_info = _write_tokenizer(directory, record, report)
+    tokenizer_info = _write_tokenizer(directory, record, progress)
     cache = options.cache_record()
     if record.cache_quantization is None:
         genai = write_genai_files(directory, record.dims, options.target.value, options.cache.value, tokenizer_info)
         if not genai["written"]:
-            report(f"no genai_config.json: {genai['why']}")
+            progress(f"no genai_config.json: {genai['why']}")
     else:
         cache = {**cache, **record.cache_quantization}
         genai = {"written": False, "why": GENAI_QUANTIZED_CACHE}
-    report("hashing the files for the manifest")
+    progress("hashing the files for the manifest")
     manifest = Manifest(
         source=record.source,
         dims=record.dims,
@@ -145,7 +143,7 @@ def write_export_directory(
     return manifest
 
 
-def _write_tokenizer(directory: Path, record: ExportRecord, report: Progress) -> dict[str, Any]:
+def _write_tokenizer(directory: Path, record: ExportRecord, progress: Progress) -> dict[str, Any]:
     """``tokenizer.json`` the family ships (and the checkpoint's chat template, if any); the manifest's ``tokenizer`` record."""
     choice = record.family.tokenizer(record.tokenizer_dir, record.dims.vocab_size)
     info: dict[str, Any] = {"file": None, "source": choice.source, "eos_token_id": choice.eos_token_id}
@@ -153,7 +151,7 @@ def _write_tokenizer(directory: Path, record: ExportRecord, report: Progress) ->
         choice.tokenizer.save(str(directory / "tokenizer.json"))
         info["file"] = "tokenizer.json"
     else:
-        report(f"no tokenizer exported ({choice.source})")
+        progress(f"no tokenizer exported ({choice.source})")
     template = record.family.chat_template(record.tokenizer_dir)
     if template is not None:  # the checkpoint's own template travels in the manifest
         info["chat_template"] = template

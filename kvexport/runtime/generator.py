@@ -54,7 +54,12 @@ def positions_from_mask(mask: np.ndarray) -> np.ndarray:
 
 @dataclass
 class GenerationStats:
-    """Timings of the last generation: time to first token and decode time per token."""
+    """Timings of one generation: time to first token and decode time per token.
+
+    The one stats class: :class:`~kvexport.runtime.speculative.SpeculativeStats` adds what a
+    speculative generation counts, and "per token" means the same in both. ``new_tokens``
+    counts one row's tokens; each decode step (``step_s``) makes one more per row.
+    """
 
     prompt_tokens: int = 0
     new_tokens: int = 0
@@ -68,8 +73,8 @@ class GenerationStats:
 
     @property
     def decode_ms_per_token(self) -> float:
-        """Mean decode step time (each step makes one token per row)."""
-        return 1000 * self.decode_s / max(1, len(self.step_s))
+        """Decode time per token after the first (the prompt's call makes the first)."""
+        return 1000 * self.decode_s / max(1, self.new_tokens - 1)
 
     @property
     def tokens_per_s(self) -> float:

@@ -62,13 +62,13 @@ def token_probabilities(logits: np.ndarray, config: SamplingConfig) -> np.ndarra
     if config.top_p < 1.0:
         order = np.argsort(-scores, axis=-1)
         sorted_scores = np.take_along_axis(scores, order, axis=-1)
-        probs = _softmax(sorted_scores)
+        probs = softmax(sorted_scores)
         # drop a token when the tokens ranked above it already reach top_p (the first is always kept)
         drop_sorted = (np.cumsum(probs, axis=-1) - probs) >= config.top_p
         drop = np.zeros_like(drop_sorted)
         np.put_along_axis(drop, order, drop_sorted, axis=-1)
         scores = np.where(drop, -np.inf, scores)
-    return _softmax(scores)
+    return softmax(scores)
 
 
 def draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
@@ -80,6 +80,14 @@ def draw(probs: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return np.minimum(chosen, probs.shape[-1] - 1).astype(np.int64)
 
 
-def _softmax(scores: np.ndarray) -> np.ndarray:
+def softmax(scores: np.ndarray) -> np.ndarray:
+    """Probabilities of each row of scores (the last axis), shifted by the row's maximum."""
     shifted = np.exp(scores - scores.max(-1, keepdims=True))
     return shifted / shifted.sum(-1, keepdims=True)
+
+
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    """Log-probabilities of each row of logits (any float in, float64 out)."""
+    scores = rows.astype(np.float64)
+    top = scores.max(-1, keepdims=True)
+    return scores - top - np.log(np.exp(scores - top).sum(-1, keepdims=True))

@@ -40,6 +40,7 @@ from tokenizers import Tokenizer
 from kvexport.bundle.manifest import Manifest
 from kvexport.errors import KvexportError
 from kvexport.runtime.cache import SlotCache
+from kvexport.runtime.generator import GenerationStats
 from kvexport.runtime.opened import OpenedExport, check_prompt, open_export
 from kvexport.runtime.sampling import SamplingConfig, draw, token_probabilities
 from kvexport.runtime.session import open_session, session_options
@@ -196,26 +197,19 @@ class DraftBudget:
 
 
 @dataclass
-class SpeculativeStats:
-    """One generation's speculation: rounds (target calls), drafts proposed and accepted, timings."""
+class SpeculativeStats(GenerationStats):
+    """One speculative generation: :class:`GenerationStats` plus rounds (target calls) and drafts."""
 
+    batch: int = 1
     rounds: int = 0
     proposed: int = 0
     accepted: int = 0
-    new_tokens: int = 0
-    ttft_s: float = 0.0
-    decode_s: float = 0.0
     round_tokens: list[int] = field(default_factory=list)  # tokens emitted by each round
 
     @property
     def acceptance_rate(self) -> float:
         """Accepted drafts over proposed ones (0 when none were proposed)."""
         return self.accepted / self.proposed if self.proposed else 0.0
-
-    @property
-    def decode_ms_per_token(self) -> float:
-        """Decode time per token after the first."""
-        return 1000 * self.decode_s / max(1, self.new_tokens - 1)
 
 
 def require_all_logits(directory: Path, manifest: Manifest) -> None:

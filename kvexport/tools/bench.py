@@ -57,6 +57,7 @@ import torch
 from kvexport.bundle.manifest import Manifest, read_manifest
 from kvexport.errors import KvexportError
 from kvexport.models import family_for
+from kvexport.progress import Progress, silent
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.session import resolve_provider
@@ -197,6 +198,23 @@ def pss_mb() -> float:
     Unlike RSS, a page mapped twice (two sessions mapping one weights file) counts once.
     """
     return _proc_mib("smaps_rollup", "Pss:")
+
+
+def memory_mb() -> tuple[float, float]:
+    """The (RSS, PSS) of this process in MiB from one reading of ``smaps_rollup`` ((0.0, 0.0) where absent).
+
+    Read together, PSS is never above RSS; two separate readings can disagree under load.
+    """
+    found: dict[str, float] = {}
+    try:
+        with open("/proc/self/smaps_rollup") as lines:
+            for line in lines:
+                key = line.split(":", 1)[0]
+                if key in ("Rss", "Pss"):
+                    found[key] = int(line.split()[1]) / 1024
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    return found.get("Rss", 0.0), found.get("Pss", 0.0)
 
 
 def measure_read_bandwidth(
@@ -399,10 +417,11 @@ Loaded = list[tuple[str, Generator]]
 
 def _load_measured(system: str, directory: str | Path, provider: str, **options: Any) -> tuple[Generator, dict[str, float]]:
     """A warmed-up Generator and the RSS and PSS its loading added (MiB)."""
-    before_rss, before_pss = rss_mb(), pss_mb()
+    before_rss, before_pss = memory_mb()
     generator = Generator(directory, provider=provider, **options)
     warm_up(generator)  # mapped weights count once they are read
-    return generator, {"rss_mb": round(rss_mb() - before_rss, 1), "pss_mb": round(pss_mb() - before_pss, 1)}
+    after_rss, after_pss = memory_mb()
+    return generator, {"rss_mb": round(after_rss - before_rss, 1), "pss_mb": round(after_pss - before_pss, 1)}
 
 
 def _checked_inputs(
@@ -429,24 +448,24 @@ def _checked_inputs(
 
 
 def _load_memory_variants(
-    directory: str | Path, provider: str, memory: dict[str, dict[str, float]], say: Callable[[str], None]
+    directory: str | Path, provider: str, memory: dict[str, dict[str, float]], progress: Progress
 ) -> Loaded:
     """The memory-saving Generators (pre-packed on CPU, shared weights), each measured as it loads."""
     options: list[tuple[str, dict[str, Any]]] = [("kvexport-shared", {"share_weights": True})]
     if resolve_provider(provider) == "cpu":
-        say("building (or finding) the pre-packed weights cache")
+        progress("building (or finding) the pre-packed weights cache")
         prepacked_graphs(directory)  # in a child process: not counted in this one
         options.insert(0, ("kvexport-prepacked", {"prepacked": True}))
     loaded: Loaded = []
     for system, kwargs in options:
-        say(f"loading {system}")
+        progress(f"loading {system}")
         generator, memory[system] = _load_measured(system, directory, provider, **kwargs)
         loaded.append((system, generator))
     return loaded
 
 
 def _load_compared(
-    others: list[tuple[Path, Manifest]], provider: str, report: BenchReport, taken: set[str], say: Callable[[str], None]
+    others: list[tuple[Path, Manifest]], provider: str, report: BenchReport, taken: set[str], progress: Progress
 ) -> tuple[Loaded, list[tuple[str, int, int]]]:
     """The compared exports' Generators, with their memory, disk bytes and floors recorded."""
     loaded: Loaded = []
@@ -456,7 +475,7 @@ def _load_compared(
         if system in taken:
             system = f"kvexport[{variant_label(other)},{other_dir.name}]"
         taken.add(system)
-        say(f"loading {system} from {other_dir}")
+        progress(f"loading {system} from {other_dir}")
         generator, report.variant_memory[system] = _load_measured(system, other_dir, provider)
         loaded.append((system, generator))
         report.disk_bytes[system] = export_bytes(other_dir)
@@ -473,7 +492,7 @@ def _time_cells(
     contexts: Sequence[int],
     new_tokens: int,
     repeats: int,
-    say: Callable[[str], None],
+    progress: Progress,
 ) -> list[float]:
     """Every system at each (batch, context) before the next cell starts; the bandwidth samples.
 
@@ -485,10 +504,10 @@ def _time_cells(
         for context in contexts:
             bandwidths.append(measure_read_bandwidth(repeats=3))
             for system, generator in systems:
-                say(f"{system}: batch {batch}, context {context}")
+                progress(f"{system}: batch {batch}, context {context}")
                 report.measurements.append(time_generator(generator, batch, context, new_tokens, repeats, system))
             if model is not None:
-                say(f"pytorch and no-cache: batch {batch}, context {context}")
+                progress(f"pytorch and no-cache: batch {batch}, context {context}")
                 report.measurements.extend(_bench_torch(model, batch, context, new_tokens, repeats))
                 time.sleep(0.5)  # let PyTorch's worker threads stop spinning before ORT runs again
     return bandwidths
@@ -525,7 +544,7 @@ def run_bench(
     prefix: int = 512,
     drafts: Sequence[str | Path] = (),
     text: Path | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> BenchReport:
     """Measure kvexport and the baselines; see the module docstring.
 
@@ -537,22 +556,23 @@ def run_bench(
     ``compare`` names other exports of the same weights (e.g. ``--target ort-cpu``);
     each is timed in the same run as system ``kvexport[<attention>]``.
     """
-    say = progress or (lambda message: None)
+    progress = progress or silent
     manifest, others = _checked_inputs(directory, compare, contexts, new_tokens)
     if baselines and manifest.source.kind == "graph":
-        say(f"no PyTorch baselines: {directory} was imported without its checkpoint")
+        progress(f"no PyTorch baselines: {directory} was imported without its checkpoint")
         baselines = False
-    say("measuring memory read bandwidth")
+    progress("measuring memory read bandwidth")
     bandwidth = measure_read_bandwidth()
     gc.collect()
     # the memory-saving variants load first, each measured as it loads, and stay loaded to
     # be timed beside the default Generator in every cell
     variant_memory: dict[str, dict[str, float]] = {}
-    variants = _load_memory_variants(directory, provider, variant_memory, say) if memory_variants else []
-    say("loading the kvexport Generator")
-    rss_before, pss_before = rss_mb(), pss_mb()
+    variants = _load_memory_variants(directory, provider, variant_memory, progress) if memory_variants else []
+    progress("loading the kvexport Generator")
+    rss_before, pss_before = memory_mb()
     generator = Generator(directory, provider=provider)
     warm_up(generator)
+    rss_after, pss_after = memory_mb()
     report = BenchReport(
         directory=str(directory),
         provider=generator.provider,
@@ -560,31 +580,31 @@ def run_bench(
         bandwidth_gb_s=round(bandwidth, 2),
         weight_bytes=int(manifest.weights["bytes"]),
         rss_before_load_mb=round(rss_before, 1),
-        rss_after_load_mb=round(rss_mb(), 1),
+        rss_after_load_mb=round(rss_after, 1),
         rss_peak_onnx_mb=0.0,
         pss_before_load_mb=round(pss_before, 1),
-        pss_after_load_mb=round(pss_mb(), 1),
+        pss_after_load_mb=round(pss_after, 1),
         variant_memory=variant_memory,
         machine={"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
     )
     report.disk_bytes["kvexport"] = export_bytes(Path(directory))
-    compared, floors = _load_compared(others, provider, report, {system for system, _ in variants}, say)
+    compared, floors = _load_compared(others, provider, report, {system for system, _ in variants}, progress)
     floors.insert(0, ("floor", report.weight_bytes, 2 if manifest.dtype == "fp16" else 4))
     report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
     model = None
     if baselines:
-        say("loading the PyTorch reference")
+        progress("loading the PyTorch reference")
         model = family_for(manifest.family).load(manifest.source, manifest.dtype)  # type: ignore[arg-type]
     systems = [("kvexport", generator), *variants, *compared]
-    bandwidths = [bandwidth, *_time_cells(report, systems, model, batches, contexts, new_tokens, repeats, say)]
+    bandwidths = [bandwidth, *_time_cells(report, systems, model, batches, contexts, new_tokens, repeats, progress)]
     report.bandwidth_gb_s = round(max(bandwidths), 2)
     _floors(report, floors, max(bandwidths), manifest.dims, batches, contexts)
     if prefix > 0 and manifest.cache_layout == "shared-buffer":
         prefix = min(prefix, manifest.dims.max_positions - PREFIX_SUFFIX - 1)
-        say(f"engine: TTFT with and without a cached {prefix}-token prefix")
+        progress(f"engine: TTFT with and without a cached {prefix}-token prefix")
         report.measurements.extend(time_prefix_cache(directory, provider, prefix, repeats))
     if manifest.cache_layout == "shared-buffer" and manifest.all_logits:
-        say("speculative decoding against plain decode, one sequence")
+        progress("speculative decoding against plain decode, one sequence")
         time_speculation(report, directory, provider, repeats, drafts, text)
     report.rss_peak_mb = round(rss_mb(peak=True), 1)
     del generator, systems, variants, compared

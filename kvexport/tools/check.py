@@ -8,7 +8,6 @@ Generator. Every finding is a :class:`Check`; the report's ``ok`` is the verdict
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 from kvexport.bundle.integrity import preflight
 from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError
+from kvexport.progress import Progress, silent
 from kvexport.runtime.generator import Generator
 
 
@@ -57,7 +57,7 @@ def check(
     *,
     steps: int = 4,
     provider: str = "cpu",
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> CheckReport:
     """Check an export directory without torch (see the module docstring).
 
@@ -66,11 +66,11 @@ def check(
     """
     started = time.perf_counter()
     path = Path(directory)
-    say = progress or (lambda message: None)
+    progress = progress or silent
     if steps < 1:
         raise KvexportError(f"--steps {steps}: must be at least 1")
     manifest = read_manifest(path)
-    say(f"hashing {len(manifest.files or {})} files")
+    progress(f"hashing {len(manifest.files or {})} files")
     found = preflight(path, manifest=manifest)
     report = CheckReport(directory=str(path))
     report.checks.append(Check("manifest", True, f"{manifest.source.describe()}, {manifest.dtype}"))
@@ -88,7 +88,7 @@ def check(
     if problems or found.graph_problems():
         report.seconds = time.perf_counter() - started
         return report
-    say(f"running {steps} greedy steps")
+    progress(f"running {steps} greedy steps")
     report.checks.append(_greedy_steps(path, manifest, steps, provider))
     report.seconds = time.perf_counter() - started
     return report

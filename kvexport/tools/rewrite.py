@@ -20,11 +20,11 @@ import onnx_ir as ir
 
 from kvexport.bundle.storage import (
     EXTERNAL_THRESHOLD_BYTES,
-    check_external_data,
     check_parent_path,
     created_parents,
+    load_graph,
 )
-from kvexport.errors import KvexportError, first_line
+from kvexport.errors import KvexportError
 from kvexport.passes import (
     DEFAULT_REWRITE_PASSES,
     PassInputError,
@@ -46,19 +46,6 @@ class RewriteResult:
     output: Path
     data_file: Path | None
     reports: list[PassReport] = field(default_factory=list)
-
-
-def load_graph(source: Path) -> ir.Model:
-    """Load an ``.onnx`` graph after checking its external data stays in its directory; one clear error otherwise."""
-    if not source.exists():
-        raise KvexportError(f"{source}: no such file; pass an .onnx graph")
-    if source.is_dir():
-        raise KvexportError(f"{source}: is a directory; pass an .onnx graph file")
-    check_external_data(source)
-    try:
-        return ir.load(source)
-    except Exception as exc:  # onnx / protobuf raise many kinds
-        raise KvexportError(f"{source}: not a readable ONNX graph ({first_line(exc)})") from exc
 
 
 def rewrite_graph(

@@ -25,7 +25,6 @@ KL and the top-1 agreement within its scheme's tolerances.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,8 +40,10 @@ from kvexport.models import family_for
 from kvexport.models.base import weights_fingerprint
 from kvexport.models.wrappers import cache_layers
 from kvexport.passes.cache_names import cache_names
+from kvexport.progress import Progress, silent
 from kvexport.runtime.cache import CacheBanks, SlotCache, cache_layout_of
 from kvexport.runtime.generator import positions_from_mask
+from kvexport.runtime.sampling import log_softmax
 from kvexport.runtime.session import open_session, resolve_provider
 
 # (atol, rtol) per dtype: a check holds when |onnx - torch| <= atol + rtol * |torch|.
@@ -379,14 +380,9 @@ def _compare_cache(
             report.tensors.append(TensorCheck(**{**asdict(check), "shape": list(got[name].shape)}))
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-    shifted = logits.astype(np.float64) - logits.max(-1, keepdims=True)
-    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
-
-
 def _next_token_stats(got: np.ndarray, want: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
     """Per row [.., V]: argmax agreement, KL(want || got), and the largest logit error."""
-    log_got, log_want = _log_softmax(got), _log_softmax(want)
+    log_got, log_want = log_softmax(got), log_softmax(want)
     kl = (np.exp(log_want) * (log_want - log_got)).sum(-1)
     agree = got.argmax(-1) == want.argmax(-1)
     return agree, kl, float(np.abs(got.astype(np.float64) - want).max())
@@ -605,8 +601,8 @@ def _text_quality(
     got_logits, want_logits = np.stack(got_rows), np.concatenate(want_rows)
     agree, kl, max_error = _next_token_stats(got_logits, want_logits)
     rows = np.arange(len(targets))
-    nll_onnx = -_log_softmax(got_logits)[rows, targets].mean()
-    nll_torch = -_log_softmax(want_logits)[rows, targets].mean()
+    nll_onnx = -log_softmax(got_logits)[rows, targets].mean()
+    nll_torch = -log_softmax(want_logits)[rows, targets].mean()
     return TextQuality(
         file=str(text_file),
         tokens=len(targets),
@@ -683,7 +679,7 @@ def verify(
     text: str | Path | None = None,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
     record: bool = True,
-    progress: Callable[[str], None] | None = None,
+    progress: Progress | None = None,
 ) -> VerifyReport:
     """Check an export directory against PyTorch; see the module docstring for what runs.
 
@@ -706,8 +702,8 @@ def verify(
     path = Path(directory)
     manifest, text_content = _checked_request(path, steps, text, text_tokens)
     resolved = resolve_provider(provider)
-    say = progress or (lambda message: None)
-    say(f"verifying {path}: {manifest.source.describe()}, {steps} decode steps on {resolved}")
+    progress = progress or silent
+    progress(f"verifying {path}: {manifest.source.describe()}, {steps} decode steps on {resolved}")
     report = VerifyReport(
         directory=str(path),
         provider=resolved,
@@ -715,24 +711,24 @@ def verify(
         dtype=manifest.dtype,
         tolerances=quality_tolerances(manifest),
     )
-    say("checking file sizes and hashes")
+    progress("checking file sizes and hashes")
     if not _preflight_holds(path, manifest, report):
         report.seconds = time.perf_counter() - started
         return report
     sessions = {
         graph: open_session(path / manifest.graphs[graph].file, resolved) for graph in GRAPH_NAMES
     }
-    say("rebuilding the PyTorch reference from the manifest's source")
+    progress("rebuilding the PyTorch reference from the manifest's source")
     model = family_for(manifest.family).load(manifest.source, manifest.dtype)  # type: ignore[arg-type]
     report.weights_match = weights_fingerprint(model) == manifest.weights_sha256
     for case, (ids, mask) in _cases(manifest.dims.vocab_size, manifest.dims.max_positions, steps).items():
-        say(f"running {case}")
+        progress(f"running {case}")
         _run_case(case, ids, mask, manifest, sessions, model, steps, report)
     if manifest.cache_layout == "shared-buffer":
-        say(f"running {SLOTS_CASE}")
+        progress(f"running {SLOTS_CASE}")
         _run_slots_case(manifest, sessions, model, steps, report)
     if text is not None and text_content is not None:
-        say(f"teacher-forcing {text} (at most {text_tokens} tokens)")
+        progress(f"teacher-forcing {text} (at most {text_tokens} tokens)")
         report.text = _text_quality(
             Path(text), text_content, path, manifest, sessions, model, resolved, text_tokens, TEXT_WINDOW
         )

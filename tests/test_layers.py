@@ -1,0 +1,112 @@
+"""The package map of docs/development.md, checked: no import crosses it the wrong way.
+
+Every ``import`` and ``from ... import`` in kvexport (inside functions too: a lazy import is
+still a dependency) is read with ``ast`` and its target's layer looked up in ``ALLOWED``.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# layer -> the layers it may import (besides itself); the order is docs/development.md's map
+INFRASTRUCTURE = {"errors", "progress"}  # importable from every layer but passes
+ALLOWED: dict[str, set[str]] = {
+    "passes": set(),
+    "errors": set(),
+    "progress": set(),
+    "extras": {"errors"},
+    "bundle": {"errors", "passes"},
+    "models": {"errors", "bundle"},
+    "runtime": {"errors", "bundle", "passes"},
+    "serving": {"errors", "extras", "bundle", "runtime", "passes"},
+    "export": {"errors", "extras", "bundle", "models", "runtime", "passes"},
+    "tools": {"errors", "extras", "bundle", "models", "runtime", "serving", "export", "passes"},
+    # the edges: the package's lazy public names, the CLI and the test helpers
+    "__init__": {"errors", "extras", "bundle", "models", "runtime", "serving", "export", "tools", "passes"},
+    "cli": {"errors", "extras", "bundle", "models", "runtime", "serving", "export", "tools", "passes"},
+    "testing": {"errors", "extras", "bundle", "models", "runtime", "serving", "export", "tools", "passes"},
+}
+
+
+def _layer(module: str) -> str:
+    """``kvexport.export.writer`` -> ``export``; ``kvexport`` -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def _module_of(path: Path) -> str:
+    relative = path.relative_to(ROOT).with_suffix("")
+    parts = list(relative.parts)
+    if parts[0] == "passes":  # installed as kvexport.passes
+        parts.insert(0, "kvexport")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module) of every kvexport import in a file."""
+    module = _module_of(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append((node.lineno, target))
+    return [(line, target) for line, target in found if target == "kvexport" or target.startswith("kvexport.")]
+
+
+def _sources() -> list[Path]:
+    files = [p for p in (ROOT / "kvexport").rglob("*.py") if "passes" not in p.relative_to(ROOT).parts]
+    return sorted(files + list((ROOT / "passes").glob("*.py")))
+
+
+def crossings() -> list[str]:
+    """One line per import that the map does not allow."""
+    problems = []
+    for path in _sources():
+        layer = _layer(_module_of(path))
+        assert layer in ALLOWED, f"{path}: a package missing from the map; add it to ALLOWED and the docs"
+        for line, target in _imports(path):
+            target_layer = _layer(target)
+            allowed = ALLOWED[layer] | (INFRASTRUCTURE if layer != "passes" else set())
+            if target_layer != layer and target_layer not in allowed:
+                problems.append(f"{path.relative_to(ROOT)}:{line}: {layer} imports {target}")
+    return problems
+
+
+def test_no_import_crosses_the_package_map() -> None:
+    assert crossings() == []
+
+
+def test_the_check_sees_a_crossing() -> None:
+    """The reader resolves relative imports and finds lazy ones: a runtime module importing serving fails."""
+    runtime = ROOT / "kvexport" / "runtime"
+    probe = runtime / "_layer_probe.py"
+    probe.write_text("def f():\n    from ..serving import engine\n    return engine\n")
+    try:
+        assert crossings() == ["kvexport/runtime/_layer_probe.py:2: runtime imports kvexport.serving"]
+    finally:
+        probe.unlink()
+
+
+def test_installing_kvexport_claims_no_bare_passes_name(tmp_path: Path) -> None:
+    """The passes install as kvexport.passes; a bare ``import passes`` finds nothing outside the checkout."""
+    code = (
+        "import importlib.util, kvexport.passes as p; "
+        "print(importlib.util.find_spec('passes') is None, p.RenameCachePass.__module__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["True", "kvexport.passes.rename_cache"]
