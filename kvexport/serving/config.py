@@ -13,10 +13,13 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvexport.drafting import DEFAULT_DRAFT_TOKENS
 from kvexport.errors import KvexportError
-from kvexport.runtime.speculative import DEFAULT_DRAFT_TOKENS, Drafter, DraftModel, PromptLookup
+
+if TYPE_CHECKING:
+    from kvexport.runtime.speculative import Drafter
 
 DEFAULT_CHUNK = 256
 
@@ -76,6 +79,8 @@ class EngineConfig:
 
     def drafter(self) -> Drafter | None:
         """The drafter these settings ask for (None: no speculative decoding)."""
+        from kvexport.runtime.speculative import DraftModel, PromptLookup
+
         if self.draft is not None:
             return DraftModel(Path(self.draft), self.provider)
         return PromptLookup() if self.prompt_lookup else None

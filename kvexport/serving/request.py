@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvexport.drafting import DraftBudget
 from kvexport.errors import KvexportError
 from kvexport.runtime.sampling import SamplingConfig
-from kvexport.runtime.speculative import DraftBudget
 from kvexport.runtime.text import TextStream
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from kvexport.runtime.speculative import common_prefix
+from kvexport.drafting import common_prefix
 
 # A cached prefix shorter than this is not worth copying from another slot
 MIN_COPIED_PREFIX = 16
