@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from kvexport.serving.config import EngineConfig
     from kvexport.serving.engine import Engine, EngineClosed, EngineStats
-    from kvexport.serving.request import Logprob, Request, RequestHandle, SamplingParams, TokenEvent
+    from kvexport.serving.output import RequestHandle, RequestState
+    from kvexport.serving.request import Logprob, Request, SamplingParams, TokenEvent
     from kvexport.serving.scheduler import EngineFull
 
 # public name -> the module that defines it (imported on first use)
@@ -26,7 +27,8 @@ _LAZY = {
     "EngineStats": "kvexport.serving.engine",
     "Logprob": "kvexport.serving.request",
     "Request": "kvexport.serving.request",
-    "RequestHandle": "kvexport.serving.request",
+    "RequestHandle": "kvexport.serving.output",
+    "RequestState": "kvexport.serving.output",
     "SamplingParams": "kvexport.serving.request",
     "TokenEvent": "kvexport.serving.request",
 }
@@ -49,6 +51,7 @@ __all__ = [
     "Logprob",
     "Request",
     "RequestHandle",
+    "RequestState",
     "SamplingParams",
     "TokenEvent",
 ]

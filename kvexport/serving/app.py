@@ -299,7 +299,7 @@ def create_app(
         refused = _submit(submit, choices, body, "prompt")
         if refused is not None:
             return refused
-        first = [c for c in choices if c.request.after is None]
+        first = choices[:: body.n]  # one choice per prompt: each prompt's n choices are together
         name = TokenNames(engine, body.return_tokens_as_token_ids)
         render = CompletionRender(model, choices, first, name, body)
         if body.stream:
