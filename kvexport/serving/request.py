@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from kvexport.drafting import DraftBudget
 from kvexport.errors import KvexportError
+from kvexport.serving.errors import ParameterError
 
 if TYPE_CHECKING:
     from kvexport.runtime.sampling import SamplingConfig
@@ -93,35 +94,46 @@ class SamplingParams:
         )
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """One line for an out-of-range setting (token ids too, given ``vocab_size``)."""
+        """One line for an out-of-range setting (token ids too, given ``vocab_size``), naming it (:class:`ParameterError`)."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise KvexportError(f"max_tokens {self.max_tokens!r}: must be a positive integer")
+            raise ParameterError(f"max_tokens {self.max_tokens!r}: must be a positive integer", parameter="max_tokens")
         if self.temperature < 0:
-            raise KvexportError(f"temperature {self.temperature}: must be >= 0 (0 is greedy)")
-        dataclasses.replace(self.sampling(), do_sample=True, temperature=self.temperature or 1.0).validate()
+            raise ParameterError(f"temperature {self.temperature}: must be >= 0 (0 is greedy)", parameter="temperature")
+        sampling = dataclasses.replace(self.sampling(), do_sample=True, temperature=self.temperature or 1.0)
+        for name in ("top_k", "top_p"):  # the runtime's own checks, one field at a time so the error names it
+            try:
+                dataclasses.replace(sampling, **{"top_k": 0, "top_p": 1.0, name: getattr(sampling, name)}).validate()
+            except KvexportError as exc:
+                raise ParameterError(str(exc), parameter=name) from None
         if not 0 <= self.min_p <= 1:
-            raise KvexportError(f"min_p {self.min_p}: must be in [0, 1] (0 disables it)")
+            raise ParameterError(f"min_p {self.min_p}: must be in [0, 1] (0 disables it)", parameter="min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise KvexportError(f"{name} {getattr(self, name)}: must be in [-2, 2]")
+                raise ParameterError(f"{name} {getattr(self, name)}: must be in [-2, 2]", parameter=name)
         if self.repetition_penalty <= 0:
-            raise KvexportError(f"repetition_penalty {self.repetition_penalty}: must be > 0 (1 disables it)")
+            raise ParameterError(
+                f"repetition_penalty {self.repetition_penalty}: must be > 0 (1 disables it)", parameter="repetition_penalty"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise KvexportError(f"min_tokens {self.min_tokens}: must be in [0, max_tokens] (max_tokens is {self.max_tokens})")
+            raise ParameterError(
+                f"min_tokens {self.min_tokens}: must be in [0, max_tokens] (max_tokens is {self.max_tokens})", parameter="min_tokens"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise KvexportError(f"{name} {value}: must be in [0, {MAX_LOGPROBS}]")
+                raise ParameterError(f"{name} {value}: must be in [0, {MAX_LOGPROBS}]", parameter=name)
         for token, bias in self.logit_bias.items():
             if not -100 <= bias <= 100:
-                raise KvexportError(f"logit_bias: the bias {bias} of token {token} must be in [-100, 100]")
+                raise ParameterError(f"logit_bias: the bias {bias} of token {token} must be in [-100, 100]", parameter="logit_bias")
         if any(not s for s in self.stop):
-            raise KvexportError("stop: an empty stop string would stop at once; leave it out")
+            raise ParameterError("stop: an empty stop string would stop at once; leave it out", parameter="stop")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise KvexportError("allowed_token_ids: an empty list allows no token; leave it out")
+            raise ParameterError("allowed_token_ids: an empty list allows no token; leave it out", parameter="allowed_token_ids")
         banned = {token for token, bias in self.logit_bias.items() if bias <= -100}
         if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= banned:
-            raise KvexportError("logit_bias: it bans every token allowed_token_ids allows; nothing could be generated")
+            raise ParameterError(
+                "logit_bias: it bans every token allowed_token_ids allows; nothing could be generated", parameter="logit_bias"
+            )
         if vocab_size is not None:
             for name, tokens in (
                 ("logit_bias", list(self.logit_bias)),
@@ -130,7 +142,9 @@ class SamplingParams:
             ):
                 outside = [t for t in tokens if not 0 <= t < vocab_size]
                 if outside:
-                    raise KvexportError(f"{name}: token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})")
+                    raise ParameterError(
+                        f"{name}: token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})", parameter=name
+                    )
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from tokenizers import Tokenizer
 
-from kvexport.serving.engine import Engine
 from kvexport.serving.output import RequestState
 from kvexport.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvexport.serving.request import Logprob, TokenEvent
@@ -39,8 +39,8 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 class TokenNames:
     """Token ids to the strings the API shows (vLLM's ``decoded_token``, or ``token_id:N``)."""
 
-    def __init__(self, engine: Engine, as_ids: bool) -> None:
-        self.tokenizer = engine.tokenizer
+    def __init__(self, tokenizer: Tokenizer | None, as_ids: bool) -> None:
+        self.tokenizer = tokenizer
         self.as_ids = as_ids
 
     def __call__(self, token: int) -> str:
