@@ -35,6 +35,7 @@ from kvexport.export.choices import (
     values,
 )
 from kvexport.extras import require_export_extra, require_extra
+from kvexport.serving.config import engine_options
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -787,23 +788,7 @@ def bench_command(
 @click.argument("directory", type=click.Path(path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port (0: any free one, printed).")
-@click.option("--slots", default=None, type=click.IntRange(1), help="Requests generating at once (cache rows) [default: 8].")
-@click.option(
-    "--kv-memory",
-    default=None,
-    help="Size the slots from this much cache memory instead (e.g. 2GiB, 500MB): as many slots of --max-context "
-    "tokens as fit in the export's cache dtype.",
-)
-@click.option(
-    "--max-context", default=None, type=click.IntRange(2), help="Tokens per slot, prompt + completion [default: the model's positions]."
-)
-@click.option("--max-queue", default=64, show_default=True, type=click.IntRange(0), help="Requests that may wait for a slot; more get 503.")
-@click.option("--chunk", default=256, show_default=True, type=click.IntRange(1), help="Prompt tokens prefilled per engine step.")
 @click.option("--model-name", default=None, help="The model name clients use [default: the directory's name].")
-@click.option(
-    "--no-prefix-cache", is_flag=True, help="Prefill every prompt whole instead of reusing the cached rows of a shared prefix."
-)
-@speculation_options
 @click.option(
     "--replicas",
     type=click.IntRange(1),
@@ -822,37 +807,22 @@ def bench_command(
     help="A Jinja chat template for /v1/chat/completions [default: the export's tokenizer_config.json one, if any].",
 )
 @click.option(
-    "--warm-up", default=2, show_default=True, type=click.IntRange(0), help="Requests run before serving, so the first clients are not slower (0: none)."
-)
-@click.option("--no-check", is_flag=True, help="Skip comparing every file's sha256 with the manifest before loading.")
-@click.option(
     "--api-key",
     envvar="KVEXPORT_API_KEY",
     default=None,
     help="Require 'Authorization: Bearer KEY' on every /v1 and tokenizer route (401 otherwise) [env: KVEXPORT_API_KEY].",
 )
-@provider_option
+@engine_options
 def serve_command(
     directory: Path,
     host: str,
     port: int,
-    slots: int | None,
-    kv_memory: str | None,
-    max_context: int | None,
-    max_queue: int,
-    chunk: int,
     model_name: str | None,
-    no_prefix_cache: bool,
-    prompt_lookup: bool,
-    draft: Path | None,
-    draft_tokens: int,
     replicas: int | None,
     ray_address: str | None,
     chat_template: Path | None,
-    warm_up: int,
-    no_check: bool,
     api_key: str | None,
-    provider: str,
+    engine_settings: dict[str, Any],
 ) -> None:
     """Serve DIRECTORY over HTTP with an OpenAI-compatible API.
 
@@ -861,27 +831,9 @@ def serve_command(
     over the in-place cache): the export needs --target ort-cpu / ort-cuda. Needs the serve
     extra: pip install 'kvexport[serve]'.
     """
-    from kvexport.serving.config import EngineConfig, parse_bytes
+    from kvexport.serving.config import EngineConfig
 
-    if slots is not None and kv_memory is not None:
-        raise UserError("--slots and --kv-memory both size the cache; give one")
-    memory = None if kv_memory is None else _run(lambda: parse_bytes(kv_memory))
-    config = _run(
-        lambda: EngineConfig(
-            slots=EngineConfig.slots if slots is None else slots,
-            kv_memory=memory,
-            max_context=max_context,
-            max_queue=max_queue,
-            chunk=chunk,
-            provider=provider,
-            check=not no_check,
-            prefix_cache=not no_prefix_cache,
-            prompt_lookup=prompt_lookup,
-            draft=None if draft is None else str(draft),
-            draft_tokens=draft_tokens,
-            warm_up=warm_up,
-        )
-    )
+    config = _run(lambda: EngineConfig.from_options(engine_settings))
     if replicas is not None:
         _run(lambda: require_extra("ray", "kvexport serve --replicas"))
         from kvexport.serving.ray import serve_with_ray

@@ -16,7 +16,7 @@ This pass sets them on every GroupQueryAttention of an in-place graph and retype
 The kernel quantizes each new row symmetrically, ``q = clamp(rint(x / scale))``, and reads
 the rows back as ``q * scale``; a row written once is never quantized again, so the scales
 are fixed for the life of the cache: constants of the graph, chosen before it runs (see
-:mod:`kvexport.kv_cache` for how kvexport calibrates them). ``PER_TENSOR`` takes one scale
+:mod:`kvexport.export.calibration` for how kvexport calibrates them). ``PER_TENSOR`` takes one scale
 per layer and tensor, ``PER_CHANNEL`` one per head and channel (``[1, H, 1, D]``); on CPU K
 and V use the same type.
 """

@@ -326,7 +326,7 @@ class Generator:
         """Check and left-pad one generation's inputs (what :meth:`stream` runs).
 
         A prompt that leaves no room for ``max_new_tokens`` within the model's positions
-        is an error, unless ``truncate``: then only its last ``n_positions -
+        is an error, unless ``truncate``: then only its last ``max_positions -
         max_new_tokens`` tokens are used. Sampling is greedy unless ``do_sample``.
         """
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)

@@ -38,6 +38,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from kvexport.bundle.manifest import Manifest
+from kvexport.drafting import DEFAULT_DRAFT_TOKENS, DraftBudget, common_prefix
 from kvexport.errors import KvexportError
 from kvexport.runtime.cache import SlotCache
 from kvexport.runtime.generator import GenerationStats
@@ -45,8 +46,6 @@ from kvexport.runtime.opened import OpenedExport, check_prompt, open_export
 from kvexport.runtime.sampling import SamplingConfig, draw, token_probabilities
 from kvexport.runtime.session import open_session, session_options
 from kvexport.runtime.text import text_pieces
-
-DEFAULT_DRAFT_TOKENS = 4
 
 
 class Drafter(Protocol):
@@ -158,42 +157,6 @@ class DraftModel:
             if index < count - 1:
                 logits = row.run([token])[-1:]
         return drafts, np.stack(probabilities)
-
-
-@dataclass
-class DraftBudget:
-    """How many tokens to draft next: more while drafts are all kept, fewer after a rejection.
-
-    Hugging Face's schedule for assistant models (+2 after a step that kept every draft,
-    -1 after one that did not, at most ``limit``), except that it may fall to 0: drafts
-    that keep failing then stop, and one draft is tried again every ``probe_every`` steps.
-    A verify call of two tokens costs more than a plain step (1.10x measured on GPT-2
-    124M), so a drafter that never pays costs next to nothing this way.
-    """
-
-    limit: int
-    current: int = -1
-    probe_every: int = 8
-    _idle: int = 0
-
-    def __post_init__(self) -> None:
-        if self.current < 0:
-            self.current = self.limit
-
-    def next_count(self) -> int:
-        """How many drafts to ask for this step (0: a plain step)."""
-        if self.current:
-            return self.current
-        self._idle += 1
-        if self._idle < self.probe_every:
-            return 0
-        self._idle = 0
-        return 1
-
-    def update(self, proposed: int, kept: int) -> None:
-        """Adjust after a step that proposed ``proposed`` drafts and kept ``kept``."""
-        if proposed:
-            self.current = min(self.limit, self.current + 2) if kept == proposed else max(0, self.current - 1)
 
 
 @dataclass
@@ -407,11 +370,3 @@ def _until_eos(tokens: list[int], eos: int | None) -> list[int]:
         return tokens[: tokens.index(eos) + 1]
     return tokens
 
-
-def common_prefix(cached: Sequence[int], tokens: Sequence[int], limit: int | None = None) -> int:
-    """How many leading tokens ``cached`` and ``tokens`` share (at most ``limit``)."""
-    length = min(len(cached), len(tokens), len(tokens) if limit is None else limit)
-    if length <= 0:
-        return 0
-    differ = np.flatnonzero(np.asarray(cached[:length]) != np.asarray(tokens[:length]))
-    return int(differ[0]) if differ.size else length

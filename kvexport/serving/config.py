@@ -3,22 +3,42 @@
 The CLI, :func:`kvexport.serving.server.serve` and the Ray Serve deployment each build it
 once and hand it on; ``serve run kvexport.serving.ray:app key=value`` parses every field
 from it (:meth:`EngineConfig.from_strings`), so no setting can be forgotten on one path.
+``kvexport serve``'s engine options, their defaults and help come from the fields' metadata
+(:func:`engine_options`, as vLLM's ``EngineArgs.add_cli_args``), so each default is
+written once, here; checks across settings live in :class:`EngineConfig` alone.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import types
 import typing
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from kvexport.drafting import DEFAULT_DRAFT_TOKENS
 from kvexport.errors import KvexportError
-from kvexport.runtime.speculative import DEFAULT_DRAFT_TOKENS, Drafter, DraftModel, PromptLookup
+
+if TYPE_CHECKING:
+    from kvexport.runtime.speculative import Drafter
 
 DEFAULT_CHUNK = 256
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def setting(
+    default: Any, help: str, *, flag: str | None = None, low: int | None = None, choices: tuple[str, ...] = (), shown: str | None = None
+) -> Any:
+    """A field of :class:`EngineConfig` with its CLI flag (None: no flag), lower bound, choices and help.
+
+    ``shown`` is what the help says the default is when the value alone would not say it.
+    """
+    metadata = {"help": help, "flag": flag, "low": low, "choices": choices, "shown": shown}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -49,26 +69,46 @@ class EngineConfig:
 
     """
 
-    slots: int = 8
-    max_context: int | None = None
-    kv_memory: int | None = None
-    max_queue: int = 64
-    chunk: int = DEFAULT_CHUNK
-    provider: str = "cpu"
-    intra_op_threads: int | None = None
-    spinning: bool = True
-    check: bool = True
-    prefix_cache: bool = True
-    prompt_lookup: bool = False
-    draft: str | None = None
-    draft_tokens: int = DEFAULT_DRAFT_TOKENS
-    warm_up: int = 2
+    slots: int = setting(8, "Requests generating at once (cache rows).", flag="--slots", low=1)
+    max_context: int | None = setting(
+        None, "Tokens per slot, prompt + completion.", flag="--max-context", low=2, shown="the model's positions"
+    )
+    kv_memory: int | None = setting(
+        None,
+        "Size the slots from this much cache memory instead (e.g. 2GiB, 500MB): as many slots of --max-context "
+        "tokens as fit in the export's cache dtype.",
+        flag="--kv-memory",
+    )
+    max_queue: int = setting(64, "Requests that may wait for a slot; more get 503.", flag="--max-queue", low=0)
+    chunk: int = setting(DEFAULT_CHUNK, "Prompt tokens prefilled per engine step.", flag="--chunk", low=1)
+    provider: str = setting(
+        "cpu",
+        "ONNX Runtime execution provider; cuda fails if unavailable, auto picks the best.",
+        flag="--provider",
+        choices=("cpu", "cuda", "auto"),
+    )
+    intra_op_threads: int | None = setting(None, "ONNX Runtime threads.")
+    spinning: bool = setting(True, "Let the session's threads spin between runs.")
+    check: bool = setting(True, "Skip comparing every file's sha256 with the manifest before loading.", flag="--no-check")
+    prefix_cache: bool = setting(
+        True, "Prefill every prompt whole instead of reusing the cached rows of a shared prefix.", flag="--no-prefix-cache"
+    )
+    prompt_lookup: bool = setting(
+        False, "Speculative decoding with prompt lookup drafts (needs an --all-logits export).", flag="--prompt-lookup"
+    )
+    draft: str | None = setting(
+        None, "Speculative decoding with this smaller in-place export as the drafter (same tokenizer).", flag="--draft"
+    )
+    draft_tokens: int = setting(DEFAULT_DRAFT_TOKENS, "Drafts per step.", flag="--draft-tokens", low=1)
+    warm_up: int = setting(
+        2, "Requests run before serving, so the first clients are not slower (0: none).", flag="--warm-up", low=0
+    )
 
     def __post_init__(self) -> None:
-        for name, low in (("slots", 1), ("max_queue", 0), ("chunk", 1), ("draft_tokens", 1), ("warm_up", 0)):
-            value = getattr(self, name)
-            if value < low:
-                raise KvexportError(f"{name} {value}: must be at least {low}")
+        for setting_field in dataclasses.fields(self):
+            low, value = setting_field.metadata.get("low"), getattr(self, setting_field.name)
+            if low is not None and value is not None and value < low:
+                raise KvexportError(f"{setting_field.name} {value}: must be at least {low}")
         if self.prompt_lookup and self.draft is not None:
             raise KvexportError("--prompt-lookup and --draft: pick one drafter")
         if self.kv_memory is not None and self.kv_memory < 1:
@@ -76,9 +116,24 @@ class EngineConfig:
 
     def drafter(self) -> Drafter | None:
         """The drafter these settings ask for (None: no speculative decoding)."""
+        from kvexport.runtime.speculative import DraftModel, PromptLookup
+
         if self.draft is not None:
             return DraftModel(Path(self.draft), self.provider)
         return PromptLookup() if self.prompt_lookup else None
+
+    @classmethod
+    def from_options(cls, given: dict[str, Any]) -> EngineConfig:
+        """A config from the CLI's engine options (:func:`engine_options`): the fields given, ``kv_memory`` as text.
+
+        ``--slots`` and ``--kv-memory`` both size the cache, so giving both is refused.
+        """
+        if given.get("slots") is not None and given.get("kv_memory") is not None:
+            raise KvexportError("--slots and --kv-memory both size the cache; give one")
+        values = {name: value for name, value in given.items() if value is not None}
+        if "kv_memory" in values:
+            values["kv_memory"] = parse_bytes(values["kv_memory"])
+        return cls(**values)
 
     @classmethod
     def from_strings(cls, values: dict[str, Any]) -> EngineConfig:
@@ -131,3 +186,50 @@ def _parse(name: str, text: Any, hint: Any) -> Any:
         except ValueError:
             raise KvexportError(f"{name}={text}: expected an integer") from None
     return text
+
+
+def engine_options(command: F) -> F:
+    """Add a click option for each :class:`EngineConfig` field with a flag; the command gets them as ``engine_settings``.
+
+    Flag, type, bounds, choices, default and help come from the field (:func:`setting`).
+    ``engine_settings`` holds the fields given on the command line (``--no-x`` flags as
+    ``x=False``); pass it to :meth:`EngineConfig.from_options`.
+    """
+    import click
+
+    hints = typing.get_type_hints(EngineConfig)
+    flagged = [f for f in dataclasses.fields(EngineConfig) if f.metadata.get("flag")]
+
+    def parameter(setting_field: dataclasses.Field[Any]) -> str:
+        return str(setting_field.metadata["flag"]).lstrip("-").replace("-", "_")
+
+    @functools.wraps(command)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        given: dict[str, Any] = {}
+        for setting_field in flagged:
+            value = kwargs.pop(parameter(setting_field))
+            if hints[setting_field.name] is bool:
+                value = (not setting_field.default) if value else None  # a flag: given or not
+            elif isinstance(value, Path):
+                value = str(value)
+            given[setting_field.name] = value
+        return command(*args, engine_settings=given, **kwargs)
+
+    for setting_field in reversed(flagged):
+        meta, kind = setting_field.metadata, hints[setting_field.name]
+        choices = typing.get_args(kind) if isinstance(kind, types.UnionType) else (kind,)
+        base = next(choice for choice in choices if choice is not type(None))
+        if base is bool:
+            wrapped = click.option(meta["flag"], is_flag=True, help=meta["help"])(wrapped)
+            continue
+        shown = meta["shown"] if meta["shown"] is not None else setting_field.default
+        help_text = meta["help"] + ("" if shown is None else f" [default: {shown}]")
+        option_type: Any = None
+        if meta["choices"]:
+            option_type = click.Choice(meta["choices"])
+        elif setting_field.name == "draft":
+            option_type = click.Path(path_type=Path)
+        elif base is int and setting_field.name != "kv_memory":
+            option_type = click.IntRange(meta["low"]) if meta["low"] is not None else int
+        wrapped = click.option(meta["flag"], type=option_type, default=None, help=help_text)(wrapped)
+    return wrapped  # type: ignore[return-value]

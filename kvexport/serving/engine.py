@@ -11,18 +11,25 @@ The engine is four parts, as vLLM v1 splits it, tied together by one thread's lo
 - the :class:`~kvexport.serving.scheduler.Scheduler` (plain Python): the queue,
   admission, slot placement and the prefill token budget, with the cache's bookkeeping
   in a :class:`~kvexport.serving.slots.SlotTable` (what each slot holds, prefix matching,
-  pinning, LRU order);
+  pinning, LRU order); it owns each request's engine state
+  (:class:`~kvexport.serving.request.Request`);
 - the :class:`~kvexport.serving.runner.ModelRunner`: the session, the slot buffers and
   the bindings; it runs the plan's calls and returns logits;
 - the :class:`~kvexport.serving.output.OutputProcessor`: logits processors, sampling,
-  log-probabilities, stops, text and stream events;
-- :class:`~kvexport.serving.request.Request`: one request's settings, state and events.
+  log-probabilities, stops, text and stream events; it owns each request's client side
+  (:class:`~kvexport.serving.output.RequestState`, what :meth:`Engine.submit` returns).
 
-Each iteration admits waiting requests into free slots (reusing any cached prefix of
-the prompt), prefills up to ``chunk`` prompt tokens (the oldest admitted prompts first,
-each at batch 1 straight into its slot), then runs **one** decode call for every running
-row, and streams each request its token. While one request runs alone, an engine with a
-drafter decodes it speculatively instead.
+One step, as vLLM v1's ``EngineCore.step``: the scheduler plans (``schedule()``: admit
+waiting requests into free slots, reusing any cached prefix of the prompt; up to
+``chunk`` prompt tokens to prefill, the oldest admitted prompts first, each at batch 1
+straight into its slot); the runner runs the plan and returns logits; the output
+processor turns them into tokens and returns an
+:class:`~kvexport.serving.output.OutputBatch` (which requests took which tokens, which
+ended and why); the engine hands that to the scheduler
+(:meth:`~kvexport.serving.scheduler.Scheduler.update_from_output`), then publishes the
+events to the callers. Then the same for **one** decode call over every running row.
+Each part returns data; only the scheduler changes request and cache state. While one
+request runs alone, an engine with a drafter decodes it speculatively instead.
 
 **Prefix cache.** A slot's rows stay valid after its request ends; a new prompt that
 starts with tokens cached in some slot reuses those rows and prefills only the rest: in
@@ -38,7 +45,6 @@ import collections
 import dataclasses
 import itertools
 import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,17 +56,23 @@ from kvexport.bundle.manifest import Manifest
 from kvexport.errors import KvexportError, first_line
 from kvexport.runtime.cache import cache_row_bytes
 from kvexport.runtime.opened import check_prompt, open_export
-from kvexport.runtime.speculative import DraftBudget, Drafter, require_all_logits, speculative_round
+from kvexport.runtime.speculative import Drafter, require_all_logits, speculative_round
 from kvexport.serving.config import EngineConfig
-from kvexport.serving.output import OutputProcessor
-from kvexport.serving.request import (
-    Request,
-    SamplingParams,
-    Status,
-)
+from kvexport.serving.errors import ParameterError
+from kvexport.serving.output import OutputBatch, OutputProcessor, RequestState
+from kvexport.serving.request import Request, SamplingParams, Status
 from kvexport.serving.runner import ModelRunner
-from kvexport.serving.scheduler import EngineFull, PrefillChunk, PrefixJob, Scheduler, StepPlan
+from kvexport.serving.scheduler import (
+    EngineFull,
+    PrefillChunk,
+    PrefixJob,
+    Scheduler,
+    SpeculativePlan,
+    StepPlan,
+)
 from kvexport.serving.slots import SlotTable
+
+__all__ = ["Engine", "EngineClosed", "EngineFull", "EngineListener", "EngineStats", "slot_bytes", "slots_for_memory"]
 
 
 def slot_bytes(manifest: Manifest, capacity: int) -> int:
@@ -173,8 +185,10 @@ class Engine:
             opened, config.slots, self.capacity, intra_op_threads=config.intra_op_threads, spinning=config.spinning
         )
         self.table = SlotTable(config.slots, prefix_cache=config.prefix_cache, can_copy_rows=self.runner.can_copy_rows)
-        self.scheduler = Scheduler(self.table, chunk=config.chunk, max_queue=config.max_queue, capacity=self.capacity)
-        self.output = OutputProcessor(self.tokenizer, self.eos_token_id, on_token=self._on_token, on_end=self._on_end)
+        self.scheduler = Scheduler(
+            self.table, chunk=config.chunk, max_queue=config.max_queue, capacity=self.capacity, draft_tokens=config.draft_tokens
+        )
+        self.output = OutputProcessor(self.tokenizer, self.eos_token_id)
         self._listeners: list[EngineListener] = []
         self._ids_counter = itertools.count()
         self._lock = threading.Lock()
@@ -195,16 +209,17 @@ class Engine:
         """Token ids of ``text`` with the export's tokenizer."""
         return self._tokenizer.encode(text)
 
-    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Request:
+    def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestState:
         """Queue a request (text or token ids); iterate the returned request for its tokens.
 
-        Raises :class:`KvexportError` for a bad prompt or settings (one line),
+        Raises :class:`KvexportError` for a bad prompt or settings (one line; a
+        :class:`~kvexport.serving.errors.ParameterError` names the field),
         :class:`EngineFull` when ``max_queue`` requests already wait, and
         :class:`EngineClosed` once :meth:`close` has begun.
         """
         return self.submit_n(prompt, params or SamplingParams(), 1)[0]
 
-    def submit_n(self, prompt: str | Sequence[int], params: SamplingParams, n: int) -> list[Request]:
+    def submit_n(self, prompt: str | Sequence[int], params: SamplingParams, n: int) -> list[RequestState]:
         """Queue ``n`` samples of one prompt, prefilled once (the others copy its rows where they can).
 
         Sample i draws with ``seed + i`` when ``params.seed`` is set, as vLLM's children
@@ -212,50 +227,52 @@ class Engine:
         """
         ids = self._checked(prompt, params)
         if n < 1:
-            raise KvexportError(f"n {n}: must be at least 1")
+            raise ParameterError(f"n {n}: must be at least 1", parameter="n")
         if n > 1 and params.temperature == 0:  # vLLM's rule: n greedy choices would all be the same
-            raise KvexportError(f"n {n}: must be 1 when using greedy sampling (temperature 0)")
+            raise ParameterError(f"n {n}: must be 1 when using greedy sampling (temperature 0)", parameter="n")
         self.check_fits(n)
-        first = Request(f"cmpl-{next(self._ids_counter)}", ids, params)
-        requests = [first]
-        for index in range(1, n):
-            seed = None if params.seed is None else params.seed + index
-            child = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
-            sibling = Request(f"cmpl-{next(self._ids_counter)}", ids, child, after=first)
-            sibling.prompt_logprobs = first.prompt_logprobs  # the same prompt: filled once, by the first
-            requests.append(sibling)
+        children = [params] + [
+            dataclasses.replace(params, seed=None if params.seed is None else params.seed + index, prompt_logprobs=None)
+            for index in range(1, n)
+        ]
+        requests: list[Request] = []
+        states: list[RequestState] = []
+        for child in children:
+            request_id, cancelled = f"cmpl-{next(self._ids_counter)}", threading.Event()
+            first = requests[0] if requests else None
+            requests.append(Request(request_id, ids, child, after=first, cancelled=cancelled))
+            shared = states[0].prompt_logprobs if states else None  # the same prompt: filled once, by the first
+            states.append(RequestState(request_id, ids, child, cancelled=cancelled, prompt_logprobs=shared))
+        self._enqueue(requests, states)
+        return states
+
+    def _enqueue(self, requests: list[Request], states: list[RequestState], *, bounded: bool = True) -> None:
+        """Hand the requests to the scheduler and their streams to the output processor, all or none."""
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down; send the request to another replica")
-            queued = 0
-            try:
-                for request in requests:
-                    self.scheduler.add(request)
-                    queued += 1
-            except EngineFull:
-                for request in requests[:queued]:
-                    self.scheduler.waiting.remove(request)
-                raise
+            self.scheduler.add_all(requests, bounded=bounded)
+            for state in states:
+                self.output.add_request(state)
             self._wake.notify()
-        return requests
 
     def check_fits(self, requests: int) -> None:
         """Refuse ``requests`` sent together that could never all be queued (a 503 would never clear)."""
-        room = self.max_queue + self.slots - self.table.pinned
-        if requests > room:
-            raise KvexportError(
-                f"n {requests}: one request asks for {requests} sequences, more than this server queues at once "
-                f"({self.max_queue} waiting + {self.slots - self.table.pinned} slots); send fewer prompts or a smaller n"
-            )
+        with self._lock:
+            self.scheduler.check_fits(requests)
 
     def _checked(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         params.validate(self.vocab_size)
         if params.stop and self.tokenizer is None:
-            raise KvexportError(f"stop: {self.directory} has no tokenizer, so there is no text to find stop strings in; use stop_token_ids")
+            raise ParameterError(
+                f"stop: {self.directory} has no tokenizer, so there is no text to find stop strings in; use stop_token_ids",
+                parameter="stop",
+            )
         if params.prompt_logprobs is not None and not self.manifest.all_logits:
-            raise KvexportError(
+            raise ParameterError(
                 f"prompt logprobs need the logits at every prompt position, and {self.directory.name}'s prefill graph "
-                "returns the last position's only; serve an export made with --all-logits"
+                "returns the last position's only; serve an export made with --all-logits",
+                parameter="prompt_logprobs",
             )
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         check_prompt(ids, self.vocab_size, params.max_tokens, self.capacity)
@@ -274,11 +291,9 @@ class Engine:
         check_prompt(ids, self.vocab_size, 1, self.capacity)
         job = PrefixJob(ids)
         with self._lock:
-            if self.table.pinned + len(self.scheduler.prefix_jobs) >= self.slots - 1:
-                raise KvexportError(f"all but one of the {self.slots} slots hold registered prefixes; unregister one first")
             if self._closing:
                 raise EngineClosed("the server is shutting down; send the request to another replica")
-            self.scheduler.prefix_jobs.append(job)
+            self.scheduler.add_prefix(job)
             self._wake.notify()
         job.done.wait()
         if job.error is not None:
@@ -289,7 +304,7 @@ class Engine:
         """Free the slot kept for ``prefix`` (its rows stay cached until reused); False if none was."""
         ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
         with self._lock:
-            return self.table.unpin(ids)
+            return self.scheduler.unpin(ids)
 
     def add_listener(self, listener: EngineListener) -> None:
         """Also tell ``listener`` of first tokens, inter-token times and finishes."""
@@ -298,13 +313,12 @@ class Engine:
     def stats(self) -> EngineStats:
         """What the engine holds and has done so far."""
         with self._lock:
-            active = self.scheduler.active.values()
-            prefilling = sum(r.status is Status.PREFILLING for r in active)
+            in_use, prefilling, waiting = self.scheduler.counts()
             return EngineStats(
                 slots=self.slots,
-                slots_in_use=len(active),
-                running=len(active) - prefilling,
-                waiting=len(self.scheduler.waiting),
+                slots_in_use=in_use,
+                running=in_use - prefilling,
+                waiting=waiting,
                 prefilling=prefilling,
                 pinned=self.table.pinned,
                 finished=dict(self._finished),
@@ -316,7 +330,7 @@ class Engine:
         with self._lock:
             self._closing = True
             if not drain:
-                for request in [*self.scheduler.waiting, *self.scheduler.active.values()]:
+                for request in self.scheduler:
                     request.cancel()
             self._wake.notify()
         self._thread.join(timeout)
@@ -333,12 +347,12 @@ class Engine:
         new = max(1, min(8, self.capacity - length))
         params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
         prompts = [[(7 * i + j) % self.vocab_size for j in range(length)] for i in range(count)]
-        requests = [Request(f"warm-up-{i}", prompt, params) for i, prompt in enumerate(prompts)]
-        with self._lock:
-            self.scheduler.waiting.extend(requests)
-            self._wake.notify()
-        for request in requests:
-            request.result()
+        cancels = [threading.Event() for _ in prompts]
+        requests = [Request(f"warm-up-{i}", prompt, params, cancelled=cancels[i]) for i, prompt in enumerate(prompts)]
+        states = [RequestState(r.id, r.prompt, params, cancelled=cancels[i]) for i, r in enumerate(requests)]
+        self._enqueue(requests, states, bounded=False)
+        for state in states:
+            state.result()
         with self._lock:
             self._counters = dict.fromkeys(_COUNTERS, 0)
             self._finished.clear()
@@ -368,121 +382,101 @@ class Engine:
 
     def _step(self, plan: StepPlan) -> None:
         """What one plan asks for: drops, row copies, prefixes, prompt chunks, then the decode call."""
-        for request in plan.dropped:
-            self.output.end(request, "cancelled")
+        ended = self.output.abort([r.id for r in plan.dropped + plan.cancelled], "cancelled")
         for request, placement in plan.admitted:
             if placement.copy_from is not None:
                 self.runner.copy_rows(placement.copy_from, placement.slot, placement.reused)
-            self.output.begin(request)
+            self.output.admitted(request.id, placement.reused)
+        self._update(ended)
         for job in plan.prefixes:
             try:
                 self.runner.run_piece(job.slot, job.tokens, 0)
             except Exception as exc:  # its own pinned rows only: the running requests are unharmed
                 self._abandon_prefix(job, exc)
                 continue
-            self.table.wrote(job.slot, 0, job.tokens)
             with self._lock:
+                self.scheduler.prefix_cached(job)
                 self._counters["prompt_tokens"] += len(job.tokens)
             job.done.set()
-        for request in self.scheduler.take_cancelled():
-            self.output.end(request, "cancelled")
         for chunk in plan.prefill:
             if chunk.request.status is Status.PREFILLING:
-                self._prefill(chunk)
-        self._decode()
+                self._update(self._prefill(chunk))
+        self._update(self._decode())
+
+    def _update(self, outputs: OutputBatch) -> None:
+        """Hand a step's outputs to the scheduler and the listeners, then give the callers their events."""
+        with self._lock:
+            self.scheduler.update_from_output(outputs)
+            self._counters["generated_tokens"] += outputs.generated
+            for finished in outputs.finished:
+                self._finished[finished.reason] += 1
+        try:
+            for listener in self._listeners:
+                for seconds in outputs.first_token_s:
+                    listener.on_first_token(seconds)
+                for seconds in outputs.token_s:
+                    listener.on_token(seconds)
+                for finished in outputs.finished:
+                    listener.on_finish(finished.reason, finished.prompt_tokens, finished.completion_tokens)
+        finally:  # the callers get their events even if a listener fails
+            self.output.publish(outputs)
 
     def _abandon_prefix(self, job: PrefixJob, exc: Exception) -> None:
         """A prefix that was not cached: its slot is free again and ``register_prefix`` raises."""
         if job.done.is_set():
             return
         with self._lock:
-            self.table.residents[job.slot].pinned = False
-            self.table.release(job.slot, valid=False)
+            self.scheduler.prefix_failed(job)
         job.error = f"{type(exc).__name__}: {first_line(exc)[:300]}"
         job.done.set()
 
-    def _prefill(self, chunk: PrefillChunk) -> None:
+    def _prefill(self, chunk: PrefillChunk) -> OutputBatch:
         """One prompt chunk at batch 1 into its slot; the prompt's last chunk gives the first token."""
         request = chunk.request
         logits = self.runner.run_piece(request.slot, chunk.tokens, chunk.start)
-        self.scheduler.prefilled(chunk)
         with self._lock:
+            self.scheduler.prefilled(chunk)
             self._counters["prompt_tokens"] += len(chunk.tokens)
         if self.runner.all_logits:
-            self.output.prompt_logprobs(request, logits, chunk.start)
+            self.output.prompt_logprobs(request.id, logits, chunk.start)
         if chunk.last:
-            token, logprob = self.output.choose_one(request, logits[-1])
-            self.output.emit(request, token, logprob, first=True)
+            return self.output.first_token(request.id, logits[-1])
+        return OutputBatch()
 
-    def _decode(self) -> None:
-        """One call for every running row (or a speculative round); each row streams its next token."""
-        plan = self.scheduler.decode_plan(speculate=self.drafter is not None)
+    def _decode(self) -> OutputBatch:
+        """One call for every running row (or a speculative round); each row's next token."""
+        with self._lock:
+            plan = self.scheduler.decode_plan(speculate=self.drafter is not None)
         if plan is None:
-            return
+            return OutputBatch()
         if plan.speculative is not None:
-            self._speculative_step(plan.speculative)
-            return
+            return self._speculative_step(plan.speculative)
         logits = self.runner.decode(plan.tokens, plan.positions)
         with self._lock:
             self._counters["steps"] += 1
-        for request in plan.requests:
-            request.length += 1
-        choices = self.output.choose_all(plan.requests, logits, [r.slot for r in plan.requests])
-        for request, (token, logprob) in zip(plan.requests, choices, strict=True):
-            self.output.emit(request, token, logprob)
+        return self.output.decoded([r.id for r in plan.requests], logits, [r.slot for r in plan.requests])
 
-    def _speculative_step(self, request: Request) -> None:
-        """One request alone: draft tokens, verify them in one call, stream the kept ones and the next."""
+    def _speculative_step(self, plan: SpeculativePlan) -> OutputBatch:
+        """One request alone: draft tokens, verify them in one call; the kept ones and the next are its tokens."""
         assert self.drafter is not None
-        cached = self.table.residents[request.slot].tokens
-        budget = request.draft_budget = request.draft_budget or DraftBudget(self.draft_tokens)
-        room = min(request.params.max_tokens - len(request.output) - 1, self.capacity - request.length - 1)
+        request = plan.request
+        sampling, rng = self.output.sampling_of(request.id)
         start = request.length
 
         def run(piece: Sequence[int]) -> Any:
-            logits = self.runner.run_piece(request.slot, piece, start)
-            self.table.wrote(request.slot, start, piece)
-            return logits
+            return self.runner.run_piece(request.slot, piece, start)
 
-        drafts, kept, following = speculative_round(
-            self.drafter, budget, [*cached, request.next_token], room, run, request.sampling, request.rng
-        )
-        self.table.keep(request.slot, request.length + 1 + kept)  # the rejected drafts' rows are free again
-        request.length = len(self.table.residents[request.slot].tokens)
+        drafts, kept, following = speculative_round(self.drafter, plan.budget, plan.context, plan.room, run, sampling, rng)
         with self._lock:
+            self.scheduler.speculated(plan, drafts, kept)
             self._counters["steps"] += 1
             self._counters["drafted_tokens"] += len(drafts)
             self._counters["accepted_tokens"] += kept
-        for token in [*drafts[:kept], following]:
-            if self.output.emit(request, token):
-                return
-
-    # ---------------------------------------------------------------- what the output processor reports
-
-    def _on_token(self, request: Request, first: bool) -> None:
-        now = time.perf_counter()
-        for listener in self._listeners:
-            if first:
-                listener.on_first_token(now - request.submitted)
-            else:
-                listener.on_token(now - request.last_time)
-        with self._lock:
-            self._counters["generated_tokens"] += 1
-
-    def _on_end(self, request: Request, reason: str) -> None:
-        with self._lock:
-            self.scheduler.finish(request, valid=reason != "error")  # a failed run may have left rows half written
-            self._finished[reason] += 1
-        for listener in self._listeners:
-            listener.on_finish(reason, request.prompt_tokens, request.completion_tokens)
+        return self.output.accepted(request.id, [*drafts[:kept], following])
 
     def _fail_all(self, exc: Exception, *, waiting: bool = False) -> None:
         """End every admitted request (and the waiting ones too, when ``waiting``) with the error."""
         message = f"{type(exc).__name__}: {first_line(exc)[:300]}"
-        requests = list(self.scheduler.active.values())
-        if waiting:
-            with self._lock:
-                requests += list(self.scheduler.waiting)
-                self.scheduler.waiting.clear()
-        for request in requests:
-            self.output.end(request, "error", message)
+        with self._lock:
+            failed = [r.id for r in self.scheduler.unfinished(waiting=waiting)]
+        self._update(self.output.abort(failed, "error", message))

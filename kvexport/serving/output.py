@@ -2,135 +2,339 @@
 
 For each request with a row of logits it applies the request's logits processors and
 samples (:mod:`kvexport.serving.processors`), records the log-probabilities it asked
-for (of the model's own distribution), feeds the token to the request's text stream,
-ends the request at EOS, a stop token, a stop string or ``max_tokens``, and pushes the
-:class:`~kvexport.serving.request.TokenEvent` s. A request's tokens depend only on its
-own logits, settings and random stream, never on the rows beside it.
+for (of the model's own distribution), feeds the token to the request's text stream and
+decides whether the request ends (EOS, a stop token, a stop string or ``max_tokens``).
+A request's tokens depend only on its own logits, settings and random stream, never on
+the rows beside it.
+
+It owns each request's client side, a :class:`RequestState` (vLLM's ``RequestState``):
+the caller's stream of :class:`~kvexport.serving.request.TokenEvent` s, the text, the
+random stream and the log-probabilities. It never calls back into the engine: each call
+returns an :class:`OutputBatch` (the tokens each request took, the requests that ended
+and why, the latencies), which the engine hands to the scheduler before
+:meth:`OutputProcessor.publish` gives the callers their events.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from kvexport.runtime.sampling import SamplingConfig
 from kvexport.runtime.text import TextStream
 from kvexport.serving.processors import choose, controlled_scores, log_softmax, logprob_of
-from kvexport.serving.request import Logprob, Request, TokenEvent
+from kvexport.serving.request import Logprob, SamplingParams, TokenEvent
 
 
-class OutputProcessor:
-    """Turns each request's logits into its next token and events.
+class RequestState:
+    """One request's client side: iterate it (``for`` or ``async for``) for its :class:`TokenEvent` s.
 
-    Args:
-        tokenizer: the export's tokenizer (None: token ids only, no text).
-        eos_token_id: the export's EOS.
-        on_token: told of each token (``first`` or not) as it is made.
-        on_end: told when a request ends, with the finish reason.
-
+    Thread-safe for its caller. :meth:`cancel` ends it within one engine step and frees its
+    slot. ``prompt_logprobs`` (when asked for) is filled before the first event; the first
+    prompt token has none. The output processor fills it; the engine thread alone writes.
     """
 
     def __init__(
         self,
-        tokenizer: Tokenizer | None,
-        eos_token_id: int | None,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
         *,
-        on_token: Callable[[Request, bool], None],
-        on_end: Callable[[Request, str], None],
+        cancelled: threading.Event | None = None,
+        prompt_logprobs: list[Logprob | None] | None = None,
     ) -> None:
+        self.id = request_id
+        self.prompt = prompt
+        self.params = params
+        self.submitted = time.perf_counter()
+        self.sampling: SamplingConfig = params.sampling()
+        # any integer seed, negative ones too (vLLM takes any int64); numpy's wants it unsigned
+        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
+        self.output: list[int] = []
+        self.text: TextStream | None = None
+        self.stop_ids: tuple[int, ...] = params.stop_token_ids  # and EOS unless ignored
+        self.last_time = 0.0
+        # the siblings of n > 1 share the first's list: the same prompt, filled once
+        self.prompt_logprobs: list[Logprob | None] = [] if prompt_logprobs is None else prompt_logprobs
+        self.cached_tokens = 0  # prompt tokens whose rows came from the prefix cache
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self._events: collections.deque[TokenEvent] = collections.deque()
+        self._lock = threading.Lock()
+        self._ready = threading.Condition(self._lock)
+        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
+        self._cancelled = cancelled if cancelled is not None else threading.Event()
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt)
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.output)
+
+    @property
+    def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called."""
+        return self._cancelled.is_set()
+
+    def cancel(self) -> None:
+        """Stop generating; the stream ends with ``finish_reason="cancelled"`` (if it had not ended)."""
+        self._cancelled.set()
+
+    def push(self, event: TokenEvent) -> None:
+        """Hand the caller an event (the engine thread)."""
+        with self._lock:
+            self._events.append(event)
+            if event.finish_reason is not None:
+                self.finish_reason = event.finish_reason
+                self.stop_reason = event.stop_reason
+            self._ready.notify_all()
+            waker = self._waker
+        if waker is not None:
+            loop, ready = waker
+            try:
+                loop.call_soon_threadsafe(ready.set)
+            except RuntimeError:  # the consumer's loop is closed: nobody is listening
+                pass
+
+    def __iter__(self) -> Iterator[TokenEvent]:
+        while True:
+            with self._lock:
+                while not self._events:
+                    self._ready.wait()
+                event = self._events.popleft()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        ready = asyncio.Event()
+        with self._lock:
+            self._waker = (asyncio.get_running_loop(), ready)
+        while True:
+            with self._lock:
+                event = self._events.popleft() if self._events else None
+                if event is None:
+                    ready.clear()
+            if event is None:
+                await ready.wait()
+                continue
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self) -> tuple[list[int], str, str]:
+        """Wait for the end: (token ids, text, finish reason)."""
+        tokens, pieces, reason = [], [], ""
+        for event in self:
+            if event.token_id is not None:
+                tokens.append(event.token_id)
+            pieces.append(event.text)
+            reason = event.finish_reason or reason
+        return tokens, "".join(pieces), reason
+
+
+RequestHandle = RequestState  # what Engine.submit returns, by the name earlier releases gave it
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A request that ended, and why (``stop``, ``length``, ``cancelled`` or ``error``)."""
+
+    request_id: str
+    reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class OutputBatch:
+    """What the output processor made of some logits (or of an abort): data for the engine and the scheduler.
+
+    ``tokens``: per request id, the tokens it took, in order (the last is the one the next
+    decode step feeds, unless the request ended). ``finished``: the requests that ended.
+    ``first_token_s`` / ``token_s``: time to first token and between tokens, one per token.
+    ``events``: what :meth:`OutputProcessor.publish` hands the callers.
+    """
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    finished: list[Finished] = field(default_factory=list)
+    first_token_s: list[float] = field(default_factory=list)
+    token_s: list[float] = field(default_factory=list)
+    events: list[tuple[RequestState, TokenEvent]] = field(default_factory=list)
+
+    def extend(self, other: OutputBatch) -> None:
+        """Take ``other``'s outputs after this batch's."""
+        for request_id, tokens in other.tokens.items():
+            self.tokens.setdefault(request_id, []).extend(tokens)
+        self.finished += other.finished
+        self.first_token_s += other.first_token_s
+        self.token_s += other.token_s
+        self.events += other.events
+
+    @property
+    def generated(self) -> int:
+        """Tokens made."""
+        return len(self.first_token_s) + len(self.token_s)
+
+
+class OutputProcessor:
+    """Turns each request's logits into its next token and events (see the module docstring).
+
+    Args:
+        tokenizer: the export's tokenizer (None: token ids only, no text).
+        eos_token_id: the export's EOS.
+
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_id: int | None) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
-        self.on_token = on_token
-        self.on_end = on_end
+        self.states: dict[str, RequestState] = {}  # the requests whose stream has not ended
 
-    def begin(self, request: Request) -> None:
-        """Ready a newly admitted request: its text stream, and the tokens that end it (EOS unless ignored)."""
-        params = request.params
-        request.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output)
+    def add_request(self, state: RequestState) -> None:
+        """Take a new request: its text stream, and the tokens that end it (EOS unless ignored)."""
+        params = state.params
+        state.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output)
         if self.eos_token_id is not None and not params.ignore_eos:
-            request.stop_ids = (*params.stop_token_ids, self.eos_token_id)
+            state.stop_ids = (*params.stop_token_ids, self.eos_token_id)
+        self.states[state.id] = state
 
-    def prompt_logprobs(self, request: Request, logits: np.ndarray, start: int) -> None:
+    def admitted(self, request_id: str, cached_tokens: int) -> None:
+        """The request got a slot, with ``cached_tokens`` of its prompt already cached there."""
+        self.states[request_id].cached_tokens = cached_tokens
+
+    def sampling_of(self, request_id: str) -> tuple[SamplingConfig, np.random.Generator]:
+        """A request's sampling settings and random stream (a speculative round draws from them)."""
+        state = self.states[request_id]
+        return state.sampling, state.rng
+
+    def prompt_logprobs(self, request_id: str, logits: np.ndarray, start: int) -> None:
         """Record the prompt log-probabilities that ``logits`` [n, V] (positions ``start..``) give.
 
         The logits at position p are the model's distribution of prompt token p + 1; the
         first prompt token has none.
         """
-        top = request.params.prompt_logprobs
+        state = self.states[request_id]
+        top = state.params.prompt_logprobs
         if top is None:
             return
         if start == 0:  # in place: the siblings of n > 1 share this list
-            request.prompt_logprobs.append(None)
-        prompt = request.prompt
+            state.prompt_logprobs.append(None)
+        prompt = state.prompt
         wanted = min(len(logits), len(prompt) - 1 - start)
         if wanted <= 0:
             return
         rows = log_softmax(logits[:wanted])
         for offset, row in enumerate(rows):
-            request.prompt_logprobs.append(logprob_of(row, prompt[start + offset + 1], top))
+            state.prompt_logprobs.append(logprob_of(row, prompt[start + offset + 1], top))
 
-    def choose_all(self, requests: Sequence[Request], logits: np.ndarray, rows: Sequence[int]) -> list[tuple[int, Logprob | None]]:
-        """Each request's next token from its row ``rows[i]`` of ``logits`` [*, V], with its log-probability."""
-        choices: list[tuple[int, Logprob | None]] = [(0, None)] * len(requests)
-        plain = {i for i, r in enumerate(requests) if not r.sampling.do_sample and not _needs_row(r)}
+    def first_token(self, request_id: str, row: np.ndarray) -> OutputBatch:
+        """The first token of a request whose prompt's last chunk gave logits ``row`` [V]."""
+        state = self.states[request_id]
+        token, logprob = self._choose_one(state, row)
+        batch = OutputBatch()
+        self._emit(batch, state, token, logprob, first=True)
+        return batch
+
+    def decoded(self, request_ids: Sequence[str], logits: np.ndarray, rows: Sequence[int]) -> OutputBatch:
+        """Each request's next token from its row ``rows[i]`` of ``logits`` [*, V]."""
+        states = [self.states[request_id] for request_id in request_ids]
+        choices: list[tuple[int, Logprob | None]] = [(0, None)] * len(states)
+        plain = {i for i, state in enumerate(states) if not state.sampling.do_sample and not _needs_row(state)}
         if plain:  # greedy rows with nothing else to do: one argmax over them all
             order = sorted(plain)
             tokens = logits[[rows[i] for i in order]].argmax(-1)
             for i, token in zip(order, tokens, strict=True):
                 choices[i] = (int(token), None)
-        for i, request in enumerate(requests):
+        for i, state in enumerate(states):
             if i not in plain:
-                choices[i] = self.choose_one(request, logits[rows[i]])
-        return choices
+                choices[i] = self._choose_one(state, logits[rows[i]])
+        batch = OutputBatch()
+        for state, (token, logprob) in zip(states, choices, strict=True):
+            self._emit(batch, state, token, logprob)
+        return batch
 
-    def choose_one(self, request: Request, row: np.ndarray) -> tuple[int, Logprob | None]:
+    def accepted(self, request_id: str, tokens: Sequence[int]) -> OutputBatch:
+        """Tokens chosen elsewhere (a speculative round's kept drafts and the next), up to the one that ends the request."""
+        state = self.states[request_id]
+        batch = OutputBatch()
+        for token in tokens:
+            if self._emit(batch, state, token, None):
+                break
+        return batch
+
+    def abort(self, request_ids: Iterable[str], reason: str, error: str | None = None) -> OutputBatch:
+        """End these requests with no token (``cancelled`` or ``error``); ids whose stream ended already are skipped."""
+        batch = OutputBatch()
+        for request_id in request_ids:
+            state = self.states.get(request_id)
+            if state is not None:
+                self._end(batch, state, TokenEvent(None, "", reason, error))
+        return batch
+
+    def publish(self, batch: OutputBatch) -> None:
+        """Hand each caller its events; a stream that ended is forgotten."""
+        for state, event in batch.events:
+            if event.finish_reason is not None:
+                self.states.pop(state.id, None)
+            state.push(event)
+
+    def _choose_one(self, state: RequestState, row: np.ndarray) -> tuple[int, Logprob | None]:
         """One request's next token from its logits ``row`` [V], with its log-probability when asked."""
-        params = request.params
+        params = state.params
         raw = row.astype(np.float32)
-        scores = controlled_scores(raw, params, request.prompt, request.output, request.stop_ids) if params.controls_logits else raw
-        token = choose(scores, params, request.sampling, request.rng)
+        scores = controlled_scores(raw, params, state.prompt, state.output, state.stop_ids) if params.controls_logits else raw
+        token = choose(scores, params, state.sampling, state.rng)
         logprob = None
         if params.logprobs is not None:
             logprob = logprob_of(log_softmax(raw[None])[0], token, params.logprobs)
         return token, logprob
 
-    def emit(self, request: Request, token: int, logprob: Logprob | None = None, *, first: bool = False) -> bool:
-        """Stream a chosen token, or end the request at it; True when the request ended."""
-        self.on_token(request, first)
-        request.last_time = time.perf_counter()
-        request.output.append(token)
-        params = request.params
-        generated = len(request.output)
-        assert request.text is not None
-        if generated >= params.min_tokens and token in request.stop_ids:
+    def _emit(self, batch: OutputBatch, state: RequestState, token: int, logprob: Logprob | None, *, first: bool = False) -> bool:
+        """Record a chosen token and its event, or the end at it; True when the request ended."""
+        now = time.perf_counter()
+        if first:
+            batch.first_token_s.append(now - state.submitted)
+        else:
+            batch.token_s.append(now - state.last_time)
+        state.last_time = now
+        state.output.append(token)
+        batch.tokens.setdefault(state.id, []).append(token)
+        params = state.params
+        generated = len(state.output)
+        assert state.text is not None
+        if generated >= params.min_tokens and token in state.stop_ids:
             reason = None if token == self.eos_token_id and not params.ignore_eos else token  # EOS first, as vLLM
-            text = request.text.add(token)[0] if params.include_stop_str_in_output else ""
-            self._end(request, TokenEvent(token, text + request.text.flush(), "stop", logprob=logprob, stop_reason=reason))
+            text = state.text.add(token)[0] if params.include_stop_str_in_output else ""
+            self._end(batch, state, TokenEvent(token, text + state.text.flush(), "stop", logprob=logprob, stop_reason=reason))
             return True
-        text, stopped = request.text.add(token, check_stop=generated > params.min_tokens)
+        text, stopped = state.text.add(token, check_stop=generated > params.min_tokens)
         if stopped:
-            self._end(request, TokenEvent(token, text, "stop", logprob=logprob, stop_reason=request.text.matched))
+            self._end(batch, state, TokenEvent(token, text, "stop", logprob=logprob, stop_reason=state.text.matched))
             return True
         if generated >= params.max_tokens:
-            self._end(request, TokenEvent(token, text + request.text.flush(), "length", logprob=logprob))
+            self._end(batch, state, TokenEvent(token, text + state.text.flush(), "length", logprob=logprob))
             return True
-        request.push(TokenEvent(token, text, logprob=logprob))
-        request.next_token = token
+        batch.events.append((state, TokenEvent(token, text, logprob=logprob)))
         return False
 
-    def end(self, request: Request, reason: str, error: str | None = None) -> None:
-        """End ``request`` with no token (``cancelled`` or ``error``)."""
-        self._end(request, TokenEvent(None, "", reason, error))
-
-    def _end(self, request: Request, event: TokenEvent) -> None:
-        try:
-            self.on_end(request, event.finish_reason or "")
-        finally:  # the caller gets its last event even if a listener fails
-            request.push(event)
+    def _end(self, batch: OutputBatch, state: RequestState, event: TokenEvent) -> None:
+        assert event.finish_reason is not None
+        batch.finished.append(Finished(state.id, event.finish_reason, state.prompt_tokens, state.completion_tokens))
+        batch.events.append((state, event))
 
 
-def _needs_row(request: Request) -> bool:
+def _needs_row(state: RequestState) -> bool:
     """Whether a request's token needs its own pass over its row (controls or log-probabilities)."""
-    return request.params.controls_logits or request.params.logprobs is not None
+    return state.params.controls_logits or state.params.logprobs is not None

@@ -19,8 +19,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvexport.errors import KvexportError
-from kvexport.serving.request import MAX_LOGPROBS, SamplingParams
+from kvexport.serving.errors import ParameterError
+from kvexport.serving.request import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams
 
 LOG = logging.getLogger("kvexport.serving")
 
@@ -143,17 +143,20 @@ class SamplingFields(BaseModel):
         """Whether a streamed response ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def refused(self) -> str | None:
-        """The first field this server refuses, as a one-line message, or None; unknown fields are logged."""
+    def refused(self) -> ParameterError | None:
+        """The first field this server refuses, as a one-line error naming it, or None; unknown fields are logged."""
         extra = dict(self.model_extra or {})
         if self.stream_options is not None:
             if not self.stream:
-                return "stream_options: only for a streamed request (stream: true)"
+                return ParameterError("stream_options: only for a streamed request (stream: true)", parameter="stream_options")
             if self.stream_options.continuous_usage_stats:
-                return "stream_options.continuous_usage_stats: not served; use include_usage for one usage chunk at the end"
+                return ParameterError(
+                    "stream_options.continuous_usage_stats: not served; use include_usage for one usage chunk at the end",
+                    parameter="stream_options",
+                )
         for name, value in extra.items():
             if name in _REFUSED and value not in _REFUSED[name]:
-                return f"{name}: not served by kvexport serve; leave it out"
+                return ParameterError(f"{name}: not served by kvexport serve; leave it out", parameter=name)
         unknown = sorted(set(extra) - set(_REFUSED) - _KNOWN_ELSEWHERE)
         if unknown:
             LOG.warning("ignored request fields (unknown to vLLM's API too): %s", ", ".join(unknown))
@@ -164,7 +167,7 @@ class CompletionRequest(SamplingFields):
     """The body of ``POST /v1/completions``."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -204,7 +207,9 @@ class ChatMessage(BaseModel):
         pieces = []
         for part in self.content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise KvexportError(f"messages: a content part of type {part.get('type')!r} is not served; send text parts")
+                raise ParameterError(
+                    f"messages: a content part of type {part.get('type')!r} is not served; send text parts", parameter="messages"
+                )
             pieces.append(part["text"])
         return "".join(pieces)
 
@@ -251,5 +256,5 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         try:
             parsed[int(key)] = float(value)
         except ValueError:
-            raise KvexportError(f"logit_bias: the key {key!r} is not a token id") from None
+            raise ParameterError(f"logit_bias: the key {key!r} is not a token id", parameter="logit_bias") from None
     return parsed

@@ -1,30 +1,32 @@
-"""What a request is: its settings (:class:`SamplingParams`), its state and its stream of events.
+"""What a request is: its settings (:class:`SamplingParams`), the engine's state of it (:class:`Request`) and its events.
 
-A :class:`Request` is created by :meth:`Engine.submit <kvexport.serving.engine.Engine.submit>`
-and lives until its last event: waiting for a slot, prefilling its prompt, running (one
-token per decode step), finished. The engine thread advances it; the caller iterates it
-(``for`` or ``async for``) for :class:`TokenEvent` s, or cancels it.
+:meth:`Engine.submit <kvexport.serving.engine.Engine.submit>` makes two objects per
+request, as vLLM v1 does: a :class:`Request` that the scheduler owns (waiting for a
+slot, prefilling its prompt, running one token per decode step, finished), and a
+:class:`~kvexport.serving.output.RequestState` that the output processor owns and the
+caller iterates (``for`` or ``async for``) for :class:`TokenEvent` s, or cancels.
+
+Plain Python: importing it loads neither ONNX Runtime nor the tokenizer.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
 import dataclasses
 import enum
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import numpy as np
-
+from kvexport.drafting import DraftBudget
 from kvexport.errors import KvexportError
-from kvexport.runtime.sampling import SamplingConfig
-from kvexport.runtime.speculative import DraftBudget
-from kvexport.runtime.text import TextStream
+from kvexport.serving.errors import ParameterError
+
+if TYPE_CHECKING:
+    from kvexport.runtime.sampling import SamplingConfig
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+DEFAULT_MAX_TOKENS = 16  # vLLM's default max_tokens of a completion (also for max_tokens null)
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ class SamplingParams:
     distribution, before any of the controls above, as vLLM reports them by default.
     """
 
-    max_tokens: int = 16
+    max_tokens: int = DEFAULT_MAX_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
@@ -71,6 +73,9 @@ class SamplingParams:
 
     def sampling(self) -> SamplingConfig:
         """The runtime's sampling settings (greedy for temperature 0)."""
+        # here, not at the top: the runtime package loads ONNX Runtime, and the scheduler imports this module
+        from kvexport.runtime.sampling import SamplingConfig
+
         if self.temperature == 0:
             return SamplingConfig(do_sample=False)
         return SamplingConfig(True, self.temperature, self.top_k, self.top_p, self.seed)
@@ -89,35 +94,46 @@ class SamplingParams:
         )
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """One line for an out-of-range setting (token ids too, given ``vocab_size``)."""
+        """One line for an out-of-range setting (token ids too, given ``vocab_size``), naming it (:class:`ParameterError`)."""
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise KvexportError(f"max_tokens {self.max_tokens!r}: must be a positive integer")
+            raise ParameterError(f"max_tokens {self.max_tokens!r}: must be a positive integer", parameter="max_tokens")
         if self.temperature < 0:
-            raise KvexportError(f"temperature {self.temperature}: must be >= 0 (0 is greedy)")
-        dataclasses.replace(self.sampling(), do_sample=True, temperature=self.temperature or 1.0).validate()
+            raise ParameterError(f"temperature {self.temperature}: must be >= 0 (0 is greedy)", parameter="temperature")
+        sampling = dataclasses.replace(self.sampling(), do_sample=True, temperature=self.temperature or 1.0)
+        for name in ("top_k", "top_p"):  # the runtime's own checks, one field at a time so the error names it
+            try:
+                dataclasses.replace(sampling, **{"top_k": 0, "top_p": 1.0, name: getattr(sampling, name)}).validate()
+            except KvexportError as exc:
+                raise ParameterError(str(exc), parameter=name) from None
         if not 0 <= self.min_p <= 1:
-            raise KvexportError(f"min_p {self.min_p}: must be in [0, 1] (0 disables it)")
+            raise ParameterError(f"min_p {self.min_p}: must be in [0, 1] (0 disables it)", parameter="min_p")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
-                raise KvexportError(f"{name} {getattr(self, name)}: must be in [-2, 2]")
+                raise ParameterError(f"{name} {getattr(self, name)}: must be in [-2, 2]", parameter=name)
         if self.repetition_penalty <= 0:
-            raise KvexportError(f"repetition_penalty {self.repetition_penalty}: must be > 0 (1 disables it)")
+            raise ParameterError(
+                f"repetition_penalty {self.repetition_penalty}: must be > 0 (1 disables it)", parameter="repetition_penalty"
+            )
         if not 0 <= self.min_tokens <= self.max_tokens:
-            raise KvexportError(f"min_tokens {self.min_tokens}: must be in [0, max_tokens] (max_tokens is {self.max_tokens})")
+            raise ParameterError(
+                f"min_tokens {self.min_tokens}: must be in [0, max_tokens] (max_tokens is {self.max_tokens})", parameter="min_tokens"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise KvexportError(f"{name} {value}: must be in [0, {MAX_LOGPROBS}]")
+                raise ParameterError(f"{name} {value}: must be in [0, {MAX_LOGPROBS}]", parameter=name)
         for token, bias in self.logit_bias.items():
             if not -100 <= bias <= 100:
-                raise KvexportError(f"logit_bias: the bias {bias} of token {token} must be in [-100, 100]")
+                raise ParameterError(f"logit_bias: the bias {bias} of token {token} must be in [-100, 100]", parameter="logit_bias")
         if any(not s for s in self.stop):
-            raise KvexportError("stop: an empty stop string would stop at once; leave it out")
+            raise ParameterError("stop: an empty stop string would stop at once; leave it out", parameter="stop")
         if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            raise KvexportError("allowed_token_ids: an empty list allows no token; leave it out")
+            raise ParameterError("allowed_token_ids: an empty list allows no token; leave it out", parameter="allowed_token_ids")
         banned = {token for token, bias in self.logit_bias.items() if bias <= -100}
         if self.allowed_token_ids is not None and set(self.allowed_token_ids) <= banned:
-            raise KvexportError("logit_bias: it bans every token allowed_token_ids allows; nothing could be generated")
+            raise ParameterError(
+                "logit_bias: it bans every token allowed_token_ids allows; nothing could be generated", parameter="logit_bias"
+            )
         if vocab_size is not None:
             for name, tokens in (
                 ("logit_bias", list(self.logit_bias)),
@@ -126,7 +142,9 @@ class SamplingParams:
             ):
                 outside = [t for t in tokens if not 0 <= t < vocab_size]
                 if outside:
-                    raise KvexportError(f"{name}: token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})")
+                    raise ParameterError(
+                        f"{name}: token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})", parameter=name
+                    )
 
 
 @dataclass(frozen=True)
@@ -168,56 +186,43 @@ class Status(enum.Enum):
 
 
 class Request:
-    """One submitted request: iterate it (``for`` or ``async for``) for its :class:`TokenEvent` s.
+    """The engine's state of one request, owned by the :class:`~kvexport.serving.scheduler.Scheduler`.
 
-    Thread-safe for its caller. :meth:`cancel` ends it within one engine step and frees its
-    slot. ``prompt_logprobs`` (when asked for) is filled before the first event; the first
-    prompt token has none.
+    Where the request is (waiting, prefilling, running, finished), its slot, how much of
+    it the cache holds and the token the next decode step feeds. Only the scheduler changes
+    it, from the plans it makes and the outputs the engine hands it. The client's side (its
+    stream of events, text, log-probabilities) is a
+    :class:`~kvexport.serving.output.RequestState`; the two share only the id, the prompt,
+    the settings and the cancel flag.
     """
 
-    def __init__(self, request_id: str, prompt: list[int], params: SamplingParams, *, after: Request | None = None) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        *,
+        after: Request | None = None,
+        cancelled: threading.Event | None = None,
+    ) -> None:
         self.id = request_id
         self.prompt = prompt
         self.params = params
         self.submitted = time.perf_counter()
         self.after = after  # admitted once this one's prompt is cached (n > 1: one prefill)
-        # engine-side state, advanced by the engine thread only
         self.status = Status.WAITING
         self.slot = -1
         self.prefilled = 0  # prompt tokens in the cache so far
         self.length = 0  # tokens in the cache
         self.next_token = 0  # the token the next decode step feeds
         self.output: list[int] = []
-        self.sampling = params.sampling()
-        # any integer seed, negative ones too (vLLM takes any int64); numpy's wants it unsigned
-        self.rng = np.random.default_rng(None if params.seed is None else params.seed % 2**64)
-        self.text: TextStream | None = None
-        self.stop_ids: tuple[int, ...] = params.stop_token_ids  # and EOS unless ignored, set on admission
-        self.last_time = 0.0
-        self.draft_budget: DraftBudget | None = None
-        self.prompt_logprobs: list[Logprob | None] = []
         self.cached_tokens = 0  # prompt tokens whose rows came from the prefix cache
-        self.finish_reason: str | None = None
-        self.stop_reason: int | str | None = None
-        self._events: collections.deque[TokenEvent] = collections.deque()
-        self._lock = threading.Lock()
-        self._ready = threading.Condition(self._lock)
-        self._waker: tuple[asyncio.AbstractEventLoop, asyncio.Event] | None = None
-        self._cancelled = threading.Event()
-
-    @property
-    def prompt_tokens(self) -> int:
-        """Tokens in the prompt."""
-        return len(self.prompt)
-
-    @property
-    def completion_tokens(self) -> int:
-        """Tokens generated so far."""
-        return len(self.output)
+        self.draft_budget: DraftBudget | None = None
+        self._cancelled = cancelled if cancelled is not None else threading.Event()
 
     @property
     def cancelled(self) -> bool:
-        """Whether :meth:`cancel` was called."""
+        """Whether the caller cancelled it."""
         return self._cancelled.is_set()
 
     @property
@@ -225,62 +230,11 @@ class Request:
         """Whether every prompt position must run (prompt log-probabilities): no cached prefix."""
         return self.params.prompt_logprobs is not None
 
+    @property
+    def greedy(self) -> bool:
+        """Whether its tokens are the argmax (temperature 0)."""
+        return self.params.temperature == 0
+
     def cancel(self) -> None:
-        """Stop generating; the stream ends with ``finish_reason="cancelled"`` (if it had not ended)."""
+        """Ask the engine to end it within one step (the caller's :meth:`RequestState.cancel` sets the same flag)."""
         self._cancelled.set()
-
-    def push(self, event: TokenEvent) -> None:
-        """Hand the caller an event (the engine thread)."""
-        with self._lock:
-            self._events.append(event)
-            if event.finish_reason is not None:
-                self.finish_reason = event.finish_reason
-                self.stop_reason = event.stop_reason
-                self.status = Status.FINISHED
-            self._ready.notify_all()
-            waker = self._waker
-        if waker is not None:
-            loop, ready = waker
-            try:
-                loop.call_soon_threadsafe(ready.set)
-            except RuntimeError:  # the consumer's loop is closed: nobody is listening
-                pass
-
-    def __iter__(self) -> Iterator[TokenEvent]:
-        while True:
-            with self._lock:
-                while not self._events:
-                    self._ready.wait()
-                event = self._events.popleft()
-            yield event
-            if event.finish_reason is not None:
-                return
-
-    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        ready = asyncio.Event()
-        with self._lock:
-            self._waker = (asyncio.get_running_loop(), ready)
-        while True:
-            with self._lock:
-                event = self._events.popleft() if self._events else None
-                if event is None:
-                    ready.clear()
-            if event is None:
-                await ready.wait()
-                continue
-            yield event
-            if event.finish_reason is not None:
-                return
-
-    def result(self) -> tuple[list[int], str, str]:
-        """Wait for the end: (token ids, text, finish reason)."""
-        tokens, pieces, reason = [], [], ""
-        for event in self:
-            if event.token_id is not None:
-                tokens.append(event.token_id)
-            pieces.append(event.text)
-            reason = event.finish_reason or reason
-        return tokens, "".join(pieces), reason
-
-
-RequestHandle = Request  # the name earlier releases gave it

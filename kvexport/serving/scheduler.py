@@ -1,19 +1,26 @@
 """The scheduler: the queue, admission, slot placement and the prefill token budget.
 
-Plain Python (no ONNX Runtime): each engine step asks it for a :class:`StepPlan` (which
-requests enter which slots, which prefixes to pin, which prompt chunks to prefill), and,
-once those have run, for a :class:`DecodePlan` (one batched call over every running row,
-or a speculative round for a request running alone). It keeps the cache's bookkeeping in
-step through its :class:`~kvexport.serving.slots.SlotTable`.
+Plain Python (no ONNX Runtime, onnx or torch): each engine step asks it for a
+:class:`StepPlan` (which requests enter which slots, which prefixes to pin, which prompt
+chunks to prefill, which requests were cancelled), and, once those have run, for a
+:class:`DecodePlan` (one batched call over every running row, or a speculative round for
+a request running alone). It alone changes the requests' state
+(:class:`~kvexport.serving.request.Request`) and the cache's bookkeeping
+(:class:`~kvexport.serving.slots.SlotTable`): from its plans, and from the outputs the
+engine hands it (:meth:`Scheduler.update_from_output`).
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from kvexport.drafting import DEFAULT_DRAFT_TOKENS, DraftBudget
 from kvexport.errors import KvexportError
+from kvexport.serving.errors import ParameterError
 from kvexport.serving.request import Request, Status
 from kvexport.serving.slots import MIN_COPIED_PREFIX, Placement, SlotTable
 
@@ -52,6 +59,7 @@ class StepPlan:
 
     admitted: list[tuple[Request, Placement]] = field(default_factory=list)
     dropped: list[Request] = field(default_factory=list)  # cancelled while they waited
+    cancelled: list[Request] = field(default_factory=list)  # cancelled once admitted (their slots stay held until they end)
     prefixes: list[PrefixJob] = field(default_factory=list)  # prefill whole, then pin
     prefill: list[PrefillChunk] = field(default_factory=list)
 
@@ -69,7 +77,41 @@ class DecodePlan:
     requests: list[Request] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
-    speculative: Request | None = None
+    speculative: SpeculativePlan | None = None
+
+
+@dataclass(frozen=True)
+class SpeculativePlan:
+    """One speculative round for ``request`` alone: draft after ``context`` (its cached tokens and the pending one)."""
+
+    request: Request
+    context: list[int]
+    room: int  # drafts that fit: tokens left to generate, rows left in the slot
+    budget: DraftBudget
+
+
+class Outputs(Protocol):
+    """What the scheduler reads of a step's outputs (an :class:`~kvexport.serving.output.OutputBatch`)."""
+
+    @property
+    def tokens(self) -> dict[str, list[int]]:
+        """Per request id, the tokens it took."""
+
+    @property
+    def finished(self) -> Sequence[Ended]:
+        """The requests that ended."""
+
+
+class Ended(Protocol):
+    """A request that ended, and why."""
+
+    @property
+    def request_id(self) -> str:
+        """Its id."""
+
+    @property
+    def reason(self) -> str:
+        """``stop``, ``length``, ``cancelled`` or ``error``."""
 
 
 class Scheduler:
@@ -80,17 +122,22 @@ class Scheduler:
         chunk: prompt tokens prefilled per step, over all prompts.
         max_queue: requests that may wait beyond the free slots.
         capacity: tokens per slot.
+        draft_tokens: the most drafts per speculative round.
 
     """
 
-    def __init__(self, table: SlotTable, *, chunk: int, max_queue: int, capacity: int) -> None:
+    def __init__(
+        self, table: SlotTable, *, chunk: int, max_queue: int, capacity: int, draft_tokens: int = DEFAULT_DRAFT_TOKENS
+    ) -> None:
         self.table = table
         self.chunk = chunk
         self.max_queue = max_queue
         self.capacity = capacity
+        self.draft_tokens = draft_tokens
         self.waiting: collections.deque[Request] = collections.deque()
         self.active: dict[int, Request] = {}  # slot -> request (prefilling or running)
         self.prefix_jobs: collections.deque[PrefixJob] = collections.deque()
+        self.requests: dict[str, Request] = {}  # id -> every request not finished yet
 
     @property
     def idle(self) -> bool:
@@ -99,21 +146,64 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request; :class:`EngineFull` when ``max_queue`` already wait beyond the free slots."""
+        self.add_all([request])
+
+    def add_all(self, requests: Sequence[Request], *, bounded: bool = True) -> None:
+        """Queue all of ``requests`` or none (:class:`EngineFull`); ``bounded`` False: past ``max_queue`` too (the warm-up)."""
         free = len(self.table) - len(self.active) - self.table.pinned
-        if len(self.waiting) >= self.max_queue + max(0, free):
-            raise EngineFull(f"{len(self.waiting)} requests are waiting for a slot; retry shortly")
-        self.waiting.append(request)
+        for queued in range(len(requests)):
+            if bounded and len(self.waiting) + queued >= self.max_queue + max(0, free):
+                raise EngineFull(f"{len(self.waiting) + queued} requests are waiting for a slot; retry shortly")
+        self.waiting.extend(requests)
+        self.requests.update((request.id, request) for request in requests)
+
+    def check_fits(self, requests: int) -> None:
+        """Refuse ``requests`` sent together that could never all be queued (a 503 would never clear)."""
+        slots = len(self.table) - self.table.pinned
+        if requests > self.max_queue + slots:
+            raise ParameterError(
+                f"n {requests}: one request asks for {requests} sequences, more than this server queues at once "
+                f"({self.max_queue} waiting + {slots} slots); send fewer prompts or a smaller n",
+                parameter="n",
+            )
+
+    def add_prefix(self, job: PrefixJob) -> None:
+        """Queue a prefix to cache in a slot of its own; refused when all but one slot would hold prefixes."""
+        if self.table.pinned + len(self.prefix_jobs) >= len(self.table) - 1:
+            raise KvexportError(f"all but one of the {len(self.table)} slots hold registered prefixes; unregister one first")
+        self.prefix_jobs.append(job)
+
+    def prefix_cached(self, job: PrefixJob) -> None:
+        """``job``'s prefix ran: its pinned slot holds it."""
+        self.table.wrote(job.slot, 0, job.tokens)
+
+    def prefix_failed(self, job: PrefixJob) -> None:
+        """``job``'s prefix was not cached: its slot is free again, its rows invalid."""
+        self.table.unpin_slot(job.slot)
+        self.table.release(job.slot, valid=False)
+
+    def unpin(self, tokens: Sequence[int]) -> bool:
+        """Free the slot kept for the prefix ``tokens``; False if none is."""
+        return self.table.unpin(tokens)
+
+    def __iter__(self) -> Iterator[Request]:
+        """Every request not finished: waiting, prefilling or running."""
+        return iter(list(self.requests.values()))
+
+    def counts(self) -> tuple[int, int, int]:
+        """Requests holding a slot, prefilling and waiting."""
+        prefilling = sum(r.status is Status.PREFILLING for r in self.active.values())
+        return len(self.active), prefilling, len(self.waiting)
 
     def schedule(self) -> StepPlan:
         """Admit what fits, pin waiting prefixes, and choose this step's prompt chunks."""
-        plan = StepPlan(dropped=[r for r in self.waiting if r.cancelled])
+        plan = StepPlan(dropped=[r for r in self.waiting if r.cancelled], cancelled=self.take_cancelled())
         for request in plan.dropped:  # a caller that left while it waited
             self.waiting.remove(request)
         free = self.table.free(self.active)
         while self.prefix_jobs and free:
             job = self.prefix_jobs.popleft()
             job.slot = self.table.pin_slot(free)
-            self.table.residents[job.slot].pinned = True
             free.remove(job.slot)
             plan.prefixes.append(job)
         held: list[Request] = []
@@ -156,7 +246,7 @@ class Scheduler:
             request.status = Status.RUNNING
 
     def decode_plan(self, *, speculate: bool = False) -> DecodePlan | None:
-        """The decode call for every running row (None: none runs).
+        """The decode call for every running row (None: none runs); the rows it writes are recorded.
 
         A speculative round instead when ``speculate`` and one plain request runs alone with
         nothing waiting.
@@ -166,27 +256,59 @@ class Scheduler:
             return None
         alone = running[0]
         if speculate and len(self.active) == 1 and not self.waiting and _plain(alone):
-            return DecodePlan(speculative=alone)
+            return DecodePlan(speculative=self._speculative_plan(alone))
         plan = DecodePlan(rows=max(r.slot for r in running) + 1, requests=running)
         for slot in range(plan.rows):
             request = self.active.get(slot)
-            tokens = self.table.residents[slot].tokens
             if request is not None and request.status is Status.RUNNING:
                 plan.tokens.append(request.next_token)
                 plan.positions.append(request.length)
-                tokens.append(request.next_token)
+                self.table.wrote(slot, request.length, [request.next_token])
+                request.length += 1
             else:  # a free or prefilling slot writes one row just past the rows it keeps
                 self.table.keep(slot, self.capacity - 1)
                 plan.tokens.append(0)
-                plan.positions.append(len(tokens))
+                plan.positions.append(self.table.length(slot))
         return plan
 
+    def _speculative_plan(self, request: Request) -> SpeculativePlan:
+        if request.draft_budget is None:
+            request.draft_budget = DraftBudget(self.draft_tokens)
+        room = min(request.params.max_tokens - len(request.output) - 1, self.capacity - request.length - 1)
+        context = [*self.table.residents[request.slot].tokens, request.next_token]
+        return SpeculativePlan(request, context, room, request.draft_budget)
+
+    def speculated(self, plan: SpeculativePlan, drafts: Sequence[int], kept: int) -> None:
+        """A speculative round ran: the pending token and the ``kept`` drafts are in the slot; the rejected drafts' rows are free again."""
+        request = plan.request
+        self.table.wrote(request.slot, request.length, [request.next_token, *drafts[:kept]])
+        request.length = self.table.length(request.slot)
+
+    def update_from_output(self, outputs: Outputs) -> None:
+        """Take a step's outputs: each request's new tokens (the last is fed next), and the requests that ended."""
+        for request_id, tokens in outputs.tokens.items():
+            request = self.requests.get(request_id)
+            if request is not None and tokens:
+                request.output += tokens
+                request.next_token = tokens[-1]
+        for ended in outputs.finished:
+            request = self.requests.get(ended.request_id)
+            if request is not None:
+                self.finish(request, valid=ended.reason != "error")  # a failed run may have left rows half written
+
     def finish(self, request: Request, *, valid: bool = True) -> None:
-        """``request`` ended: its slot is free again (its rows stay cached when ``valid``)."""
+        """``request`` ended: it leaves the queue, or its slot is free again (its rows stay cached when ``valid``)."""
         if self.active.get(request.slot) is request:
             del self.active[request.slot]
             self.table.release(request.slot, valid=valid)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.requests.pop(request.id, None)
         request.status = Status.FINISHED
+
+    def unfinished(self, *, waiting: bool = False) -> list[Request]:
+        """The admitted requests, and the waiting ones too when ``waiting`` (what a failed step ends)."""
+        return [*self.active.values(), *(self.waiting if waiting else ())]
 
     def take_cancelled(self) -> list[Request]:
         """The admitted requests whose callers cancelled them."""
@@ -200,4 +322,4 @@ def _plain(request: Request) -> bool:
     batched, so its tokens would depend on the load.
     """
     params = request.params
-    return not request.sampling.do_sample and not params.controls_logits and params.logprobs is None
+    return request.greedy and not params.controls_logits and params.logprobs is None

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
-from kvexport.runtime.speculative import common_prefix
+from kvexport.drafting import common_prefix
 
 # A cached prefix shorter than this is not worth copying from another slot
 MIN_COPIED_PREFIX = 16
@@ -97,10 +97,19 @@ class SlotTable:
         return Placement(target, own)
 
     def pin_slot(self, free: Sequence[int]) -> int:
-        """The slot for a registered prefix: the highest free one, out of the way of the decode rows."""
+        """Pin the slot for a registered prefix: the highest free one, out of the way of the decode rows."""
         slot = max(free)
         self.residents[slot].tokens = []
+        self.residents[slot].pinned = True
         return slot
+
+    def unpin_slot(self, slot: int) -> None:
+        """``slot`` holds no registered prefix any more."""
+        self.residents[slot].pinned = False
+
+    def length(self, slot: int) -> int:
+        """How many of ``slot``'s first rows are valid."""
+        return len(self.residents[slot].tokens)
 
     def wrote(self, slot: int, start: int, tokens: Sequence[int]) -> None:
         """Rows ``start..`` of ``slot`` now hold ``tokens`` (what was after them is gone)."""

@@ -19,11 +19,11 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
+from tokenizers import Tokenizer
 
-from kvexport.serving.engine import Engine
+from kvexport.serving.output import RequestState
 from kvexport.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvexport.serving.request import Logprob, TokenEvent
-from kvexport.serving.request import Request as EngineRequest
 
 LOWEST_LOGPROB = -9999.0  # what OpenAI and vLLM send for -inf
 _STREAM_ERROR = {"message": "generation failed", "type": "server_error", "param": None, "code": None}
@@ -39,8 +39,8 @@ def error_response(status: int, message: str, kind: str = "invalid_request_error
 class TokenNames:
     """Token ids to the strings the API shows (vLLM's ``decoded_token``, or ``token_id:N``)."""
 
-    def __init__(self, engine: Engine, as_ids: bool) -> None:
-        self.tokenizer = engine.tokenizer
+    def __init__(self, tokenizer: Tokenizer | None, as_ids: bool) -> None:
+        self.tokenizer = tokenizer
         self.as_ids = as_ids
 
     def __call__(self, token: int) -> str:
@@ -55,7 +55,7 @@ class Choice:
     """One choice being answered: its request, what it echoes, and what it has streamed so far."""
 
     index: int
-    request: EngineRequest
+    request: RequestState
     echo_text: str = ""  # the prompt, when echoed
     echo_ids: list[int] = field(default_factory=list)
     echo_only: bool = False  # echo with max_tokens 0: the generated token is dropped
@@ -133,7 +133,7 @@ def _chat_entry(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": max(logprob, LOWEST_LOGPROB), "bytes": list(text.encode("utf-8", errors="replace"))}
 
 
-def prompt_logprobs(request: EngineRequest, name: TokenNames) -> list[dict[str, Any] | None]:
+def prompt_logprobs(request: RequestState, name: TokenNames) -> list[dict[str, Any] | None]:
     """VLLM's ``prompt_logprobs``: per prompt token, None for the first, else {token id: {logprob, rank, decoded_token}}."""
     out: list[dict[str, Any] | None] = []
     for logprob in request.prompt_logprobs:

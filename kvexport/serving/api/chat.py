@@ -1,0 +1,57 @@
+"""``POST /v1/chat/completions``: ``messages`` rendered by the chat template (:mod:`kvexport.serving.chat`).
+
+The same controls as completions, ``logprobs`` / ``top_logprobs`` in the chat shape, and
+streamed ``chat.completion.chunk`` deltas. Without ``max_tokens`` (or
+``max_completion_tokens``) a chat may use the rest of the context, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvexport.serving.api.common import (
+    Served,
+    chat_prompt,
+    refusal,
+    served,
+    submit_choices,
+    wrong_model,
+)
+from kvexport.serving.api.render import ChatRender, Choice, TokenNames, answer, error_response
+from kvexport.serving.protocol import ChatCompletionRequest
+
+router = APIRouter()
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(body: ChatCompletionRequest, request: Request, context: Served = Depends(served)) -> Response:  # noqa: B008
+    """A ``chat.completion`` body, or its ``chat.completion.chunk`` deltas as SSE."""
+    problem = wrong_model(context, body.model) or refusal(body)
+    if problem is not None:
+        return problem
+    if body.top_logprobs is not None and not body.logprobs:
+        return error_response(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    engine = context.engine
+    choices: list[Choice] = []
+
+    def submit() -> None:
+        ids = engine.encode(chat_prompt(context, body.messages, body.add_generation_prompt))
+        if body.truncate_prompt_tokens is not None:
+            ids = ids[-body.truncate_prompt_tokens :]
+        wanted = body.wanted_tokens()
+        params = body.sampling_params(
+            wanted if wanted is not None else max(1, engine.capacity - len(ids)),
+            logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+            prompt_logprobs=None,
+        )
+        for child in engine.submit_n(ids, params, body.n):
+            choices.append(Choice(len(choices), child))
+
+    refused = submit_choices(submit, choices, "messages")
+    if refused is not None:
+        return refused
+    render = ChatRender(context.model, choices, TokenNames(engine.tokenizer, body.return_tokens_as_token_ids), body)
+    if body.stream:
+        return StreamingResponse(render.stream(), media_type="text/event-stream")
+    return await answer(choices, request, render.whole)

@@ -1,0 +1,91 @@
+"""What the routes share: the served engine and model, the model check, chat prompts, and submitting choices.
+
+A refusal names the field it is about: a :class:`~kvexport.serving.errors.ParameterError`
+carries it from where it was raised; any other one-line error is about the route's input
+(``prompt`` or ``messages``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+from tokenizers import Tokenizer
+
+from kvexport.errors import KvexportError
+from kvexport.serving.api.render import Choice, cancel, error_response
+from kvexport.serving.chat import ChatTemplate
+from kvexport.serving.engine import Engine, EngineClosed, EngineFull
+from kvexport.serving.errors import ParameterError
+from kvexport.serving.protocol import ChatMessage, SamplingFields
+
+RETRY_AFTER_S = 1
+
+
+@dataclass(frozen=True)
+class Served:
+    """What one app serves: the engine, the model name clients use, the chat template and the playground page."""
+
+    engine: Engine
+    model: str
+    chat_template: ChatTemplate | None
+    playground: str
+
+
+def served(request: Request) -> Served:
+    """The app's :class:`Served` (a FastAPI dependency, as vLLM reads ``app.state``)."""
+    value: Served = request.app.state.served
+    return value
+
+
+def wrong_model(served: Served, name: str | None) -> JSONResponse | None:
+    """A 404 naming the served model when the request asks for another one."""
+    if name is not None and name != served.model:
+        return error_response(
+            404, f"the model `{name}` does not exist; this server serves `{served.model}`", param="model", code="model_not_found"
+        )
+    return None
+
+
+def chat_prompt(served: Served, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
+    """The prompt text of ``messages`` (chat and /tokenize); one line when there is no template."""
+    if served.chat_template is None:
+        raise ParameterError(
+            "this model has no chat template: start kvexport serve with --chat-template FILE (a Jinja template), "
+            "or use /v1/completions",
+            parameter="messages",
+        )
+    return served.chat_template.render([m.for_template() for m in messages], add_generation_prompt=add_generation_prompt)
+
+
+def decode(tokenizer: Tokenizer | None, ids: list[int]) -> str:
+    """The text of ``ids`` ("" without a tokenizer)."""
+    return "" if tokenizer is None else str(tokenizer.decode(ids))
+
+
+def refusal(body: SamplingFields) -> JSONResponse | None:
+    """A 400 for the first field of ``body`` this server does not serve, naming it."""
+    refused = body.refused()
+    if refused is None:
+        return None
+    return error_response(400, str(refused), param=refused.parameter)
+
+
+def submit_choices(submit: Callable[[], None], choices: list[Choice], input_field: str) -> JSONResponse | None:
+    """Run ``submit``; on a refusal cancel what it had queued and answer in OpenAI's shape.
+
+    The 400's ``param`` is the field the error names, else ``input_field`` (the prompt or
+    the messages: a prompt too long, a template that refuses them).
+    """
+    try:
+        submit()
+    except (EngineFull, EngineClosed) as exc:
+        cancel(choices)
+        return error_response(503, str(exc), kind="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+    except KvexportError as exc:
+        cancel(choices)
+        param = exc.parameter if isinstance(exc, ParameterError) else input_field
+        return error_response(400, str(exc), param=param)
+    return None

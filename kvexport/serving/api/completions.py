@@ -1,0 +1,55 @@
+"""``POST /v1/completions``: a prompt (text or token ids) or a list of them, ``n`` choices each.
+
+Choice index = prompt × n + i; ``echo`` puts the prompt first (with ``logprobs``, its
+log-probabilities first, the first prompt token's ``null``); ``prompt_logprobs``; every
+sampling control of :mod:`kvexport.serving.protocol`; SSE streaming, one chunk per token.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import Response, StreamingResponse
+
+from kvexport.serving.api.common import Served, decode, refusal, served, submit_choices, wrong_model
+from kvexport.serving.api.render import Choice, CompletionRender, TokenNames, answer, error_response
+from kvexport.serving.protocol import CompletionRequest
+from kvexport.serving.request import DEFAULT_MAX_TOKENS
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(body: CompletionRequest, request: Request, context: Served = Depends(served)) -> Response:  # noqa: B008
+    """A ``text_completion`` body, or its chunks as SSE."""
+    problem = wrong_model(context, body.model) or refusal(body)
+    if problem is not None:
+        return problem
+    if body.max_tokens == 0 and not body.echo:
+        return error_response(400, "max_tokens: Input should be greater than or equal to 1", param="max_tokens")
+    engine = context.engine
+    prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else (body.logprobs if body.echo else None)
+    echo_only = body.echo and body.max_tokens == 0
+    choices: list[Choice] = []
+
+    def submit() -> None:
+        engine.check_fits(len(body.prompts()) * body.n)
+        for prompt in body.prompts():
+            ids = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+            if body.truncate_prompt_tokens is not None:
+                ids = ids[-body.truncate_prompt_tokens :]
+            wanted = 1 if echo_only else (body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS)
+            params = body.sampling_params(wanted, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+            echo = ""
+            if body.echo:  # the prompt as sent, unless it was token ids or truncated
+                echo = prompt if isinstance(prompt, str) and body.truncate_prompt_tokens is None else decode(engine.tokenizer, ids)
+            for child in engine.submit_n(ids, params, body.n):
+                choices.append(Choice(len(choices), child, echo, ids if body.echo else [], echo_only))
+
+    refused = submit_choices(submit, choices, "prompt")
+    if refused is not None:
+        return refused
+    first = choices[:: body.n]  # one choice per prompt: each prompt's n choices are together
+    render = CompletionRender(context.model, choices, first, TokenNames(engine.tokenizer, body.return_tokens_as_token_ids), body)
+    if body.stream:
+        return StreamingResponse(render.stream(), media_type="text/event-stream")
+    return await answer(choices, request, render.whole)
