@@ -192,7 +192,7 @@ def kvexport_exports(
     import dataclasses
 
     from kvexport import export_gpt2
-    from kvexport.export.writer import QUANTIZATION_SCHEMES
+    from kvexport.export.quantization import QUANTIZATION_SCHEMES
 
     wanted: dict[str, tuple[str, Any]] = {scheme: (scheme, None) for scheme, _ in SCHEMES}
     for block in int4_blocks:

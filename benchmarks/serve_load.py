@@ -57,7 +57,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).parent))
 import llama_cpp_compare as llama
 
-from kvexport.export.calibration import cache_quantization, copy_with_quantized_cache
+from kvexport.export.calibration import copy_with_quantized_cache
+from kvexport.export.quantization import cache_quantization
 
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_0"))
 VLLM_PYTHON = Path("/work/vllm-env/bin/python")  # where --vllm auto looks

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 
 from kvexport import verify
 from kvexport.cli import main
-from kvexport.export.writer import QUANTIZATION_SCHEMES, QUANTIZATION_TOLERANCES
+from kvexport.export.quantization import QUANTIZATION_SCHEMES, QUANTIZATION_TOLERANCES
 from kvexport.runtime import Generator
 from kvexport.testing import export_foreign
 from tests.conftest import TRAINED
