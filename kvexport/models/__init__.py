@@ -13,8 +13,15 @@ from pathlib import Path
 from kvexport.errors import KvexportError
 from kvexport.models.base import ModelFamily, read_config
 
-# model_type -> the module whose FAMILY exports it
-FAMILIES: dict[str, str] = {"gpt2": "kvexport.models.gpt2"}
+# model_type -> "module:attribute" of the ModelFamily that exports it
+FAMILIES: dict[str, str] = {
+    "gpt2": "kvexport.models.gpt2:FAMILY",
+    "llama": "kvexport.models.llama:LLAMA",
+    "mistral": "kvexport.models.llama:MISTRAL",
+    "phi3": "kvexport.models.llama:PHI3",
+    "qwen2": "kvexport.models.llama:QWEN2",
+    "qwen3": "kvexport.models.llama:QWEN3",
+}
 
 __all__ = ["FAMILIES", "ModelFamily", "family_for", "family_of_model", "known_model_types"]
 
@@ -26,13 +33,14 @@ def known_model_types() -> list[str]:
 
 def family_for(model_type: object, where: str = "config.json") -> ModelFamily:
     """The family that exports ``model_type``, or one line naming the known ones."""
-    module = FAMILIES.get(model_type) if isinstance(model_type, str) else None
-    if module is None:
+    where_defined = FAMILIES.get(model_type) if isinstance(model_type, str) else None
+    if where_defined is None:
         raise KvexportError(
             f"{where}: model_type {model_type!r} is not a family kvexport exports; "
             f"known: {', '.join(known_model_types())}"
         )
-    family: ModelFamily = importlib.import_module(module).FAMILY
+    module, _, attribute = where_defined.partition(":")
+    family: ModelFamily = getattr(importlib.import_module(module), attribute)
     return family
 
 

@@ -13,7 +13,7 @@ What a family provides:
   verify and check never read a family's own config keys;
 - a seeded random-init model from a preset or a config file, or a checkpoint (:meth:`load`);
 - the exportable prefill / decode modules (:meth:`prefill_module`, :meth:`decode_module`);
-- the tokenizer and chat template to ship (:meth:`tokenizer`, :meth:`chat_template`);
+- the tokenizer and chat template to ship (:meth:`tokenizer`, :meth:`tokenizer_config`);
 - which attention fusions apply to its graphs (:attr:`attention_kinds`).
 
 Nothing here imports torch at module level: the importer and ``kvexport check`` read
@@ -74,15 +74,25 @@ class ModelFamily(ABC):
     def tokenizer(self, model_dir: Path | None, vocab_size: int) -> TokenizerChoice:
         """The tokenizer an export ships (the checkpoint's own first), or why none."""
 
-    def chat_template(self, model_dir: Path | None) -> str | None:
-        """The checkpoint's chat template (``tokenizer_config.json``'s ``chat_template``), if any."""
-        if model_dir is None or not (model_dir / "tokenizer_config.json").is_file():
+    def tokenizer_config(self, model_dir: Path | None) -> dict[str, Any] | None:
+        """The checkpoint's ``tokenizer_config.json``, with its chat template, to ship beside ``tokenizer.json``.
+
+        Newer checkpoints keep the template in ``chat_template.jinja``; it is folded into the
+        config's ``chat_template``, where ``kvexport serve`` (and transformers) read it.
+        """
+        if model_dir is None:
             return None
-        try:
-            template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template")
-        except json.JSONDecodeError:
-            return None
-        return template if isinstance(template, str) else None
+        config_path, template_path = model_dir / "tokenizer_config.json", model_dir / "chat_template.jinja"
+        config: dict[str, Any] = {}
+        if config_path.is_file():
+            try:
+                loaded = json.loads(config_path.read_text())
+            except (OSError, json.JSONDecodeError) as exc:
+                raise KvexportError(f"{config_path}: not readable JSON ({exc}); fix or remove it") from exc
+            config = loaded if isinstance(loaded, dict) else {}
+        if template_path.is_file():
+            config["chat_template"] = template_path.read_text()
+        return config or None
 
     def check_config(self, config: Mapping[str, Any], where: str) -> None:
         """Refuse, in one line, a config this family does not export."""

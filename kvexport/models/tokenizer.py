@@ -8,6 +8,7 @@ without a tokenizer (pipelines that tokenize elsewhere still use the graphs).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,8 @@ class TokenizerChoice:
     tokenizer: Tokenizer | None
     source: str
     eos_token_id: int | None
+    # every token that ends a generation (Llama 3 has several); the first is eos_token_id
+    eos_token_ids: tuple[int, ...] = ()
 
 
 def _byte_level_bpe(vocab_path: Path, merges_path: Path) -> Tokenizer:
@@ -72,3 +75,30 @@ def choose_tokenizer(model_dir: Path | None, vocab_size: int) -> TokenizerChoice
         f"none: vocab size {vocab_size} is not GPT-2's {GPT2_VOCAB_SIZE} and the model has no tokenizer",
         None,
     )
+
+
+def eos_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """The tokens that end a generation: ``generation_config.json``'s ``eos_token_id``, else ``config.json``'s."""
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if not path.is_file():
+            continue
+        try:
+            value = json.loads(path.read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(value, int):
+            return (value,)
+        if isinstance(value, list) and value and all(isinstance(v, int) for v in value):
+            return tuple(value)
+    return ()
+
+
+def checkpoint_tokenizer(model_dir: Path | None, vocab_size: int) -> TokenizerChoice:
+    """A checkpoint's own ``tokenizer.json`` with its EOS tokens (no bundled fallback: the vocabulary is its own)."""
+    if model_dir is None or not (model_dir / "tokenizer.json").is_file():
+        where = "a random-init model" if model_dir is None else f"no tokenizer.json in {model_dir}"
+        return TokenizerChoice(None, f"none: {where} (vocab size {vocab_size})", None)
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    eos = eos_token_ids(model_dir)
+    return TokenizerChoice(tokenizer, str(model_dir / "tokenizer.json"), eos[0] if eos else None, eos)

@@ -10,6 +10,7 @@ as a :data:`Body` from the family's module.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,43 @@ from transformers import DynamicCache, PreTrainedModel
 # The decoder body of a family: (model, input_ids, cache, attention_mask, position_ids) -> the
 # final hidden states [batch, sequence, hidden]; ``cache`` is extended in place.
 Body = Callable[[Any, torch.Tensor, DynamicCache, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cache_keyword(module: torch.nn.Module) -> str:
+    """The keyword a Hugging Face model's ``forward`` takes its cache by (``cache`` in 5.2x, ``past_key_values`` before)."""
+    parameters = inspect.signature(module.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def decoder_body(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    cache: DynamicCache,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+) -> torch.Tensor:
+    """Final hidden states of a causal LM's decoder (``model.base_model``); ``cache`` grows in place."""
+    decoder = model.base_model
+    output = decoder(
+        input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        use_cache=True,
+        **{cache_keyword(decoder): cache},
+    )
+    hidden: torch.Tensor = output.last_hidden_state
+    return hidden
+
+
+def full_cache(pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> DynamicCache:
+    """A cache that keeps every position of every layer, optionally filled with ``(key, value)`` pairs.
+
+    Built from a config, transformers gives a sliding-window model (Mistral) layers that
+    drop the positions behind the window, so a present would be shorter than past + 1 and
+    break the contract (``present.<l>.key`` is ``[batch, KV, total_sequence, D]``). Kept
+    whole, the window is applied by the attention mask alone, as the graphs apply it.
+    """
+    return DynamicCache(pairs) if pairs else DynamicCache()
 
 
 def cache_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -73,7 +111,7 @@ class PrefillModule(torch.nn.Module):
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """Run the prompt; return last-position (or all) logits and the presents."""
-        cache = DynamicCache(config=self.model.config)
+        cache = full_cache()
         hidden = self.body(
             self.model, input_ids, cache, attention_mask, position_ids
         )  # [batch, sequence, hidden]
@@ -110,7 +148,7 @@ class DecodeModule(torch.nn.Module):
     ) -> tuple[torch.Tensor, ...]:
         """Run one token against the past; return its logits and the grown presents."""
         pairs = [(past[2 * layer], past[2 * layer + 1]) for layer in range(len(past) // 2)]
-        cache = DynamicCache(pairs, config=self.model.config)
+        cache = full_cache(pairs)
         hidden = self.body(
             self.model, input_ids, cache, attention_mask, position_ids
         )  # [batch, 1, hidden]

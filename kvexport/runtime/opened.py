@@ -33,6 +33,8 @@ class OpenedExport:
     provider: Literal["cpu", "cuda"]
     tokenizer: ExportTokenizer
     eos_token_id: int | None
+    # every token that ends a generation (the manifest's eos_token_ids; Llama 3 has several)
+    eos_token_ids: tuple[int, ...] = ()
     protos: dict[str, onnx.ModelProto] = field(default_factory=dict)
 
     def require_in_place(self, why: str) -> None:
@@ -58,6 +60,7 @@ def open_export(
         provider=resolved,
         tokenizer=ExportTokenizer(path, found.manifest),
         eos_token_id=found.manifest.tokenizer.get("eos_token_id"),
+        eos_token_ids=_eos_token_ids(found.manifest),
         protos=found.protos,
     )
 
@@ -91,3 +94,12 @@ def check_room(prompt: int, new_tokens: int, limit: int, *, hint: str = "") -> N
             f"({prompt} in the prompt, {new_tokens} for the completion); shorten the prompt or ask for fewer "
             f"tokens{hint}"
         )
+
+
+def _eos_token_ids(manifest: Manifest) -> tuple[int, ...]:
+    """The manifest's ``eos_token_ids``, else its one ``eos_token_id`` (exports before the list)."""
+    listed = manifest.tokenizer.get("eos_token_ids")
+    if isinstance(listed, list) and listed:
+        return tuple(int(token) for token in listed)
+    single = manifest.tokenizer.get("eos_token_id")
+    return () if single is None else (int(single),)

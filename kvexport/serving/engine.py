@@ -188,7 +188,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.table, chunk=config.chunk, max_queue=config.max_queue, capacity=self.capacity, draft_tokens=config.draft_tokens
         )
-        self.output = OutputProcessor(self.tokenizer, self.eos_token_id)
+        self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids)
         self._listeners: list[EngineListener] = []
         self._ids_counter = itertools.count()
         self._lock = threading.Lock()

@@ -193,21 +193,21 @@ class OutputProcessor:
 
     Args:
         tokenizer: the export's tokenizer (None: token ids only, no text).
-        eos_token_id: the export's EOS.
+        eos_token_ids: the tokens that end a generation (the export's EOS tokens).
 
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, eos_token_id: int | None) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
         self.tokenizer = tokenizer
-        self.eos_token_id = eos_token_id
+        self.eos_token_ids = eos_token_ids
         self.states: dict[str, RequestState] = {}  # the requests whose stream has not ended
 
     def add_request(self, state: RequestState) -> None:
         """Take a new request: its text stream, and the tokens that end it (EOS unless ignored)."""
         params = state.params
         state.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output)
-        if self.eos_token_id is not None and not params.ignore_eos:
-            state.stop_ids = (*params.stop_token_ids, self.eos_token_id)
+        if self.eos_token_ids and not params.ignore_eos:
+            state.stop_ids = (*params.stop_token_ids, *self.eos_token_ids)
         self.states[state.id] = state
 
     def admitted(self, request_id: str, cached_tokens: int) -> None:
@@ -315,7 +315,7 @@ class OutputProcessor:
         generated = len(state.output)
         assert state.text is not None
         if generated >= params.min_tokens and token in state.stop_ids:
-            reason = None if token == self.eos_token_id and not params.ignore_eos else token  # EOS first, as vLLM
+            reason = None if token in self.eos_token_ids and not params.ignore_eos else token  # EOS first, as vLLM
             text = state.text.add(token)[0] if params.include_stop_str_in_output else ""
             self._end(batch, state, TokenEvent(token, text + state.text.flush(), "stop", logprob=logprob, stop_reason=reason))
             return True

@@ -38,7 +38,7 @@ from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError, ManifestError
 from kvexport.models import family_for
 from kvexport.models.base import weights_fingerprint
-from kvexport.models.wrappers import cache_layers
+from kvexport.models.wrappers import cache_keyword, cache_layers, full_cache
 from kvexport.passes.cache_names import cache_names
 from kvexport.progress import Progress, silent
 from kvexport.runtime.cache import CacheBanks, SlotCache, cache_layout_of
@@ -400,10 +400,10 @@ def _torch_logits(
     with torch.no_grad():
         reference = model(
             torch.from_numpy(inputs["input_ids"]),
-            cache,  # positional: the keyword is past_key_values or cache, by version
             attention_mask=torch.from_numpy(inputs["attention_mask"]),
             position_ids=torch.from_numpy(inputs["position_ids"]),
             use_cache=True,
+            **{cache_keyword(model): cache},
         )
     logits = reference.logits.float().numpy()
     return logits[:, -1:, :] if last_only else logits
@@ -454,7 +454,7 @@ def _run_case(
     present_names = cache_names("present", manifest.dims.num_layers)
     inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": positions_from_mask(mask)}
     pasts: dict[str, np.ndarray] = {}
-    cache = DynamicCache(config=model.config)
+    cache = full_cache()
     for step in range(steps + 1):
         got = runner.run("prefill" if step == 0 else "decode", {**inputs, **pasts})
         want_logits = _torch_logits(model, inputs, cache, last_only=not (step == 0 and manifest.all_logits))
@@ -496,7 +496,7 @@ def _run_slots_case(
     capacity = max(lengths) + steps
     prompts = [np.random.default_rng(row).integers(0, dims.vocab_size, (1, n), dtype=np.int64) for row, n in enumerate(lengths)]
     slots = SlotCache(manifest, report.provider, len(prompts), capacity)
-    caches = [DynamicCache(config=model.config) for _ in prompts]
+    caches = [full_cache() for _ in prompts]
     got_rows, want_rows = [], []
     for row, prompt in enumerate(prompts):
         inputs = {"input_ids": prompt, "attention_mask": np.ones_like(prompt), "position_ids": np.arange(prompt.shape[1])[None]}
