@@ -6,6 +6,7 @@ exit, never a traceback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -21,6 +22,7 @@ from typing import Any, TypeVar
 
 import click
 
+from kvexport.drafting import DEFAULT_DRAFT_TOKENS
 from kvexport.errors import KvexportError
 from kvexport.export.choices import (
     DEFAULT_OPSET,
@@ -190,13 +192,16 @@ def cache_option(help_text: str) -> Callable[[F], F]:
 
 
 def provider_option(function: F) -> F:
-    """``--provider cpu|cuda|auto``."""
+    """``--provider cpu|cuda|auto``, as ``EngineConfig.provider`` defines it."""
+    from kvexport.serving.config import EngineConfig
+
+    setting = next(f for f in dataclasses.fields(EngineConfig) if f.name == "provider")
     return click.option(
         "--provider",
-        type=click.Choice(["cpu", "cuda", "auto"]),
-        default="cpu",
+        type=click.Choice(list(setting.metadata["choices"])),
+        default=setting.default,
         show_default=True,
-        help="ONNX Runtime execution provider; cuda fails if unavailable, auto picks the best.",
+        help=setting.metadata["help"],
     )(function)
 
 
@@ -513,7 +518,9 @@ def speculation_options(function: F) -> F:
                 default=None,
                 help="Speculative decoding with this smaller in-place export as the drafter (same tokenizer).",
             ),
-            click.option("--draft-tokens", default=4, show_default=True, type=click.IntRange(1), help="Drafts per step."),
+            click.option(
+                "--draft-tokens", default=DEFAULT_DRAFT_TOKENS, show_default=True, type=click.IntRange(1), help="Drafts per step."
+            ),
         ]
     ):
         function = option(function)
@@ -522,13 +529,13 @@ def speculation_options(function: F) -> F:
 
 def _drafter(prompt_lookup: bool, draft: Path | None, provider: str) -> Any:
     """The drafter the speculation options ask for (None: no speculation)."""
-    from kvexport.runtime.speculative import DraftModel, PromptLookup
+    from kvexport.serving.config import (
+        EngineConfig,  # the settings' one check and one drafter choice
+    )
 
-    if prompt_lookup and draft is not None:
-        raise UserError("--prompt-lookup and --draft: pick one drafter")
-    if draft is not None:
-        return _run(lambda: DraftModel(draft, provider))
-    return PromptLookup() if prompt_lookup else None
+    draft_path = None if draft is None else str(draft)
+    config = _run(lambda: EngineConfig(provider=provider, prompt_lookup=prompt_lookup, draft=draft_path))
+    return _run(config.drafter)
 
 
 @main.command("generate")

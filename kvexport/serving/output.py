@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
-from kvexport.runtime.sampling import SamplingConfig
+from kvexport.runtime.sampling import SamplingConfig, log_softmax
 from kvexport.runtime.text import TextStream
-from kvexport.serving.processors import choose, controlled_scores, log_softmax, logprob_of
+from kvexport.serving.processors import choose, controlled_scores, logprob_of
 from kvexport.serving.request import Logprob, SamplingParams, TokenEvent
 
 

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvexport.runtime.sampling import SamplingConfig, choose_tokens, draw, token_probabilities
+from kvexport.runtime.sampling import (
+    SamplingConfig,
+    choose_tokens,
+    draw,
+    softmax,
+    token_probabilities,
+)
 from kvexport.serving.request import Logprob, SamplingParams
 
 BANNED_BIAS = -100.0  # a logit_bias of -100 bans its token (OpenAI: "should result in a ban")
@@ -104,16 +110,9 @@ def distribution(scores: np.ndarray, params: SamplingParams, sampling: SamplingC
     """
     scaled = scores.astype(np.float64) / sampling.temperature
     if params.min_p:
-        probs = _softmax(scaled)
+        probs = softmax(scaled)
         scaled = np.where(probs < params.min_p * probs.max(), -np.inf, scaled)
     return token_probabilities(scaled[None], dataclasses.replace(sampling, temperature=1.0))[0]
-
-
-def log_softmax(rows: np.ndarray) -> np.ndarray:
-    """Log-probabilities of each row of logits (float32 in, float64 out)."""
-    scores = rows.astype(np.float64)
-    top = scores.max(-1, keepdims=True)
-    return scores - top - np.log(np.exp(scores - top).sum(-1, keepdims=True))
 
 
 def logprob_of(logprobs: np.ndarray, token: int, top: int) -> Logprob:
@@ -127,7 +126,3 @@ def logprob_of(logprobs: np.ndarray, token: int, top: int) -> Logprob:
     rank = int((logprobs > logprobs[token]).sum()) + 1
     return Logprob(int(token), float(logprobs[token]), rank, alternatives)
 
-
-def _softmax(scores: np.ndarray) -> np.ndarray:
-    shifted = np.exp(scores - scores.max(-1, keepdims=True))
-    return shifted / shifted.sum(-1, keepdims=True)
