@@ -356,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
                     before_log = args.work / f"serve-{label.replace(' ', '-')}-before.log"
                     before_export = format_1_copy(exports[label], args.work / f"before-{exports[label].name}")
                     url, process = start_kvexport(before_export, args.slots, args.context, before_log, checkout=args.kvexport_before.resolve())
-                    servers[f"kvexport {label} (before)"] = (url, process, exports[label].name)
+                    servers[f"kvexport {label} (before)"] = (url, process, before_export.name)
             if not args.no_llama:
                 url, process = start_llama(source, ggufs[kind], args.slots, args.context, args.threads, args.work / f"llama-server-{kind}.log")
                 servers[f"llama-server {kind}"] = (url, process, ggufs[kind].name)

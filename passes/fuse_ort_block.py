@@ -1,4 +1,4 @@
-"""fuse_ort_block: ONNX Runtime's fused ops for the rest of a GPT-2 block.
+"""fuse_ort_block: ONNX Runtime's fused ops for the rest of a block (GPT-2's, and the Llama-style RMSNorm).
 
 Run with ``fuse_attention(target="ort")`` to bring a decode layer to ~10 nodes:
 
@@ -12,6 +12,9 @@ Run with ``fuse_attention(target="ort")`` to bring a decode layer to ~10 nodes:
   ``com.microsoft.SkipLayerNormalization(a, b, gamma, beta)``; its fourth output is the
   sum, so the residual stream that also reads ``Add(a, b)`` keeps working. A constant
   1-D bias added to ``a`` or ``b`` just before moves into the op's bias input.
+- ``SimplifiedLayerNormalization`` / ``SkipSimplifiedLayerNormalization``: the Llama-style
+  RMSNorm, ``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2)) + eps)) * weight`` (and that of a
+  residual sum), by onnxscript's own ``ort_fusions`` rules.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 import onnx_ir as ir
 from onnx_ir.passes import PassResult
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
+from onnxscript.rewriter.ort_fusions.rms_normalization import rms_normalization_rules
+from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
 from ._rules import RulePass
 from .values import const_close, const_float
@@ -113,11 +118,13 @@ class SkipLayerNormRule(RewriteRuleClassBase):
 
 
 class FuseOrtBlockPass(RulePass):
-    """FastGelu and SkipLayerNormalization (ONNX Runtime contrib ops); ``counts`` per rule."""
+    """FastGelu, SkipLayerNormalization and the RMSNorm pair (ONNX Runtime contrib ops); ``counts`` per rule."""
 
-    rules = (FastGeluRule.rule(), SkipLayerNormRule.rule())
+    rules = (FastGeluRule.rule(), SkipLayerNormRule.rule(), *rms_normalization_rules)
 
     def call(self, model: ir.Model) -> PassResult:
         """Fuse in place; adds the ``com.microsoft`` opset import."""
         model.opset_imports.setdefault("com.microsoft", 1)
-        return super().call(model)
+        result = super().call(model)
+        self.counts["SkipSimplifiedLayerNormalization"] = fuse_skip_rms_normalization(model)
+        return PassResult(model, modified=result.modified or bool(self.counts["SkipSimplifiedLayerNormalization"]))

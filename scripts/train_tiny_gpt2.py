@@ -1,17 +1,20 @@
 #!/usr/bin/env python
-"""Train the small GPT-2 that the quantization tests measure quality on.
+"""Train the small models that the quantization tests measure quality on (GPT-2, and a Llama).
 
 Random weights have no logit margins, so they say nothing about quantization error. This
-trains a ``GPT2LMHeadModel`` (4 layers, 2 heads of 64, 128 wide, 256 positions) with its
-own 2,048-token byte-level BPE on English text that ships with every CPython: the help
-topics of ``pydoc_data.topics`` (the text ``help("assert")`` shows). Every eighth topic,
-in sorted order, is held out and never trained on.
+trains a ``GPT2LMHeadModel`` (4 layers, 2 heads of 64, 128 wide, 256 positions) or, with
+``--family llama``, a ``LlamaForCausalLM`` of the same width and depth (4 query heads of 32
+sharing 2 KV heads, RMSNorm, rotary positions, a gated MLP of 384, tied embeddings), each
+with its own 2,048-token byte-level BPE on English text that ships with every CPython: the
+help topics of ``pydoc_data.topics`` (the text ``help("assert")`` shows). Every eighth
+topic, in sorted order, is held out and never trained on.
 
-Writes ``tests/data/tiny-trained/``: ``config.json``, ``model.safetensors``,
-``tokenizer.json``, ``heldout.txt`` and ``TRAINING.json`` (source, steps, seconds, and the
-train/held-out loss). Deterministic for a given torch build (seeded, 2 threads).
+Writes ``tests/data/tiny-trained/`` (``tests/data/tiny-trained-llama/`` for the Llama):
+``config.json``, ``model.safetensors``, ``tokenizer.json``, ``heldout.txt`` and
+``TRAINING.json`` (source, steps, seconds, and the train/held-out loss). Deterministic for
+a given torch build (seeded, 2 threads).
 
-    .venv/bin/python scripts/train_tiny_gpt2.py [--out tests/data/tiny-trained] [--steps 1500]
+    .venv/bin/python scripts/train_tiny_gpt2.py [--family gpt2|llama] [--out DIR] [--steps 1500]
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, PreTrainedModel
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 2048
@@ -65,7 +68,7 @@ def batches(tokens: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
 
 @torch.no_grad()
-def mean_loss(model: GPT2LMHeadModel, tokens: torch.Tensor) -> float:
+def mean_loss(model: PreTrainedModel, tokens: torch.Tensor) -> float:
     """Mean next-token loss over consecutive windows of ``tokens``."""
     model.eval()
     losses = []
@@ -79,10 +82,13 @@ def mean_loss(model: GPT2LMHeadModel, tokens: torch.Tensor) -> float:
 def main(argv: list[str] | None = None) -> int:
     """Train, then write the checkpoint, tokenizer, held-out text and TRAINING.json."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("tests/data/tiny-trained"))
+    parser.add_argument("--family", choices=("gpt2", "llama"), default="gpt2")
+    parser.add_argument("--out", type=Path, default=None, help="[default: tests/data/tiny-trained, or tiny-trained-llama]")
     parser.add_argument("--steps", type=int, default=1500)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.out is None:
+        args.out = Path("tests/data/tiny-trained" if args.family == "gpt2" else "tests/data/tiny-trained-llama")
     torch.manual_seed(args.seed)
     torch.set_num_threads(2)
     started = time.perf_counter()
@@ -93,19 +99,38 @@ def main(argv: list[str] | None = None) -> int:
     train_tokens = torch.tensor(tokenizer.encode(train_text).ids, dtype=torch.long)
     heldout_tokens = torch.tensor(tokenizer.encode(heldout_text).ids, dtype=torch.long)
 
-    config = GPT2Config(
-        vocab_size=VOCAB_SIZE,
-        n_positions=256,
-        n_embd=128,
-        n_layer=4,
-        n_head=2,
-        bos_token_id=eos_id,
-        eos_token_id=eos_id,
-        resid_pdrop=0.1,
-        embd_pdrop=0.1,
-        attn_pdrop=0.1,
-    )
-    model = GPT2LMHeadModel(config)
+    model: PreTrainedModel
+    if args.family == "gpt2":
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                vocab_size=VOCAB_SIZE,
+                n_positions=256,
+                n_embd=128,
+                n_layer=4,
+                n_head=2,
+                bos_token_id=eos_id,
+                eos_token_id=eos_id,
+                resid_pdrop=0.1,
+                embd_pdrop=0.1,
+                attn_pdrop=0.1,
+            )
+        )
+    else:
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=VOCAB_SIZE,
+                max_position_embeddings=256,
+                hidden_size=128,
+                intermediate_size=384,
+                num_hidden_layers=4,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                tie_word_embeddings=True,
+                bos_token_id=eos_id,
+                eos_token_id=eos_id,
+                attention_dropout=0.1,
+            )
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
@@ -134,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer.save(str(args.out / "tokenizer.json"))
     (args.out / "heldout.txt").write_text(heldout_text)
     record = {
+        "family": args.family,
         "text": "CPython's pydoc_data.topics (the help() topics); every eighth topic in sorted order held out",
         "python": sys.version.split()[0],
         "torch": torch.__version__,

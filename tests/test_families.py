@@ -54,12 +54,15 @@ FAMILY_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILY_CONFIGS))
+TARGETS = ("portable", "ort-cpu")
+
+
+@pytest.fixture(scope="module", params=[(name, target) for name in sorted(FAMILY_CONFIGS) for target in TARGETS], ids="-".join)
 def family_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
-    name = request.param
+    name, target = request.param
     config = write_config(tmp_path_factory.mktemp(f"config-{name}"), FAMILY_CONFIGS[name])
-    out = tmp_path_factory.mktemp(f"export-{name}") / "out"
-    export_model(out, str(config), random_init=True, seed=3)
+    out = tmp_path_factory.mktemp(f"export-{name}-{target}") / "out"
+    export_model(out, str(config), random_init=True, seed=3, target=target)
     return name, out
 
 
@@ -71,10 +74,20 @@ def test_each_family_exports_and_verifies_against_pytorch(family_export: tuple[s
     assert (manifest.dims.num_heads, manifest.dims.num_kv_heads) == (config["num_attention_heads"], 2)
     head_dim = config.get("head_dim", 48 // config["num_attention_heads"])
     past = next(t for t in manifest.graphs["decode"].inputs if t.name == "past.0.key")
-    assert past.shape == ["batch", 2, "past_sequence", head_dim]  # KV heads, never expanded
+    ops = _ops(out / "decode.onnx")
+    if manifest.target == "portable":
+        assert past.shape == ["batch", 2, "past_sequence", head_dim]  # KV heads, never expanded
+        assert not any(op.startswith("com.microsoft") for op in ops)
+    else:  # one GroupQueryAttention per layer over the in-place buffers; RMSNorm fused
+        assert past.shape == ["batch", 2, "max_sequence", head_dim]
+        assert manifest.cache_layout == "shared-buffer"
+        assert ops["com.microsoft.GroupQueryAttention"] == config["num_hidden_layers"]
+        assert ops["com.microsoft.SkipSimplifiedLayerNormalization"] == 2 * config["num_hidden_layers"]
+        assert "Softmax" not in ops
     report = verify(out, steps=4, record=False)
     assert report.ok, report.failures()
-    assert {c.case for c in report.tensors} >= {"batch1", "batch2-left-padded"}
+    cases = {"batch1", "batch2-left-padded"} | ({"slots-ragged"} if manifest.target != "portable" else set())
+    assert {c.case for c in report.tensors} >= cases
 
 
 def test_generator_gives_each_row_transformers_greedy_tokens(family_export: tuple[str, Path]) -> None:
@@ -90,6 +103,15 @@ def test_generator_gives_each_row_transformers_greedy_tokens(family_export: tupl
         with torch.no_grad():
             want = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
         assert list(np.asarray(got[row]).tolist()[-6:]) == want[0, len(prompt):].tolist(), row
+
+
+def _ops(path: Path) -> dict[str, int]:
+    import collections
+
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return dict(collections.Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type for n in graph.node))
 
 
 def test_unverified_options_are_refused_by_name(tmp_path: Path) -> None:
@@ -172,3 +194,43 @@ def test_the_checkpoints_tokenizer_chat_template_and_eos_tokens_ship(qwen_checkp
     assert template is not None
     assert template.render(messages, add_generation_prompt=True) == want
     assert verify(out, steps=3, record=False).ok
+
+
+def test_the_engine_batches_a_family_as_each_prompt_runs_alone(family_export: tuple[str, Path]) -> None:
+    """Six prompts of different lengths at once, chunked prefill: each gets its own greedy tokens."""
+    from kvexport.serving import Engine, SamplingParams
+
+    name, out = family_export
+    if read_manifest(out).cache_layout != "shared-buffer":
+        pytest.skip("the engine serves in-place exports (the ort targets)")
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 301, length).tolist() for length in (3, 9, 17, 5, 30, 12)]
+    alone = Generator(out)
+    want = [alone.generate([p], 10)[0, len(p):].tolist() for p in prompts]
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    with Engine(out, slots=4, max_context=48, chunk=8) as engine:  # more prompts than slots: some wait
+        got = [handle.result()[0] for handle in [engine.submit(p, greedy) for p in prompts]]
+    assert got == want, name
+
+
+def test_chat_completions_use_the_checkpoints_own_template(qwen_checkpoint: Path, tmp_path: Path) -> None:
+    """kvexport serve's chat route on an ort export of a Qwen checkpoint, with no --chat-template."""
+    from fastapi.testclient import TestClient
+    from transformers import PreTrainedTokenizerFast
+
+    from kvexport.serving import Engine
+    from kvexport.serving.app import create_app
+    from kvexport.serving.chat import ChatTemplate
+
+    out = tmp_path / "ort"
+    export_model(out, str(qwen_checkpoint), target="ort-cpu")
+    messages = [{"role": "user", "content": "Hello world"}]
+    reference = PreTrainedTokenizerFast.from_pretrained(qwen_checkpoint)
+    prompt_ids = reference.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    want = Generator(out).generate([list(prompt_ids)], 5, eos_token_id=-1)[0, len(prompt_ids):].tolist()
+    with Engine(out, slots=2, max_context=64) as engine:
+        client = TestClient(create_app(engine, "qwen", chat_template=ChatTemplate.find(out)))
+        body = {"model": "qwen", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+        answer = client.post("/v1/chat/completions", json=body).json()
+    assert answer["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert answer["choices"][0]["message"]["content"] == reference.decode(want, skip_special_tokens=True)

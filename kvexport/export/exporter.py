@@ -68,6 +68,8 @@ class GraphRequest:
     opset: int
     # logits axis 1: 1 (last position only) or "sequence" (prefill --all-logits)
     logits_length: int | str = 1
+    # op -> its ONNX translation, for torch.onnx.export(custom_translation_table=...)
+    translations: dict[Any, Any] | None = None
 
 
 class ExportStrategy(Protocol):
@@ -88,11 +90,11 @@ class DynamoStrategy:
     def export(self, request: GraphRequest, workdir: Path) -> ir.Model:
         """Export with dynamic batch / sequence / past dims."""
         dims: dict[str, Any] = {}
-        for axes in request.dynamic_axes.values():
-            for dim_name in axes.values():
-                if dim_name != "total_sequence" and dim_name not in dims:
-                    dims[dim_name] = torch.export.Dim(dim_name, min=1)
-        if "past_sequence" in dims:
+        names = {name for axes in request.dynamic_axes.values() for name in axes.values()}
+        for dim_name in sorted(names):
+            if dim_name != "total_sequence" or "past_sequence" not in names:
+                dims[dim_name] = torch.export.Dim(dim_name, min=1)
+        if "past_sequence" in dims:  # the concat layout: the mask spans the past and the new token
             dims["total_sequence"] = dims["past_sequence"] + 1
         shapes = [
             {axis: dims[d] for axis, d in request.dynamic_axes.get(n, {}).items()}
@@ -112,6 +114,7 @@ class DynamoStrategy:
             opset_version=request.opset,
             optimize=True,
             verbose=False,
+            custom_translation_table=request.translations,
         )
         assert program is not None
         model = program.model
@@ -238,6 +241,52 @@ def graph_requests(
     return [prefill, decode]
 
 
+def in_place_requests(
+    model: PreTrainedModel, family: ModelFamily, dims: ModelDims, all_logits: bool, opset: int
+) -> list[GraphRequest]:
+    """Both graphs over the in-place cache, attention exported as GroupQueryAttention (see ``kvexport.models.grouped_attention``).
+
+    The IO is the shared-buffer contract GPT-2's passes produce: prefill takes the buffers
+    too, ``attention_mask`` spans ``total_sequence`` (a chunk after a past, or one token over
+    a mask as wide as the buffer), the buffers are ``[batch, KV, max_sequence, D]``.
+    """
+    from kvexport.models.grouped_attention import ONNX_TRANSLATION
+
+    gen = torch.Generator().manual_seed(0)
+    param = next(model.parameters())
+    batch, prompt, total, capacity = _SAMPLE_BATCH, _SAMPLE_PROMPT, _SAMPLE_PROMPT + 2, _SAMPLE_PROMPT + 5
+    buffers = tuple(
+        torch.zeros((batch, dims.num_kv_heads, capacity, dims.head_dim), dtype=param.dtype) for _ in range(2 * dims.num_layers)
+    )
+    past_names, present = cache_names("past", dims.num_layers), cache_names("present", dims.num_layers)
+    buffer_axes = {n: {0: "batch", 2: "max_sequence"} for n in past_names}
+    requests = []
+    for name, tokens in (("prefill", prompt), ("decode", 1)):
+        ids = torch.randint(0, dims.vocab_size, (batch, tokens), generator=gen)
+        positions = torch.arange(total - tokens, total).expand(batch, tokens).contiguous()
+        token_axes = {0: "batch", 1: "sequence"} if tokens > 1 else {0: "batch"}
+        every_logit = all_logits and name == "prefill"
+        requests.append(
+            GraphRequest(
+                name=name,
+                module=family.in_place_module(model, last_only=not every_logit),
+                args=(ids, torch.ones(batch, total, dtype=torch.int64), positions, *buffers),
+                input_names=[*IO_INPUTS, *past_names],
+                output_names=["logits", *present],
+                dynamic_axes={
+                    "input_ids": token_axes,
+                    "attention_mask": {0: "batch", 1: "total_sequence"},
+                    "position_ids": token_axes,
+                    **buffer_axes,
+                },
+                opset=opset,
+                logits_length="sequence" if every_logit else 1,
+                translations=ONNX_TRANSLATION,
+            )
+        )
+    return requests
+
+
 @contextlib.contextmanager
 def quiet_exporters() -> Iterator[None]:
     """Silence the exporters' warnings and progress chatter; kvexport reports progress itself."""
@@ -361,7 +410,20 @@ def export_model(
     torch_model = chosen.load(source, options.dtype.value, allow_pickle=allow_pickle)
     dims = chosen.dims(torch_model.config.to_dict())
     fingerprint = weights_fingerprint(torch_model)
-    requests = graph_requests(chosen, torch_model, dims, options.all_logits, options.opset)
+    if options.attention.value not in chosen.attention_kinds:
+        raise KvexportError(
+            f"--attention {options.attention.value}: not available for {chosen.name} models; "
+            f"choose {' or '.join(sorted(chosen.attention_kinds))} (or the --target that implies it)"
+        )
+    if chosen.in_place_attention and options.attention.value == "ort":
+        if not options.in_place_cache:
+            raise KvexportError(
+                f"--cache {options.cache.value} with ort attention: {chosen.name} models take ort attention with "
+                "the in-place cache only; drop --cache (or use --cache shared-buffer)"
+            )
+        requests = in_place_requests(torch_model, chosen, dims, options.all_logits, options.opset)
+    else:
+        requests = graph_requests(chosen, torch_model, dims, options.all_logits, options.opset)
     with (
         atomic_output_dir(out_path, force) as tmp,
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,

@@ -49,6 +49,8 @@ class ModelFamily(ABC):
     presets: ClassVar[Mapping[str, Mapping[str, Any]]]
     #: the ``--attention`` kinds whose fusion rules match this family's graphs
     attention_kinds: ClassVar[frozenset[str]] = frozenset({"unfused", "onnx", "ort"})
+    #: ``ort`` attention comes from the export itself (:meth:`in_place_module`), not the fusion passes
+    in_place_attention: ClassVar[bool] = False
 
     @abstractmethod
     def random_init_config(self, model: str) -> dict[str, Any]:
@@ -69,6 +71,10 @@ class ModelFamily(ABC):
     @abstractmethod
     def decode_module(self, model: PreTrainedModel) -> torch.nn.Module:
         """The one-step graph's module: ``(input_ids, attention_mask, position_ids, *past) -> (logits, *present)``."""
+
+    def in_place_module(self, model: PreTrainedModel, last_only: bool = True) -> torch.nn.Module:
+        """Either graph over the in-place cache with GroupQueryAttention (families with :attr:`in_place_attention`)."""
+        raise NotImplementedError(f"{self.name}: ort attention comes from the fusion passes, not the export")
 
     @abstractmethod
     def tokenizer(self, model_dir: Path | None, vocab_size: int) -> TokenizerChoice:

@@ -54,8 +54,9 @@ class LlamaStyleFamily(ModelFamily):
     name: ClassVar[str]
     model_types: ClassVar[tuple[str, ...]]
     presets: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
-    # ``--attention``: the standard ops only, until the GroupQueryAttention fusion handles rotary
-    attention_kinds = frozenset({"unfused"})
+    # ``--attention``: the standard ops, or ONNX Runtime's GroupQueryAttention from the export itself
+    attention_kinds = frozenset({"unfused", "ort"})
+    in_place_attention = True
     # config options that change the graph and that this family's tests cover, by value
     _rope_types: ClassVar[frozenset[str]] = frozenset({"default"})
 
@@ -169,6 +170,12 @@ class LlamaStyleFamily(ModelFamily):
         from kvexport.models.wrappers import DecodeModule, decoder_body
 
         return DecodeModule(model, decoder_body)
+
+    def in_place_module(self, model: PreTrainedModel, last_only: bool = True) -> torch.nn.Module:
+        """Either graph over the in-place cache, attention as GroupQueryAttention."""
+        from kvexport.models.wrappers import InPlaceModule
+
+        return InPlaceModule(model, last_only=last_only)
 
     def tokenizer(self, model_dir: Path | None, vocab_size: int) -> TokenizerChoice:
         """The checkpoint's own ``tokenizer.json`` and its EOS tokens; none for a random-init model."""

@@ -89,6 +89,18 @@ def _lm_head(model: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
     return logits.reshape(batch, rows, vocab_size)  # [batch, rows, V]
 
 
+def last_positions(hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's hidden state at its last real token, [batch, 1, hidden] (see :class:`PrefillModule`)."""
+    # The mask's width and the tokens' length may share one dim name in a graph, so any
+    # length read off a shape is the mask's: count the columns after each row's last 1
+    # from the mask's values, and the tokens fed from their values (ids are >= 0).
+    ones_from_here = attention_mask.sum(-1, keepdim=True) - attention_mask.cumsum(-1) + attention_mask
+    trailing = (ones_from_here == 0).sum(-1)  # [batch]
+    fed = (input_ids != -1).sum(-1)  # [batch]
+    index = (fed - 1 - trailing).clamp(min=0)
+    return hidden.gather(1, index.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))
+
+
 class PrefillModule(torch.nn.Module):
     """Prompt graph: ``(input_ids, attention_mask, position_ids) -> (logits, *present)``.
 
@@ -116,14 +128,7 @@ class PrefillModule(torch.nn.Module):
             self.model, input_ids, cache, attention_mask, position_ids
         )  # [batch, sequence, hidden]
         if not self.all_logits:
-            # The mask's width and the tokens' length share one dim name in this graph, so any
-            # length read off a shape is the mask's: count the columns after each row's last 1
-            # from the mask's values, and the tokens fed from their values (ids are >= 0).
-            ones_from_here = attention_mask.sum(-1, keepdim=True) - attention_mask.cumsum(-1) + attention_mask
-            trailing = (ones_from_here == 0).sum(-1)  # [batch]
-            fed = (input_ids != -1).sum(-1)  # [batch]
-            index = (fed - 1 - trailing).clamp(min=0)
-            hidden = hidden.gather(1, index.view(-1, 1, 1).expand(-1, 1, hidden.shape[-1]))  # [batch, 1, hidden]
+            hidden = last_positions(hidden, input_ids, attention_mask)  # [batch, 1, hidden]
         return (_lm_head(self.model, hidden), *_flatten_cache(cache))
 
 
@@ -153,3 +158,39 @@ class DecodeModule(torch.nn.Module):
             self.model, input_ids, cache, attention_mask, position_ids
         )  # [batch, 1, hidden]
         return (_lm_head(self.model, hidden), *_flatten_cache(cache))
+
+
+class InPlaceModule(torch.nn.Module):
+    """Either graph over an in-place cache, attention as GroupQueryAttention (``kvexport.models.grouped_attention``).
+
+    ``(input_ids, attention_mask, position_ids, *past) -> (logits, *present)``: ``past`` is
+    the ``[batch, KV, max_sequence, D]`` buffers (prefill takes them too), ``present`` the
+    same buffers with this call's rows written at each row's end (the mask's last 1).
+    ``last_only`` runs the LM head on each row's last real token.
+    """
+
+    def __init__(self, model: PreTrainedModel, last_only: bool = True) -> None:
+        super().__init__()
+        self.model = model
+        self.last_only = last_only
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        *past: torch.Tensor,
+    ) -> tuple[torch.Tensor, ...]:
+        """Run the tokens against the buffers; return the logits and the written buffers."""
+        from kvexport.models.grouped_attention import in_place_attention
+
+        layers = len(past) // 2
+        pairs = [(past[2 * layer], past[2 * layer + 1]) for layer in range(layers)]
+        with in_place_attention(self.model, pairs, attention_mask, input_ids.shape[1]) as written:
+            # no cache object: each layer's attention gets the new rows, and the op writes them
+            output = self.model.base_model(input_ids, position_ids=position_ids, use_cache=False)
+        hidden = output.last_hidden_state  # [batch, sequence, hidden]
+        if self.last_only:
+            hidden = last_positions(hidden, input_ids, attention_mask)
+        presents = [tensor for layer in range(layers) for tensor in written.present[layer]]
+        return (_lm_head(self.model, hidden), *presents)
