@@ -415,6 +415,7 @@ def export_model(
             f"--attention {options.attention.value}: not available for {chosen.name} models; "
             f"choose {' or '.join(sorted(chosen.attention_kinds))} (or the --target that implies it)"
         )
+    chosen.check_export(torch_model.config.to_dict(), options.attention.value, f"--model {model}")
     if chosen.in_place_attention and options.attention.value == "ort":
         if not options.in_place_cache:
             raise KvexportError(

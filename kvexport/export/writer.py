@@ -93,6 +93,10 @@ class ExportRecord:
 
 # a quantized cache is not known to load in onnxruntime-genai (not tried: it needs the CPU
 # onnxruntime package, an environment of its own)
+GENAI_NOT_TRIED = (
+    "onnxruntime-genai has not been tried on {family} exports (it needs an environment of its own), "
+    "so no genai_config.json is written"
+)
 GENAI_QUANTIZED_CACHE = "a quantized KV cache: not known to load in onnxruntime-genai, so no genai_config.json is written"
 
 
@@ -110,14 +114,15 @@ def write_export_directory(
     progress("writing graphs and shared weights")
     weights = save_with_shared_weights(graphs, directory)
     tokenizer_info = _write_tokenizer(directory, record, progress)
-    cache = options.cache_record()
-    if record.cache_quantization is None:
-        genai = write_genai_files(directory, record.dims, options.target.value, options.cache.value, tokenizer_info)
-        if not genai["written"]:
-            progress(f"no genai_config.json: {genai['why']}")
-    else:
-        cache = {**cache, **record.cache_quantization}
+    cache = {**options.cache_record(), **(record.cache_quantization or {})}
+    if not record.family.genai_tried:
+        genai = {"written": False, "why": GENAI_NOT_TRIED.format(family=record.family.name)}
+    elif record.cache_quantization is not None:
         genai = {"written": False, "why": GENAI_QUANTIZED_CACHE}
+    else:
+        genai = write_genai_files(directory, record.dims, options.target.value, options.cache.value, tokenizer_info)
+    if not genai["written"]:
+        progress(f"no genai_config.json: {genai['why']}")
     progress("hashing the files for the manifest")
     manifest = Manifest(
         source=record.source,

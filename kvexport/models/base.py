@@ -49,6 +49,8 @@ class ModelFamily(ABC):
     presets: ClassVar[Mapping[str, Mapping[str, Any]]]
     #: the ``--attention`` kinds whose fusion rules match this family's graphs
     attention_kinds: ClassVar[frozenset[str]] = frozenset({"unfused", "onnx", "ort"})
+    #: onnxruntime-genai has loaded this family's in-place exports (tests/test_examples.py): write its files
+    genai_tried: ClassVar[bool] = False
     #: ``ort`` attention comes from the export itself (:meth:`in_place_module`), not the fusion passes
     in_place_attention: ClassVar[bool] = False
 
@@ -99,6 +101,9 @@ class ModelFamily(ABC):
         if template_path.is_file():
             config["chat_template"] = template_path.read_text()
         return config or None
+
+    def check_export(self, config: Mapping[str, Any], attention: str, where: str) -> None:  # noqa: B027 - an optional hook
+        """Refuse, in one line, a config that the chosen ``--attention`` can't export correctly (default: none)."""
 
     def check_config(self, config: Mapping[str, Any], where: str) -> None:
         """Refuse, in one line, a config this family does not export."""

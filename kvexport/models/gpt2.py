@@ -68,6 +68,7 @@ class Gpt2Family(ModelFamily):
     name = "gpt2"
     model_types = ("gpt2",)
     presets = PRESETS
+    genai_tried = True
 
     def random_init_config(self, model: str) -> dict[str, Any]:
         """A preset's config, or a GPT-2 config file's with GPT-2's defaults filled in."""

@@ -48,9 +48,12 @@ def group_query_attention(
     num_heads: int,
     kv_num_heads: int,
     scale: float,
+    local_window_size: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ONNX Runtime's GroupQueryAttention over a shared buffer (see :func:`_reference`)."""
-    return _reference(query, key, value, past_key, past_value, seqlens_k, attention_bias, num_heads, kv_num_heads, scale)
+    return _reference(
+        query, key, value, past_key, past_value, seqlens_k, attention_bias, num_heads, kv_num_heads, scale, local_window_size
+    )
 
 
 @group_query_attention.register_fake
@@ -66,6 +69,7 @@ def _(
     num_heads: int,
     kv_num_heads: int,
     scale: float,
+    local_window_size: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(query), torch.empty_like(past_key), torch.empty_like(past_value)
 
@@ -81,12 +85,14 @@ def _reference(
     num_heads: int,
     kv_num_heads: int,
     scale: float,
+    local_window_size: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """What ONNX Runtime's kernel computes, row by row, in plain PyTorch.
 
     Row ``b``'s ``sequence`` new rows are written at ``seqlens_k[b] + 1 - sequence ..
     seqlens_k[b]`` of the buffer; query ``i`` attends causally over the buffer up to its
-    own position, with the padding bias added, each KV head serving ``num_heads //
+    own position (and, with ``local_window_size`` >= 0, back to ``local_window_size``
+    positions before it), with the padding bias added, each KV head serving ``num_heads //
     kv_num_heads`` query heads.
     """
     batch, sequence, _ = query.shape
@@ -105,7 +111,10 @@ def _reference(
         queries = query[row].view(sequence, num_heads, head_dim).transpose(0, 1)  # [H, sequence, D]
         scores = queries.float() @ keys.float().transpose(1, 2) * scale + attention_bias[row].float()
         positions = torch.arange(total, device=query.device)
-        causal = positions[None, :] <= (start + torch.arange(sequence, device=query.device))[:, None]
+        own = (start + torch.arange(sequence, device=query.device))[:, None]
+        causal = positions[None, :] <= own
+        if local_window_size >= 0:
+            causal &= positions[None, :] >= own - local_window_size
         scores = scores.masked_fill(~causal, torch.finfo(torch.float32).min)
         weights = torch.softmax(scores, dim=-1)
         outputs.append((weights @ values.float()).transpose(0, 1).reshape(sequence, num_heads * head_dim))
@@ -124,6 +133,7 @@ def _onnx_group_query_attention(
     num_heads: int,
     kv_num_heads: int,
     scale: float,
+    local_window_size: int = -1,
 ) -> Any:
     from onnxscript.values import Op, Opset
 
@@ -143,6 +153,7 @@ def _onnx_group_query_attention(
         num_heads=num_heads,
         kv_num_heads=kv_num_heads,
         scale=scale,
+        local_window_size=local_window_size,
     )
 
 
@@ -185,6 +196,7 @@ def _gqa_schema() -> Any:
             OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, ""),
             OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, ""),
             OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "", required=False),
+            OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, "", required=False),
         ],
     )
 
@@ -235,9 +247,19 @@ def grouped_attention(
         heads,
         kv_heads,
         float(scaling if scaling is not None else head_dim**-0.5),
+        _window(kwargs.get("sliding_window")),
     )
     layers.present[layer] = (present_key, present_value)
     return output.view(batch, sequence, heads, head_dim), None
+
+
+def _window(sliding_window: int | None) -> int:
+    """GroupQueryAttention's ``local_window_size`` for transformers' ``sliding_window`` (-1: none).
+
+    The same number: a query sees itself and the ``sliding_window`` positions before it in
+    both (verify compares them past the window; one less failed at the first prompt).
+    """
+    return -1 if sliding_window is None else int(sliding_window)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -89,12 +89,18 @@ class LlamaStyleFamily(ModelFamily):
                 f"{where}: rope type {rope_type!r} is not one kvexport has verified for {self.name} "
                 f"({', '.join(sorted(self._rope_types))})"
             )
+
+
+    def check_export(self, config: Mapping[str, Any], attention: str, where: str) -> None:
+        """A sliding window needs ort attention: GroupQueryAttention's ``local_window_size`` applies it."""
         window = config.get("sliding_window")
-        if window is not None and config.get("use_sliding_window", True) and int(window) < int(config["max_position_embeddings"]):
-            # the exported decode graph differs from PyTorch past the window (a known gap)
+        if window is None or not config.get("use_sliding_window", True):
+            return
+        if int(window) < int(config["max_position_embeddings"]) and attention != "ort":
+            # the standard-ops graph's decode step differs from PyTorch past the window
             raise KvexportError(
-                f"{where}: sliding_window {window} is not yet exported correctly by kvexport; "
-                "use a checkpoint without one (sliding_window null), or wait for its support"
+                f"{where}: sliding_window {window} is exported with ort attention only "
+                "(GroupQueryAttention's local window); use --target ort-cpu or ort-cuda"
             )
 
     def dims(self, config: Mapping[str, Any]) -> ModelDims:
