@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import click
 
 from kvexport.drafting import DEFAULT_DRAFT_TOKENS
-from kvexport.errors import KvexportError
+from kvexport.errors import TERMINATING, KvexportError, Terminated
 from kvexport.export.choices import (
     DEFAULT_OPSET,
     EXPORT_STRATEGIES,
@@ -57,12 +57,9 @@ def _quiet_libraries() -> None:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-class Terminated(BaseException):
-    """Raised in the main thread on SIGTERM, so cleanup runs as it does for Ctrl-C."""
-
-
 def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one cleanup, however many signals follow
+    TERMINATING.set()  # in case the exception below lands where something swallows it
     raise Terminated
 
 

@@ -7,6 +7,18 @@ do. The CLI turns it into a clean non-zero exit; library callers can catch it.
 
 from __future__ import annotations
 
+import threading
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: raised in the main thread so that cleanup runs as it does for Ctrl-C."""
+
+
+# Set by the CLI's SIGTERM handler. The handler also raises Terminated, but an exception
+# raised at an arbitrary bytecode can be swallowed (inside a __del__, or a library's broad
+# except): the atomic writer checks this before it renames the result into place.
+TERMINATING = threading.Event()
+
 
 class KvexportError(Exception):
     """A problem with the user's input, described in one actionable line."""

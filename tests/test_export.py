@@ -321,7 +321,8 @@ def test_local_checkpoint_with_biases_exports_and_verifies(
     assert fold["counts"]["GemmSandwichToMatMul"] == 3 * TINY["n_layer"]  # with their biases
     if target == "ort-cpu":
         block = next(p for p in decode_passes if p["name"] == "fuse_ort_block")
-        assert block["counts"] == {"FastGeluRule": TINY["n_layer"], "SkipLayerNormRule": 2 * TINY["n_layer"] + 1}
+        fired = {rule: n for rule, n in block["counts"].items() if n}  # the RMSNorm rules find nothing in GPT-2
+        assert fired == {"FastGeluRule": TINY["n_layer"], "SkipLayerNormRule": 2 * TINY["n_layer"] + 1}
         graph = onnx.load(str(tmp_path / "out" / "decode.onnx"), load_external_data=False).graph
         # the c_fc bias moved into FastGelu, c_proj's into the SkipLayerNorm that follows
         assert all(len(n.input) == 2 for n in graph.node if n.op_type == "FastGelu")

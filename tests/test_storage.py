@@ -122,3 +122,17 @@ def test_external_data_inside_the_directory_is_accepted(tmp_path: Path) -> None:
     (tmp_path / "w.bin").unlink()
     with pytest.raises(ManifestError, match="'w.bin' is missing"):
         check_external_data(path)
+
+
+def test_a_swallowed_sigterm_still_leaves_nothing(tmp_path: Path) -> None:
+    """The CLI's SIGTERM handler sets TERMINATING before it raises: if the exception is swallowed, the rename refuses."""
+    from kvexport.errors import TERMINATING, Terminated
+
+    out = tmp_path / "out"
+    TERMINATING.set()
+    try:
+        with pytest.raises(Terminated), atomic_output_dir(out, force=False) as work:
+            (work / "graph.onnx").write_text("complete")  # the work finished, but a SIGTERM came
+    finally:
+        TERMINATING.clear()
+    assert list(tmp_path.iterdir()) == []

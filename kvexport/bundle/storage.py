@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import onnx
 
-from kvexport.errors import KvexportError, ManifestError, first_line
+from kvexport.errors import TERMINATING, KvexportError, ManifestError, Terminated, first_line
 
 if TYPE_CHECKING:  # the runtime reads graphs with onnx alone; onnx_ir is the exporter's
     import onnx_ir as ir
@@ -98,6 +98,8 @@ def _atomic_rename_into(out: Path, force: bool) -> Iterator[Path]:
     tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the result is an ordinary directory
     try:
         yield tmp
+        if TERMINATING.is_set():  # a SIGTERM whose exception something swallowed
+            raise Terminated
         check_output_dir(out, force)  # it may have appeared while we worked
         if out.exists():
             backup = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
