@@ -36,7 +36,7 @@ from kvexport.export.choices import DEFAULT_OPSET, EXPORT_STRATEGIES
 from kvexport.export.options import ExportOptions
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
-from kvexport.models.base import ModelFamily, source_of, weights_fingerprint
+from kvexport.models.base import ModelFamily, read_config, source_of, weights_fingerprint
 from kvexport.passes import QuantizationConfig, build_pipeline, run_pipeline
 from kvexport.passes.cache_names import cache_names
 from kvexport.progress import Progress, silent
@@ -364,7 +364,8 @@ def export_model(
 
     Args:
         out: output directory; written atomically, refused if non-empty unless ``force``.
-        model: a preset or config path with ``random_init``, else a model directory or hub id.
+        model: a preset or config path with ``random_init``, else a local model directory (a hub
+            id with ``family="gpt2"`` only, where a hub is reachable).
         family: the model family (a ``model_type`` of :data:`kvexport.models.FAMILIES`); None:
             the one ``model``'s config (or preset) names.
         random_init: build the architecture with seeded random weights (offline default).
@@ -405,24 +406,22 @@ def export_model(
     check_output_dir(out_path.absolute(), force)
     started = time.perf_counter()
     chosen = family_for(family) if family is not None else family_of_model(model, random_init=random_init)
+    check_attention(chosen, options)
     source = source_of(chosen, model, random_init=random_init, seed=seed)
+    if source.config is not None or source.kind == "local":  # refused before minutes of loading
+        chosen.check_export(source.config or read_config(Path(source.name)), options.attention.value, f"--model {model}")
     progress(f"loading {source.describe()}")
     torch_model = chosen.load(source, options.dtype.value, allow_pickle=allow_pickle)
     dims = chosen.dims(torch_model.config.to_dict())
     fingerprint = weights_fingerprint(torch_model)
-    if options.attention.value not in chosen.attention_kinds:
-        raise KvexportError(
-            f"--attention {options.attention.value}: not available for {chosen.name} models; "
-            f"choose {' or '.join(sorted(chosen.attention_kinds))} (or the --target that implies it)"
-        )
-    chosen.check_export(torch_model.config.to_dict(), options.attention.value, f"--model {model}")
     if chosen.in_place_attention and options.attention.value == "ort":
-        if not options.in_place_cache:
-            raise KvexportError(
-                f"--cache {options.cache.value} with ort attention: {chosen.name} models take ort attention with "
-                "the in-place cache only; drop --cache (or use --cache shared-buffer)"
-            )
         requests = in_place_requests(torch_model, chosen, dims, options.all_logits, options.opset)
+        if "dynamo" not in strategies:
+            raise KvexportError(
+                f"--exporter {','.join(strategies)}: {chosen.name} models' ort attention is exported by dynamo "
+                "alone (its GroupQueryAttention translation); use --exporter auto or dynamo"
+            )
+        strategies = ("dynamo",)
     else:
         requests = graph_requests(chosen, torch_model, dims, options.all_logits, options.opset)
     with (
@@ -457,6 +456,20 @@ def export_gpt2(out: str | Path, model: str = "gpt2", **options: Any) -> ExportR
     ``random_init``) or hub id, and a config of another family is refused.
     """
     return export_model(out, model, family="gpt2", **options)
+
+
+def check_attention(family: ModelFamily, options: ExportOptions) -> None:
+    """Refuse, in one line, an attention or cache choice the family can't export."""
+    if options.attention.value not in family.attention_kinds:
+        raise KvexportError(
+            f"--attention {options.attention.value}: not available for {family.name} models; "
+            f"choose {' or '.join(sorted(family.attention_kinds))} (or the --target that implies it)"
+        )
+    if family.in_place_attention and options.attention.value == "ort" and not options.in_place_cache:
+        raise KvexportError(
+            f"--cache {options.cache.value} with ort attention: {family.name} models take ort attention with "
+            "the in-place cache only; drop --cache (or use --cache shared-buffer)"
+        )
 
 
 def _check_strategies(strategies: Sequence[str]) -> None:

@@ -286,6 +286,12 @@ def import_decoder(
     if model_dir is not None:  # its weights are fingerprinted with torch, as an export does
         require_export_extra("kvexport import --model")
     config_dir = source_dir if (source_dir / "config.json").is_file() else model_dir
+    family = _family(config_dir)
+    if family.in_place_attention:  # its graphs' attention is fused at export, not by the passes import runs
+        raise KvexportError(
+            f"{graph_path}: kvexport import takes GPT-2 decoders; a {family.name} graph from another tool is "
+            f"not imported yet: export the checkpoint with `kvexport export --model DIR` instead"
+        )
     graphs: dict[str, ir.Model] = {}
     reports: list[dict[str, Any]] = []
     last_only = True
@@ -303,7 +309,7 @@ def import_decoder(
         passes=reports,
         tokenizer_dir=source_dir if (source_dir / "tokenizer.json").is_file() else model_dir,
         started=started,
-        family=_family(config_dir),
+        family=family,
         all_logits=not last_only,
     )
     with (

@@ -131,6 +131,14 @@ class Gpt2Family(ModelFamily):
         """The checkpoint's own tokenizer, else GPT-2's bundled BPE for GPT-2's vocabulary."""
         return choose_tokenizer(model_dir, vocab_size)
 
+    def tokenizer_config(self, model_dir: Path | None) -> dict[str, Any] | None:
+        """None: GPT-2 ships the ``tokenizer_config.json`` kvexport writes for onnxruntime-genai.
+
+        GPT-2 checkpoints carry no chat template, and the file transformers 5 writes names a
+        tokenizer class onnxruntime-genai rejects.
+        """
+        return None
+
 
 FAMILY = Gpt2Family()
 

@@ -91,8 +91,8 @@ def _reference(
 
     Row ``b``'s ``sequence`` new rows are written at ``seqlens_k[b] + 1 - sequence ..
     seqlens_k[b]`` of the buffer; query ``i`` attends causally over the buffer up to its
-    own position (and, with ``local_window_size`` >= 0, back to ``local_window_size``
-    positions before it), with the padding bias added, each KV head serving ``num_heads //
+    own position (and, with ``local_window_size`` >= 0, over the last ``local_window_size``
+    positions, its own included), with the padding bias added, each KV head serving ``num_heads //
     kv_num_heads`` query heads.
     """
     batch, sequence, _ = query.shape
@@ -114,7 +114,7 @@ def _reference(
         own = (start + torch.arange(sequence, device=query.device))[:, None]
         causal = positions[None, :] <= own
         if local_window_size >= 0:
-            causal &= positions[None, :] >= own - local_window_size
+            causal &= positions[None, :] > own - local_window_size
         scores = scores.masked_fill(~causal, torch.finfo(torch.float32).min)
         weights = torch.softmax(scores, dim=-1)
         outputs.append((weights @ values.float()).transpose(0, 1).reshape(sequence, num_heads * head_dim))
@@ -256,8 +256,8 @@ def grouped_attention(
 def _window(sliding_window: int | None) -> int:
     """GroupQueryAttention's ``local_window_size`` for transformers' ``sliding_window`` (-1: none).
 
-    The same number: a query sees itself and the ``sliding_window`` positions before it in
-    both (verify compares them past the window; one less failed at the first prompt).
+    The same number: both see the last ``sliding_window`` positions, the query's own included
+    (ONNX Runtime 1.23 and later, onnxruntime#25927; verify compares them past the window).
     """
     return -1 if sliding_window is None else int(sliding_window)
 

@@ -58,6 +58,7 @@ from kvexport.bundle.manifest import Manifest, read_manifest
 from kvexport.errors import KvexportError
 from kvexport.models import family_for
 from kvexport.progress import Progress, silent
+from kvexport.runtime.cache import cache_row_bytes
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.session import resolve_provider
@@ -479,8 +480,7 @@ def _load_compared(
         generator, report.variant_memory[system] = _load_measured(system, other_dir, provider)
         loaded.append((system, generator))
         report.disk_bytes[system] = export_bytes(other_dir)
-        element = 2 if other.dtype == "fp16" else 4
-        floors.append((f"floor[{system[len('kvexport['):-1]}]", int(other.weights["bytes"]), element))
+        floors.append((f"floor[{system[len('kvexport['):-1]}]", int(other.weights["bytes"]), cache_row_bytes(other, 1)))
     return loaded, floors
 
 
@@ -521,11 +521,15 @@ def _floors(
     batches: Sequence[int],
     contexts: Sequence[int],
 ) -> None:
-    """Each export's memory-bandwidth floor: its weight and cache bytes over the best bandwidth."""
+    """Each export's memory-bandwidth floor: its weight and cache bytes over the best bandwidth.
+
+    ``floors`` holds (system, weight bytes, bytes one token takes in one cache tensor: KV
+    heads x stored head dim x the cache's element size).
+    """
     for batch in batches:
         for context in contexts:
-            for system, weight_bytes, cache_element in floors:
-                cache_bytes = 2 * dims.num_layers * batch * context * dims.hidden_size * cache_element
+            for system, weight_bytes, token_bytes in floors:
+                cache_bytes = 2 * dims.num_layers * batch * context * token_bytes
                 floor_ms = 1000 * (weight_bytes + cache_bytes) / (bandwidth * 1e9)
                 report.measurements.append(Measurement(system, batch, context, None, floor_ms))
 
@@ -589,7 +593,7 @@ def run_bench(
     )
     report.disk_bytes["kvexport"] = export_bytes(Path(directory))
     compared, floors = _load_compared(others, provider, report, {system for system, _ in variants}, progress)
-    floors.insert(0, ("floor", report.weight_bytes, 2 if manifest.dtype == "fp16" else 4))
+    floors.insert(0, ("floor", report.weight_bytes, cache_row_bytes(manifest, 1)))
     report.rss_peak_onnx_mb = round(rss_mb(peak=True), 1)
     model = None
     if baselines:
