@@ -241,3 +241,18 @@ def test_chat_completions_use_the_checkpoints_own_template(qwen_checkpoint: Path
         answer = client.post("/v1/chat/completions", json=body).json()
     assert answer["usage"]["prompt_tokens"] == len(prompt_ids)
     assert answer["choices"][0]["message"]["content"] == reference.decode(want, skip_special_tokens=True)
+
+
+def test_speculative_decoding_with_a_smaller_draft_of_the_family_keeps_the_targets_tokens(tmp_path: Path) -> None:
+    from kvexport.runtime.speculative import DraftModel, PromptLookup, SpeculativeGenerator
+
+    target_config = write_config(tmp_path / "target", {**FAMILY_CONFIGS["llama"], "num_hidden_layers": 3})
+    draft_config = write_config(tmp_path / "draft", {**FAMILY_CONFIGS["llama"], "num_hidden_layers": 1})
+    export_model(tmp_path / "target-out", str(target_config), random_init=True, target="ort-cpu", all_logits=True)
+    export_model(tmp_path / "draft-out", str(draft_config), random_init=True, target="ort-cpu")
+    prompt = [5, 17, 200, 3, 9, 41, 7, 5, 17, 200]
+    want = Generator(tmp_path / "target-out").generate([prompt], 12)[0, len(prompt):].tolist()
+    for drafter in (DraftModel(tmp_path / "draft-out"), PromptLookup()):
+        speculative = SpeculativeGenerator(tmp_path / "target-out", drafter)
+        assert speculative.generate(prompt, 12) == want, type(drafter).__name__
+        assert speculative.last_stats.proposed > 0  # it did speculate
