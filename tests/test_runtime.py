@@ -404,3 +404,26 @@ def test_generation_needs_neither_torch_nor_transformers(generator: Generator, t
     expected = generator.generate([[464, 6766, 318]], 5, eos_token_id=-1)
     assert result["tokens"] == expected.tolist()
     assert result["text"] == generator.generate_text("The sky is", 5, eos_token_id=-1)
+
+
+def test_any_of_the_exports_eos_tokens_ends_a_row(tiny_export: Path, tmp_path: Path) -> None:
+    """Llama 3 lists several EOS tokens: the Generator ends a row on any of them (and text stops before it)."""
+    plain = Generator(tiny_export)
+    for prompt in ([11, 200, 3000, 7], [5, 6, 7, 8, 9], [40000, 2, 31, 900]):
+        free = plain.generate([prompt], 6, eos_token_id=-1, do_sample=True, seed=0)[0, len(prompt):].tolist()
+        # the first token that the row has not produced before: made an EOS, it ends the row there
+        stop = next((i for i in range(1, 6) if free[i] not in free[:i]), None)
+        if stop is not None:
+            break
+    assert stop is not None, "no prompt gave a new token after its first"
+    export = shutil.copytree(tiny_export, tmp_path / "export")
+    manifest = json.loads((export / "kvexport.json").read_text())
+    first = next(t for t in range(50257) if t not in free)  # an EOS this prompt never produces
+    manifest["tokenizer"]["eos_token_id"] = first
+    manifest["tokenizer"]["eos_token_ids"] = [first, free[stop]]
+    (export / "kvexport.json").write_text(json.dumps(manifest))
+    generator = Generator(export)
+    got = generator.generate([prompt], 6, do_sample=True, seed=0)[0, len(prompt):].tolist()  # the same draws
+    assert got == free[: stop + 1]  # the row ended on the second EOS, and with it the generation
+    text = "".join(generator.stream_text(generator.tokenizer.decode(prompt), 6, do_sample=True, seed=0))  # type: ignore[union-attr]
+    assert text == generator.tokenizer.decode(free[:stop])  # type: ignore[union-attr]

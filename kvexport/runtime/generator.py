@@ -91,7 +91,9 @@ class GenerationRequest:
     mask: np.ndarray  # [batch, prompt] int64, left padding
     max_new_tokens: int
     sampling: SamplingConfig
-    eos_token_id: int | None
+    eos_token_id: int | None  # what finished rows are padded with
+    # the tokens that finish a row: the export's EOS tokens (Llama 3 has several), or the one asked for
+    stop_ids: tuple[int, ...] = ()
 
 
 class _MappedWeights:
@@ -235,6 +237,7 @@ class Generator:
         self._tokenizer = opened.tokenizer
         self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
         self.eos_token_id: int | None = opened.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = opened.eos_token_ids
         self.trace_cache = trace_cache
         self.last_stats = GenerationStats()
 
@@ -333,7 +336,8 @@ class Generator:
         sampling.validate()
         ids, mask = self._checked_prompt(input_ids, attention_mask, max_new_tokens, truncate)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
-        return GenerationRequest(ids, mask, max_new_tokens, sampling, eos)
+        stops = self.eos_token_ids if eos_token_id is None else (eos_token_id,)
+        return GenerationRequest(ids, mask, max_new_tokens, sampling, eos, stops or (() if eos is None else (eos,)))
 
     def _run(self, request: GenerationRequest) -> Iterator[np.ndarray]:
         """Prefill, then the decode loop; ``last_stats`` is this call's once it finishes."""
@@ -361,7 +365,7 @@ class Generator:
                 tokens = choose_tokens(last.astype(np.float32), request.sampling, rng)
                 if request.eos_token_id is not None:
                     tokens = np.where(finished, request.eos_token_id, tokens)
-                    finished |= tokens == request.eos_token_id
+                    finished |= np.isin(tokens, request.stop_ids)
                 now = time.perf_counter()
                 if step == 0:
                     stats.ttft_s = now - started
@@ -480,9 +484,10 @@ class Generator:
         tokenizer = self._tokenizer.require()
         if not prompt:
             raise KvexportError("the prompt is empty; pass some text")
-        eos = options.get("eos_token_id", self.eos_token_id)
+        eos = options.get("eos_token_id")
+        stops = self.eos_token_ids if eos is None else (eos,)
         tokens = (int(step[0]) for step in self.stream(self.encode(prompt), max_new_tokens, **options))
-        yield from text_pieces(tokenizer, tokens, eos)
+        yield from text_pieces(tokenizer, tokens, stops)
 
     def generate_text(self, prompt: str, max_new_tokens: int = 20, **options: Any) -> str:
         """The prompt followed by the generated text (batch 1)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -97,11 +97,12 @@ class TextStream:
         return piece
 
 
-def text_pieces(tokenizer: Tokenizer, tokens: Iterable[int], eos_token_id: int | None) -> Iterator[str]:
-    """The text of ``tokens`` as it becomes whole characters, up to (not including) EOS."""
+def text_pieces(tokenizer: Tokenizer, tokens: Iterable[int], eos_token_id: int | Collection[int] | None) -> Iterator[str]:
+    """The text of ``tokens`` as it becomes whole characters, up to (not including) EOS (any of several)."""
+    stops = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     stream = TextStream(tokenizer, ())
     for token in tokens:
-        if token == eos_token_id:
+        if token in stops:
             break
         piece, _ = stream.add(token)
         if piece:
