@@ -336,8 +336,11 @@ class Generator:
         sampling.validate()
         ids, mask = self._checked_prompt(input_ids, attention_mask, max_new_tokens, truncate)
         eos = self.eos_token_id if eos_token_id is None else eos_token_id
-        stops = self.eos_token_ids if eos_token_id is None else (eos_token_id,)
-        return GenerationRequest(ids, mask, max_new_tokens, sampling, eos, stops or (() if eos is None else (eos,)))
+        return GenerationRequest(ids, mask, max_new_tokens, sampling, eos, self._stop_ids(eos_token_id))
+
+    def _stop_ids(self, eos_token_id: int | None) -> tuple[int, ...]:
+        """The tokens that end a row: the one asked for, else every EOS of the export (its one, in old manifests)."""
+        return self.eos_token_ids if eos_token_id is None else (eos_token_id,)
 
     def _run(self, request: GenerationRequest) -> Iterator[np.ndarray]:
         """Prefill, then the decode loop; ``last_stats`` is this call's once it finishes."""
@@ -484,10 +487,8 @@ class Generator:
         tokenizer = self._tokenizer.require()
         if not prompt:
             raise KvexportError("the prompt is empty; pass some text")
-        eos = options.get("eos_token_id")
-        stops = self.eos_token_ids if eos is None else (eos,)
         tokens = (int(step[0]) for step in self.stream(self.encode(prompt), max_new_tokens, **options))
-        yield from text_pieces(tokenizer, tokens, stops)
+        yield from text_pieces(tokenizer, tokens, self._stop_ids(options.get("eos_token_id")))
 
     def generate_text(self, prompt: str, max_new_tokens: int = 20, **options: Any) -> str:
         """The prompt followed by the generated text (batch 1)."""
