@@ -7,6 +7,7 @@ every wait is bounded, and the server is stopped by its own process id.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import socket
@@ -52,14 +53,16 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def ray_server(trained_exports: dict[str, Path]) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+@contextlib.contextmanager
+def ray_deployment(export: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """``kvexport serve EXPORT --replicas 2`` started as a user would; stopped by SIGTERM, and
+    waited for until Ray's processes have gone."""
     before = _ray_processes()
     port = _free_port()
     # the key from the environment, as a deployment would pass it: every replica requires it
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "KVEXPORT_API_KEY": API_KEY}
-    command = [sys.executable, "-m", "kvexport.cli", "serve", str(trained_exports["none"]), "--replicas", "2"]
-    command += ["--slots", "4", "--max-context", "128", "--port", str(port)]
+    command = [sys.executable, "-m", "kvexport.cli", "serve", str(export), "--replicas", "2"]
+    command += ["--slots", "4", "--max-context", "128", "--port", str(port), *extra]
     process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -85,6 +88,12 @@ def ray_server(trained_exports: dict[str, Path]) -> Iterator[tuple[str, subproce
         deadline = time.monotonic() + 30
         while _ray_processes() - before and time.monotonic() < deadline:
             time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def ray_server(trained_exports: dict[str, Path]) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    with ray_deployment(trained_exports["none"]) as served:
+        yield served
 
 
 def _complete(url: str, body: dict[str, object], timeout: float = 60) -> httpx.Response:
