@@ -17,7 +17,7 @@ from kvexport.runtime import Generator
 
 pytest.importorskip("ray")
 
-from .test_ray_serve import AUTHORIZED, ray_deployment  # noqa: E402
+from .test_ray_serve import AUTHORIZED, ray_deployment
 
 TRAINED_LLAMA = Path(__file__).parent / "data" / "tiny-trained-llama"
 
