@@ -87,6 +87,9 @@ def test_each_family_exports_and_verifies_against_pytorch(family_export: tuple[s
         assert ops["com.microsoft.GroupQueryAttention"] == config["num_hidden_layers"]
         assert ops["com.microsoft.SkipSimplifiedLayerNormalization"] == 2 * config["num_hidden_layers"]
         assert "Softmax" not in ops
+        # rotary positions: one RotaryEmbedding per query and key, none of rotate_half's ops left
+        assert ops["com.microsoft.RotaryEmbedding"] == 2 * config["num_hidden_layers"]
+        assert "Neg" not in ops and "Transpose" not in ops
     from kvexport.tools.check import check
 
     checked = check(out)  # without torch: hashes, IO against the manifest, a few greedy steps

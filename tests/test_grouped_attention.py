@@ -109,3 +109,39 @@ def test_the_pytorch_kernel_computes_what_onnx_runtime_computes(window: int, ste
         np.testing.assert_allclose(got[0][row].numpy()[real], want[0][row][real], rtol=1e-5, atol=1e-5)
         for index in (1, 2):  # the buffer up to the mask's width: the rows written and the past kept
             np.testing.assert_allclose(got[index][row, :, :width].numpy(), want[index][row, :, :width], rtol=1e-6, atol=1e-6)
+
+
+def test_the_rotary_kernel_is_transformers_rotation_and_onnx_runtimes() -> None:
+    """``kvexport::rotary_embedding`` against ``apply_rotary_pos_emb`` (llama3-scaled angles,
+    left-padded positions) and against the ``com.microsoft.RotaryEmbedding`` node it becomes."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    config = LlamaConfig(hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, max_position_embeddings=64,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 16})
+    positions = torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]) + torch.tensor([[0], [37]])  # a padded row, a late one
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, HEADS, 5, HEAD_DIM, generator=generator)
+    cos, sin = LlamaRotaryEmbedding(config)(q, positions)
+    want, _ = apply_rotary_pos_emb(q, q, cos, sin)
+    half = HEAD_DIM // 2
+    tables = [t[..., :half].reshape(10, half) for t in (cos, sin)]
+    rows = torch.arange(10).view(2, 5)
+    flat = q.transpose(1, 2).reshape(2, 5, HEADS * HEAD_DIM)
+    got = torch.ops.kvexport.rotary_embedding(flat, *tables, rows)
+    torch.testing.assert_close(got.view(2, 5, HEADS, HEAD_DIM).transpose(1, 2), want, rtol=0, atol=0)  # the same arithmetic
+
+    h = onnx.helper
+    floats = onnx.TensorProto.FLOAT
+    node = h.make_node("RotaryEmbedding", ["x", "rows", "cos", "sin"], ["y"], domain="com.microsoft", interleaved=0)
+    graph = h.make_graph(
+        [node], "rotary",
+        [h.make_tensor_value_info("x", floats, [2, 5, HEADS * HEAD_DIM]), h.make_tensor_value_info("rows", onnx.TensorProto.INT64, [2, 5]),
+         h.make_tensor_value_info("cos", floats, [10, half]), h.make_tensor_value_info("sin", floats, [10, half])],
+        [h.make_tensor_value_info("y", floats, None)],
+    )
+    model = h.make_model(graph, opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)], ir_version=10)
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (onnx_out,) = session.run(None, {"x": flat.numpy(), "rows": rows.numpy(), "cos": tables[0].numpy(), "sin": tables[1].numpy()})
+    np.testing.assert_allclose(onnx_out, got.numpy(), rtol=0, atol=1e-6)

@@ -16,13 +16,21 @@ gets there without pattern matching on the exported graph:
   (``total_sequence_length``) and the padding bias are computed once per graph from
   ``attention_mask``, exactly as the shared-buffer pass computes them for GPT-2.
 
-Positions come from ``position_ids`` through the model's own rotary code, so rows of
-different lengths (left-padded batches, slots) each get their own positions.
+Rotary positions are applied by ONNX Runtime's ``com.microsoft.RotaryEmbedding``, one op per
+query and key instead of the fourteen that transformers' ``apply_rotary_pos_emb`` traces to
+(slices, negations, concats, products and sums): while the export traces,
+:func:`in_place_attention` puts :func:`rotary_embedding` in place of the modeling file's
+``apply_rotary_pos_emb``. The cosines and sines stay the model's own, computed once per graph
+from ``position_ids`` by its rotary module (llama3 scaling, longrope's short and long factors,
+the attention scaling all included); the op reads them as a table of ``batch x sequence``
+rows, one per token, so rows of different lengths (left-padded batches, slots) each keep
+their own positions.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -146,7 +154,7 @@ def _onnx_group_query_attention(
         past_value,
         seqlens_k,
         total_sequence_length,
-        None,  # cos_cache: rotary is applied before, from position_ids
+        None,  # cos_cache: the queries and keys come rotated (RotaryEmbedding)
         None,  # sin_cache
         None,  # position_ids
         attention_bias,
@@ -201,8 +209,90 @@ def _gqa_schema() -> Any:
     )
 
 
+@torch.library.custom_op("kvexport::rotary_embedding", mutates_args=())
+def rotary_table(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``x`` [batch, sequence, heads * D] rotated by the angles of the table rows that ``rows`` [batch, sequence] names.
+
+    ``cos_table`` and ``sin_table`` are [N, D / 2]: row ``rows[b, s]`` holds token ``(b, s)``'s
+    angles. The result is transformers' ``x * cos + rotate_half(x) * sin`` for each head, exactly.
+    """
+    batch, sequence, width = x.shape
+    half = cos_table.shape[-1]
+    heads = x.view(batch, sequence, width // (2 * half), 2 * half)
+    cos = cos_table[rows].unsqueeze(2)  # [batch, sequence, 1, D / 2]
+    sin = sin_table[rows].unsqueeze(2)
+    first, second = heads.chunk(2, dim=-1)
+    return torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1).view(batch, sequence, width)
+
+
+@rotary_table.register_fake
+def _(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _onnx_rotary_embedding(x: Any, cos_table: Any, sin_table: Any, rows: Any) -> Any:
+    from onnxscript.values import Op, Opset
+
+    rotary = Op(Opset("com.microsoft", 1), "RotaryEmbedding", op_schema=_rotary_schema())
+    return rotary(x, rows, cos_table, sin_table, interleaved=0)
+
+
+def _rotary_schema() -> Any:
+    """The part of ``com.microsoft.RotaryEmbedding``'s schema kvexport uses, local to the translation."""
+    from onnx.defs import OpSchema
+
+    floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
+    return OpSchema(
+        "RotaryEmbedding",
+        "com.microsoft",
+        1,
+        inputs=[
+            OpSchema.FormalParameter("input", "T"),
+            OpSchema.FormalParameter("position_ids", "M"),
+            OpSchema.FormalParameter("cos_cache", "T"),
+            OpSchema.FormalParameter("sin_cache", "T"),
+        ],
+        outputs=[OpSchema.FormalParameter("output", "T")],
+        type_constraints=[("T", floats, ""), ("M", ["tensor(int64)"], "")],
+        attributes=[OpSchema.Attribute("interleaved", OpSchema.AttrType.INT, "", required=False)],
+    )
+
+
+def rotary_embedding(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, unsqueeze_dim: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``apply_rotary_pos_emb`` as two :func:`rotary_table` ops, while an in-place export traces.
+
+    ``cos`` and ``sin`` are the model's [batch, sequence, D] (both halves equal); their first
+    halves become the op's table, computed once per graph (every layer gets the same tensors).
+    Partial rotary dimensions and other layouts keep the modeling file's own function.
+    """
+    layers: _Layers = _ACTIVE.layers
+    head_dim = q.shape[-1]
+    if unsqueeze_dim != 1 or cos.dim() != 3 or cos.shape[-1] != head_dim or cos.shape[0] != q.shape[0]:
+        return layers.rotary_fallback(q, k, cos, sin, unsqueeze_dim)
+    if layers.rotary is None or layers.rotary[0] is not cos:
+        batch, sequence = cos.shape[0], cos.shape[1]
+        half = head_dim // 2
+        rows = torch.arange(batch * sequence, device=cos.device).view(batch, sequence)
+        layers.rotary = (cos, cos[..., :half].reshape(batch * sequence, half), sin[..., :half].reshape(batch * sequence, half), rows)
+    _, cos_table, sin_table, rows = layers.rotary
+
+    def rotated(x: torch.Tensor) -> torch.Tensor:
+        # in the [batch, sequence, heads * D] layout GroupQueryAttention takes: the transposes
+        # to and from the modeling file's [batch, heads, sequence, D] cancel in the graph
+        batch, heads, sequence, _ = x.shape
+        flat = rotary_table(x.transpose(1, 2).reshape(batch, sequence, heads * head_dim), cos_table, sin_table, rows)
+        return flat.view(batch, sequence, heads, head_dim).transpose(1, 2)
+
+    return rotated(q), rotated(k)
+
+
 # what torch.onnx.export(custom_translation_table=...) needs to emit the op
-ONNX_TRANSLATION: dict[Any, Any] = {torch.ops.kvexport.group_query_attention.default: _onnx_group_query_attention}
+ONNX_TRANSLATION: dict[Any, Any] = {
+    torch.ops.kvexport.group_query_attention.default: _onnx_group_query_attention,
+    torch.ops.kvexport.rotary_embedding.default: _onnx_rotary_embedding,
+}
 
 
 @dataclass
@@ -214,6 +304,9 @@ class _Layers:
     total_sequence_length: torch.Tensor
     attention_bias: torch.Tensor
     present: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # the modeling file's own apply_rotary_pos_emb, and the table built from this call's cos and sin
+    rotary_fallback: Any = None
+    rotary: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 _ACTIVE = threading.local()
@@ -294,9 +387,15 @@ def in_place_attention(
     layers = _Layers(past, seqlens_k, total, bias)
     previous = model.config._attn_implementation
     model.config._attn_implementation = IMPLEMENTATION
+    modeling = sys.modules[type(model).__module__]  # the family's modeling file, where attention looks the function up
+    layers.rotary_fallback = getattr(modeling, "apply_rotary_pos_emb", None)
     _ACTIVE.layers = layers
+    if layers.rotary_fallback is not None:
+        modeling.apply_rotary_pos_emb = rotary_embedding  # type: ignore[attr-defined]
     try:
         yield layers
     finally:
+        if layers.rotary_fallback is not None:
+            modeling.apply_rotary_pos_emb = layers.rotary_fallback  # type: ignore[attr-defined]
         model.config._attn_implementation = previous
         del _ACTIVE.layers
