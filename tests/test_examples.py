@@ -40,6 +40,16 @@ def imported_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def llama_ort_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The trained Llama (tests/data/tiny-trained-llama) exported for ort-cpu: GroupQueryAttention with 2 KV heads."""
+    from kvexport import export_model
+
+    out = tmp_path_factory.mktemp("examples") / "llama"
+    export_model(out, str(ROOT / "tests" / "data" / "tiny-trained-llama"), target="ort-cpu")
+    return out
+
+
 def _example(name: str) -> ModuleType:
     spec = importlib.util.spec_from_file_location(name, ROOT / "examples" / f"{name}.py")
     assert spec is not None and spec.loader is not None
@@ -48,12 +58,14 @@ def _example(name: str) -> ModuleType:
     return module
 
 
-@pytest.mark.parametrize("layout", ["concat", "shared-buffer"])
-def test_greedy_example_follows_the_manifest_layout(layout: str, tiny_export: Path, tiny_ort_export: Path) -> None:
-    directory = tiny_export if layout == "concat" else tiny_ort_export
-    assert json.loads((directory / "kvexport.json").read_text())["cache"]["layout"] == layout
-    tokens = _example("greedy_onnxruntime").generate(str(directory), PROMPT, 10)
-    expected = Generator(directory).generate([PROMPT], 10, eos_token_id=-1)[0, len(PROMPT) :]
+@pytest.mark.parametrize("layout", ["concat", "shared-buffer", "shared-buffer-llama"])
+def test_greedy_example_follows_the_manifest_layout(layout: str, request: pytest.FixtureRequest) -> None:
+    fixture = {"concat": "tiny_export", "shared-buffer": "tiny_ort_export", "shared-buffer-llama": "llama_ort_export"}[layout]
+    directory: Path = request.getfixturevalue(fixture)
+    assert json.loads((directory / "kvexport.json").read_text())["cache"]["layout"] == layout.removesuffix("-llama")
+    prompt = PROMPT if fixture != "llama_ort_export" else [464, 676, 318, 1171]  # position_ids too, for the Llama
+    tokens = _example("greedy_onnxruntime").generate(str(directory), prompt, 10)
+    expected = Generator(directory).generate([prompt], 10, eos_token_id=-1)[0, len(prompt) :]
     assert tokens == expected.tolist()
 
 
@@ -83,10 +95,14 @@ def _genai_python() -> Path:
     return python
 
 
-@pytest.mark.parametrize("which", ["exported", "imported"])
+_GENAI_CASES = {"exported": "tiny_ort_export", "imported": "imported_export", "llama": "llama_ort_export"}
+
+
+@pytest.mark.parametrize("which", sorted(_GENAI_CASES))
 def test_onnxruntime_genai_runs_the_export_as_the_generator_does(which: str, request: pytest.FixtureRequest) -> None:
-    """Our own in-place export, and Optimum's graph after ``kvexport import``."""
-    directory: Path = request.getfixturevalue("tiny_ort_export" if which == "exported" else "imported_export")
+    """Our own in-place exports (GPT-2 and a Llama), and Optimum's graph after ``kvexport import``."""
+    directory: Path = request.getfixturevalue(_GENAI_CASES[which])
+    assert json.loads((directory / "kvexport.json").read_text())["genai"]["written"]
     prompt = PROMPT if which == "exported" else [5, 17, 300, 42]
     eos = Generator(directory).eos_token_id
     python = _genai_python()
@@ -103,9 +119,13 @@ def test_onnxruntime_genai_runs_the_export_as_the_generator_does(which: str, req
     assert tokens == expected[:stop]
 
 
-def test_onnxruntime_genai_batches_prompts_of_different_lengths_as_the_generator_runs_each(tiny_ort_export: Path) -> None:
-    """onnxruntime-genai right-pads a batch; each row's length reaches the graph through the mask."""
-    prompts = [PROMPT, [7, 8], [300], [5, 17, 300, 42, 9, 11]]
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_onnxruntime_genai_batches_prompts_of_different_lengths_as_the_generator_runs_each(family: str, request: pytest.FixtureRequest) -> None:
+    """onnxruntime-genai right-pads a batch; each row's length reaches the graph through the mask (and, for the
+    Llama, each row's positions through ``position_ids``)."""
+    tiny_ort_export: Path = request.getfixturevalue("tiny_ort_export" if family == "gpt2" else "llama_ort_export")
+    first = PROMPT if family == "gpt2" else [464, 676, 318, 1171]  # the trained Llama has 2,048 tokens
+    prompts = [first, [7, 8], [300], [5, 17, 300, 42, 9, 11]]
     python = _genai_python()
     done = subprocess.run(
         [str(python), str(ROOT / "examples" / "genai_generate.py"), str(tiny_ort_export), "--ids=" + ";".join(",".join(map(str, p)) for p in prompts), "8"],

@@ -234,6 +234,10 @@ def test_chat_completions_use_the_checkpoints_own_template(qwen_checkpoint: Path
 
     out = tmp_path / "ort"
     export_model(out, str(qwen_checkpoint), target="ort-cpu")
+    # onnxruntime-genai's files: every EOS token, and the checkpoint's own tokenizer_config
+    genai = json.loads((out / "genai_config.json").read_text())["model"]
+    assert genai["eos_token_id"] == [151645, 151643] and genai["pad_token_id"] == 151645
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2Tokenizer"
     messages = [{"role": "user", "content": "Hello world"}]
     reference = PreTrainedTokenizerFast.from_pretrained(qwen_checkpoint)
     prompt_ids = reference.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)

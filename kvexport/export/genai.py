@@ -14,6 +14,7 @@ is not what onnxruntime-genai expects of a shared buffer, so no config is writte
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,17 +38,23 @@ def genai_unsupported_reason(cache_layout: str, tokenizer_file: str | None) -> s
 
 
 def genai_config(
-    dims: ModelDims, target: str, eos_token_id: int | None, graph_file: str = "prefill.onnx"
+    dims: ModelDims, target: str, eos_token_id: int | Sequence[int] | None, graph_file: str = "prefill.onnx"
 ) -> dict[str, Any]:
-    """The ``genai_config.json`` object for an in-place-cache export."""
-    eos = eos_token_id if eos_token_id is not None else 0
+    """The ``genai_config.json`` object for an in-place-cache export.
+
+    ``eos_token_id``: one id, or every id that ends a generation (Llama 3 lists several;
+    onnxruntime-genai takes the list and stops at any); the first is also BOS and padding.
+    """
+    listed = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [0])
+    first = listed[0]
+    eos: int | list[int] = listed if len(listed) > 1 else first
     provider_options: list[dict[str, Any]] = [{"cuda": {}}] if target == "ort-cuda" else []
     return {
         "model": {
             "type": "decoder",
-            "bos_token_id": eos,
+            "bos_token_id": first,
             "eos_token_id": eos,
-            "pad_token_id": eos,
+            "pad_token_id": first,
             "context_length": dims.max_positions,
             "vocab_size": dims.vocab_size,
             "decoder": {
@@ -118,7 +125,7 @@ def write_genai_files(
     reason = genai_unsupported_reason(cache_layout, tokenizer.get("file"))
     if reason is not None:
         return {"written": False, "why": reason}
-    config = genai_config(dims, target, tokenizer.get("eos_token_id"))
+    config = genai_config(dims, target, tokenizer.get("eos_token_ids") or tokenizer.get("eos_token_id"))
     (directory / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     if not (directory / TOKENIZER_CONFIG).exists():  # the checkpoint's own, if shipped, serves genai too
         (directory / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(dims), indent=2) + "\n")

@@ -57,6 +57,8 @@ class LlamaStyleFamily(ModelFamily):
     # ``--attention``: the standard ops, or ONNX Runtime's GroupQueryAttention from the export itself
     attention_kinds = frozenset({"unfused", "ort"})
     in_place_attention = True
+    # onnxruntime-genai 0.18 runs these in-place exports as the Generator does (tests/test_examples.py)
+    genai_tried = True
     # config options that change the graph and that this family's tests cover, by value
     _rope_types: ClassVar[frozenset[str]] = frozenset({"default"})
 
