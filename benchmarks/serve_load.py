@@ -28,6 +28,10 @@ quantized cache (a copy, calibrated as ``--kv-cache`` does) and each llama-serve
 so a drifting host treats them alike.
 
     .venv/bin/python benchmarks/serve_load.py --model gpt2 --random-init --work /tmp/llama
+    .venv/bin/python benchmarks/serve_load.py --checkpoint /tmp/family/smollm2-135m/checkpoint --work /tmp/llama
+
+(``--checkpoint``: any family's Hugging Face directory with its tokenizer, as
+``benchmarks/family_compare.py`` writes one; vLLM serves that directory as it is.)
 
 Writes ``serve_load.json`` and ``serve_load.png`` (output tokens/s and p99 TTFT against
 concurrency, one line per system) under ``--work``. Servers listen on 127.0.0.1 only, every
@@ -55,6 +59,7 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
+import family_compare as family
 import llama_cpp_compare as llama
 
 from kvexport.export.calibration import copy_with_quantized_cache
@@ -297,6 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt2")
     parser.add_argument("--random-init", action="store_true")
+    parser.add_argument(
+        "--checkpoint", type=Path, default=None,
+        help="A Hugging Face directory of any family with its tokenizer files (benchmarks/family_compare.py makes one); "
+        "replaces --model / --random-init.",
+    )
     parser.add_argument("--work", type=Path, default=Path("/tmp/llama"))
     parser.add_argument("--concurrency", default="1,4,16")
     parser.add_argument("--requests", type=int, default=0, help="Requests per level [default: 2 x concurrency, at least 4].")
@@ -322,16 +332,26 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args.work.mkdir(parents=True, exist_ok=True)
     vllm = vllm_python(args.vllm)
-    name = Path(args.model).name
-    hf_dir = llama.hf_directory(args.model, args.random_init, args.work / f"hf-{name}")
+    name = Path(args.model).name if args.checkpoint is None else args.checkpoint.resolve().parent.name
+    if args.checkpoint is None:
+        hf_dir = llama.hf_directory(args.model, args.random_init, args.work / f"hf-{name}")
+    else:  # a family's checkpoint, tokenizer files and all: exported, converted and served as it is
+        hf_dir = args.checkpoint.resolve()
+        (args.work / f"hf-{name}").mkdir(parents=True, exist_ok=True)
     if not args.no_llama:
         source = llama.build_llama_cpp(args.work, (*llama.TOOLS, "llama-server"))
         ggufs = {kind: args.work / f"hf-{name}" / f"model-{kind}.gguf" for _, kind in PAIRS}
         if not all(g.exists() for g in ggufs.values()):
-            ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}"))
+            if args.checkpoint is None:
+                ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}"))
+            else:
+                ggufs.update(family.gguf_files(source, hf_dir, args.work / f"hf-{name}", family.tokenizer_kind(hf_dir)))
     if vllm is not None:
-        checkpoint = vllm_checkpoint(vllm, hf_dir, args.work / f"vllm-{name}")
-    exports = llama.kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", [], args.int8_per_channel)
+        checkpoint = vllm_checkpoint(vllm, hf_dir, args.work / f"vllm-{name}") if args.checkpoint is None else hf_dir
+    if args.checkpoint is None:
+        exports = llama.kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", [], args.int8_per_channel)
+    else:
+        exports = {k: v for k, v in family.kvexport_exports(hf_dir, args.work / f"hf-{name}").items() if k != "fp32"}
     vocab = json.loads((exports["int8"] / "kvexport.json").read_text())["model"]["dims"]["vocab_size"]
     schemes = args.schemes.split(",")
     servers: dict[str, tuple[str, subprocess.Popen[Any], str]] = {}
@@ -394,8 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['itl']['p99_ms']:>8.1f} {r['e2el']['median_ms']:>9.0f}"
             )
     result = {
-        "model": args.model,
-        "random_init": args.random_init,
+        "model": args.model if args.checkpoint is None else str(args.checkpoint),
+        "random_init": args.random_init or args.checkpoint is not None,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "slots": args.slots,
