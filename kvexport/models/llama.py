@@ -161,9 +161,7 @@ class LlamaStyleFamily(ModelFamily):
         return converted
 
     def _load_local(self, path: Path, allow_pickle: bool) -> PreTrainedModel:
-        from transformers import AutoModelForCausalLM
-
-        from transformers import AutoConfig
+        from transformers import AutoConfig, AutoModelForCausalLM
 
         config = _renamed_rope(read_config(path))
         self.check_config(config, str(path / "config.json"))
