@@ -188,7 +188,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.table, chunk=config.chunk, max_queue=config.max_queue, capacity=self.capacity, draft_tokens=config.draft_tokens
         )
-        self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids)
+        self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids, self.vocab_size)
         self._listeners: list[EngineListener] = []
         self._ids_counter = itertools.count()
         self._lock = threading.Lock()
@@ -274,6 +274,8 @@ class Engine:
                 "returns the last position's only; serve an export made with --all-logits",
                 parameter="prompt_logprobs",
             )
+        if params.structured is not None:  # the grammar compiles here, in the caller's thread, never the engine's
+            self.output.check_structured(params.structured)
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         check_prompt(ids, self.vocab_size, params.max_tokens, self.capacity)
         return ids

@@ -29,8 +29,10 @@ from tokenizers import Tokenizer
 
 from kvexport.runtime.sampling import SamplingConfig, log_softmax
 from kvexport.runtime.text import TextStream
+from kvexport.serving.errors import ParameterError
 from kvexport.serving.processors import choose, controlled_scores, logprob_of
 from kvexport.serving.request import Logprob, SamplingParams, TokenEvent
+from kvexport.serving.structured import Constraint, Grammars, Matcher
 
 
 class RequestState:
@@ -64,6 +66,7 @@ class RequestState:
         # the siblings of n > 1 share the first's list: the same prompt, filled once
         self.prompt_logprobs: list[Logprob | None] = [] if prompt_logprobs is None else prompt_logprobs
         self.cached_tokens = 0  # prompt tokens whose rows came from the prefix cache
+        self.matcher: Matcher | None = None  # structured output: where the request is in its grammar
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._events: collections.deque[TokenEvent] = collections.deque()
@@ -197,10 +200,23 @@ class OutputProcessor:
 
     """
 
-    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Tokenizer | None, eos_token_ids: tuple[int, ...], vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.states: dict[str, RequestState] = {}  # the requests whose stream has not ended
+        # structured output's tokenizer and checked grammars (None: no tokenizer, so no structured output)
+        self.grammars: Grammars | None = None
+        if tokenizer is not None and vocab_size is not None:
+            self.grammars = Grammars(tokenizer.to_str(), vocab_size, eos_token_ids[0] if eos_token_ids else 0)
+
+    def check_structured(self, constraint: Constraint) -> None:
+        """A constraint this export cannot follow is a :class:`ParameterError` naming its field (in the caller's thread)."""
+        if self.grammars is None:
+            raise ParameterError(
+                f"{constraint.field}: structured output needs the export's tokenizer, and this export has none",
+                parameter=constraint.field.split(".")[0],
+            )
+        self.grammars.check(constraint)
 
     def add_request(self, state: RequestState) -> None:
         """Take a new request: its text stream, and the tokens that end it (EOS unless ignored)."""
@@ -208,6 +224,9 @@ class OutputProcessor:
         state.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output)
         if self.eos_token_ids and not params.ignore_eos:
             state.stop_ids = (*params.stop_token_ids, *self.eos_token_ids)
+        if params.structured is not None:  # checked already (check_structured): the grammar compiles
+            assert self.grammars is not None
+            state.matcher = self.grammars.matcher(params.structured)
         self.states[state.id] = state
 
     def admitted(self, request_id: str, cached_tokens: int) -> None:
@@ -294,7 +313,10 @@ class OutputProcessor:
         """One request's next token from its logits ``row`` [V], with its log-probability when asked."""
         params = state.params
         raw = row.astype(np.float32)
-        scores = controlled_scores(raw, params, state.prompt, state.output, state.stop_ids) if params.controls_logits else raw
+        scores = raw
+        if state.matcher is not None:  # the grammar first, then the other controls
+            scores = state.matcher.mask(raw.copy())
+        scores = controlled_scores(scores, params, state.prompt, state.output, state.stop_ids) if params.controls_logits else scores
         token = choose(scores, params, state.sampling, state.rng)
         logprob = None
         if params.logprobs is not None:
@@ -312,6 +334,10 @@ class OutputProcessor:
         state.output.append(token)
         batch.tokens.setdefault(state.id, []).append(token)
         params = state.params
+        if state.matcher is not None and not state.matcher.take(token):  # never fails open: the request ends
+            state.output.pop()
+            self._end(batch, state, TokenEvent(None, "", "error", f"structured output: {state.matcher.error}"))
+            return True
         generated = len(state.output)
         assert state.text is not None
         if generated >= params.min_tokens and token in state.stop_ids:
@@ -325,6 +351,9 @@ class OutputProcessor:
             return True
         if generated >= params.max_tokens:
             self._end(batch, state, TokenEvent(token, text + state.text.flush(), "length", logprob=logprob))
+            return True
+        if state.matcher is not None and state.matcher.finished:  # the grammar is complete (EOS ignored, or none)
+            self._end(batch, state, TokenEvent(token, text + state.text.flush(), "stop", logprob=logprob))
             return True
         batch.events.append((state, TokenEvent(token, text, logprob=logprob)))
         return False

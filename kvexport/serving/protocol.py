@@ -4,7 +4,7 @@ Every field a body may carry is one of three kinds:
 
 - **served**: a field of the models below, honoured with vLLM's meaning;
 - **refused**: a field vLLM knows that this server does not serve (``suffix``,
-  ``best_of``, beam search, structured output, tools, ...): a value other than its
+  ``best_of``, beam search, the older ``guided_*`` fields, tools, ...): a value other than its
   neutral default is a 400 that names it (:func:`refused_field`);
 - **unknown** to vLLM too: ignored, as vLLM ignores it (it logs them; so does this server).
 
@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvexport.serving.errors import ParameterError
 from kvexport.serving.request import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams
+from kvexport.serving.structured import from_request
 
 LOG = logging.getLogger("kvexport.serving")
 
@@ -31,8 +32,6 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (None, False),
     "length_penalty": (None, 1, 1.0),
     "bad_words": (None, []),
-    "response_format": (None, {"type": "text"}),
-    "structured_outputs": (None,),
     "guided_json": (None,),
     "guided_regex": (None,),
     "guided_choice": (None,),
@@ -114,6 +113,9 @@ class SamplingFields(BaseModel):
     add_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # structured output (kvexport.serving.structured): OpenAI's and vLLM's ways to ask for it
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     def sampling_params(self, max_tokens: int, *, logprobs: int | None, prompt_logprobs: int | None) -> SamplingParams:
         """The engine's settings for one choice of this request."""
@@ -137,6 +139,7 @@ class SamplingFields(BaseModel):
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            structured=from_request(self.response_format, self.structured_outputs),
         )
 
     def include_usage(self) -> bool:

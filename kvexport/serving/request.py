@@ -24,6 +24,7 @@ from kvexport.serving.errors import ParameterError
 
 if TYPE_CHECKING:
     from kvexport.runtime.sampling import SamplingConfig
+    from kvexport.serving.structured import Constraint
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 DEFAULT_MAX_TOKENS = 16  # vLLM's default max_tokens of a completion (also for max_tokens null)
@@ -70,6 +71,8 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # structured output: the grammar the tokens must follow (kvexport.serving.structured)
+    structured: Constraint | None = None
 
     def sampling(self) -> SamplingConfig:
         """The runtime's sampling settings (greedy for temperature 0)."""
@@ -91,6 +94,7 @@ class SamplingParams:
             or self.repetition_penalty != 1.0
             or self.logit_bias
             or self.allowed_token_ids is not None
+            or self.structured is not None
         )
 
     def validate(self, vocab_size: int | None = None) -> None:
