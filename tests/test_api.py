@@ -218,7 +218,8 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(all_logits_serve
     ("extra", "param"),
     [
         ({"use_beam_search": True}, "use_beam_search"),
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "yaml"}}, "response_format"),
+        ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"skip_special_tokens": False}, "skip_special_tokens"),
         ({"stream_options": {"continuous_usage_stats": True}, "stream": True}, "stream_options"),
