@@ -313,11 +313,12 @@ class OutputProcessor:
         """One request's next token from its logits ``row`` [V], with its log-probability when asked."""
         params = state.params
         raw = row.astype(np.float32)
-        scores = raw
-        if state.matcher is not None:  # the grammar first, then the other controls
-            scores = state.matcher.mask(raw.copy())
-        scores = controlled_scores(scores, params, state.prompt, state.output, state.stop_ids) if params.controls_logits else scores
-        token = choose(scores, params, state.sampling, state.rng)
+        scores = controlled_scores(raw, params, state.prompt, state.output, state.stop_ids) if params.controls_logits else raw
+        if state.matcher is None:
+            token = choose(scores, params, state.sampling, state.rng)
+        else:  # the grammar: choose among the tokens it allows (the others' probability is 0, as if masked to -inf)
+            allowed = state.matcher.allowed()
+            token = int(allowed[choose(scores[allowed], params, state.sampling, state.rng)])
         logprob = None
         if params.logprobs is not None:
             logprob = logprob_of(log_softmax(raw[None])[0], token, params.logprobs)

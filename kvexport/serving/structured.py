@@ -9,8 +9,9 @@ llguidance grammar text and the field to name in an error.
   of the first structured request, never the engine's) and checks each grammar when the
   request arrives, in the caller's thread: a bad schema, regex or grammar is a 400 that
   names the field. Checked grammars are remembered by their text.
-- Each request gets its own ``LLMatcher``. The output processor masks the request's row
-  with it before any other control (the log-probabilities stay the model's own, as for
+- Each request gets its own ``LLMatcher``. The output processor chooses the request's
+  token among those it allows next (the others' probability is 0, as if masked to -inf;
+  the other controls act among them; the log-probabilities stay the model's own, as for
   every request), and feeds it each chosen token. It never fails open: a matcher in error
   ends the request with an error, never with unconstrained text.
 - A constrained request is never decoded speculatively (its mask depends on every token
@@ -217,6 +218,7 @@ class Matcher:
 
         self._matcher = matcher
         self._numpy = llg_numpy
+        self.vocab_size = vocab_size
         self._bitmask = llg_numpy.allocate_token_bitmask(1, vocab_size)
 
     @property
@@ -224,11 +226,18 @@ class Matcher:
         """Why the matcher cannot go on (None while it can)."""
         return str(self._matcher.get_error()) or "the constraint failed" if self._matcher.is_error() else None
 
-    def mask(self, scores: np.ndarray) -> np.ndarray:
-        """``scores`` [V] float32 with every token the grammar does not allow next at -inf (in place)."""
+    def allowed(self) -> np.ndarray:
+        """The token ids the grammar allows next, ascending (int64)."""
         self._numpy.fill_next_token_bitmask(self._matcher, self._bitmask, 0)
-        self._numpy.apply_token_bitmask_inplace(scores[None], self._bitmask)
-        return scores
+        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little", count=self.vocab_size)
+        return np.flatnonzero(bits)
+
+    def mask(self, scores: np.ndarray) -> np.ndarray:
+        """``scores`` [V] with every token the grammar does not allow next at -inf (a new array)."""
+        masked = np.full_like(scores, -np.inf)
+        allowed = self.allowed()
+        masked[allowed] = scores[allowed]
+        return masked
 
     def take(self, token: int) -> bool:
         """Advance past ``token``; False when the grammar does not allow it (the matcher is then in error)."""
