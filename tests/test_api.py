@@ -235,6 +235,9 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(all_logits_serve
         ({"allowed_token_ids": [5], "logit_bias": {"5": -100}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"truncation_side": "right"}, "truncation_side"),
+        ({"seed": 2**63}, "seed"),  # vLLM's range: a 64-bit signed integer
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"logit_bias": {"x": 1, "y": 2}}, "logit_bias"),
     ],
 )
 def test_fields_not_served_or_out_of_range_are_400_naming_them(plain_server: str, extra: dict[str, object], param: str) -> None:
@@ -286,3 +289,21 @@ def test_serve_refuses_a_bad_chat_template_in_one_line(trained_exports: dict[str
     ):
         result = CliRunner().invoke(main, ["serve", str(trained_exports["none"]), "--port", "0", "--chat-template", str(path)])
         assert result.exit_code == 2 and result.stderr.strip() == message
+
+
+def test_several_bad_logit_bias_keys_are_all_named_and_the_seeds_range_is_vllms(plain_server: str) -> None:
+    both = _post(plain_server, "/v1/completions", {"prompt": "x", "max_tokens": 3, "logit_bias": {"x": 1, "5": 1, "y": 2}})
+    assert both.json()["error"]["message"] == "logit_bias: the keys 'x', 'y' are not token ids"
+    outside = _post(plain_server, "/v1/completions", {"prompt": "x", "max_tokens": 3, "logit_bias": {"99999": 1, "5": 1, "70000": 2}})
+    assert outside.json()["error"]["message"] == "logit_bias: token ids 99999, 70000 are out of vocabulary (its 2048 tokens are 0..2047)"
+    for seed in (2**63 - 1, -(2**63)):  # the ends of the range are taken
+        assert _post(plain_server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "seed": seed}).status_code == 200
+
+
+@pytest.mark.parametrize("field", ["continue_final_message", "tools"])
+def test_tokenize_refuses_the_chat_fields_the_chat_route_refuses(all_logits_server: str, field: str) -> None:
+    value: object = True if field == "continue_final_message" else [{"type": "function", "function": {"name": "f"}}]
+    body = {"messages": [{"role": "user", "content": "hi"}], field: value}
+    for route in ("/tokenize", "/v1/chat/completions"):
+        answer = _post(all_logits_server, route, body)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == field, (route, answer.text)

@@ -260,8 +260,8 @@ def test_sampling_config_validation_is_shared(trained_exports: dict[str, Path]) 
         SamplingConfig(do_sample=True, top_k=-1).validate()
     with pytest.raises(Exception, match=r"^presence_penalty 2.5: must be in \[-2, 2\]$"):
         SamplingParams(presence_penalty=2.5).validate()
-    with pytest.raises(Exception, match=r"^logit_bias: token id 5000 is outside the vocabulary \(0..2047\)$"):
-        SamplingParams(logit_bias={5000: 1.0}).validate(2048)
+    with pytest.raises(Exception, match=r"^logit_bias: token ids 5000, -1 are out of vocabulary \(its 2048 tokens are 0..2047\)$"):
+        SamplingParams(logit_bias={5000: 1.0, 7: 1.0, -1: 2.0}).validate(2048)  # every bad key named, as vLLM
 
 
 def test_the_warm_up_leaves_no_trace(trained_exports: dict[str, Path]) -> None:

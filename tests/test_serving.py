@@ -230,7 +230,7 @@ def test_cancel_frees_the_slot_and_a_full_queue_refuses(trained_exports: dict[st
     ("prompt", "params", "message"),
     [
         ([], SamplingParams(), "the prompt is empty; pass at least one token"),
-        ([5, 99999], SamplingParams(), "token id 99999 is outside the vocabulary (0..2047)"),
+        ([5, 99999], SamplingParams(), "token id 99999 is out of vocabulary (its 2048 tokens are 0..2047)"),
         (
             [5] * 60,
             SamplingParams(max_tokens=10),

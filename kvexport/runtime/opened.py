@@ -80,7 +80,14 @@ def check_token_ids(ids: Sequence[int] | np.ndarray, vocab_size: int) -> None:
         raise KvexportError("the prompt is empty; pass at least one token")
     outside = tokens[(tokens < 0) | (tokens >= vocab_size)]
     if outside.size:
-        raise KvexportError(f"token id {int(outside[0])} is outside the vocabulary (0..{vocab_size - 1})")
+        raise KvexportError(out_of_vocabulary(outside.tolist(), vocab_size))
+
+
+def out_of_vocabulary(ids: Sequence[int], vocab_size: int) -> str:
+    """The one-line error for token ids outside the vocabulary, naming each (once, in order) and its size, as vLLM words it."""
+    named = list(dict.fromkeys(int(t) for t in ids))
+    which = f"token id {named[0]} is" if len(named) == 1 else f"token ids {', '.join(map(str, named))} are"
+    return f"{which} out of vocabulary (its {vocab_size} tokens are 0..{vocab_size - 1})"
 
 
 def check_room(prompt: int, new_tokens: int, limit: int, *, hint: str = "") -> None:

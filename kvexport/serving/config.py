@@ -79,7 +79,14 @@ class EngineConfig:
         "tokens as fit in the export's cache dtype.",
         flag="--kv-memory",
     )
-    max_queue: int = setting(64, "Requests that may wait for a slot; more get 503.", flag="--max-queue", low=0)
+    max_queue: int = setting(
+        64,
+        "Requests that may wait for a slot; more get 503 with Retry-After. Size it to the most requests your clients "
+        "send at once, minus --slots (an n > 1 request counts n): vLLM queues without a limit, so clients written "
+        "for it may send hundreds.",
+        flag="--max-queue",
+        low=0,
+    )
     chunk: int = setting(DEFAULT_CHUNK, "Prompt tokens prefilled per engine step.", flag="--chunk", low=1)
     provider: str = setting(
         "cpu",

@@ -95,7 +95,7 @@ class SamplingFields(BaseModel):
     top_p: float | None = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # vLLM's range: a 64-bit signed integer
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
@@ -243,6 +243,17 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     return_token_strs: bool = False
 
+    def refused(self) -> ParameterError | None:
+        """A chat field the chat route refuses is refused here too, naming it (never taken and ignored)."""
+        for name, value in (self.model_extra or {}).items():
+            if name in _CHAT_ONLY and value not in _REFUSED[name]:
+                return ParameterError(f"{name}: not served by kvexport serve; leave it out", parameter=name)
+        return None
+
+
+# the chat fields /tokenize would have to render with: refused there as the chat route refuses them
+_CHAT_ONLY = ("continue_final_message", "tools", "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
+
 
 class DetokenizeRequest(BaseModel):
     """``POST /detokenize``: token ids to text."""
@@ -255,9 +266,13 @@ class DetokenizeRequest(BaseModel):
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     """JSON's string keys as token ids, or one line naming the key that is not one."""
     parsed: dict[int, float] = {}
+    bad: list[str] = []
     for key, value in (bias or {}).items():
         try:
             parsed[int(key)] = float(value)
         except ValueError:
-            raise ParameterError(f"logit_bias: the key {key!r} is not a token id", parameter="logit_bias") from None
+            bad.append(repr(key))
+    if bad:  # every bad key at once, so one answer tells the client all it must fix
+        which = f"the key {bad[0]} is not a token id" if len(bad) == 1 else f"the keys {', '.join(bad)} are not token ids"
+        raise ParameterError(f"logit_bias: {which}", parameter="logit_bias")
     return parsed

@@ -146,9 +146,9 @@ class SamplingParams:
             ):
                 outside = [t for t in tokens if not 0 <= t < vocab_size]
                 if outside:
-                    raise ParameterError(
-                        f"{name}: token id {outside[0]} is outside the vocabulary (0..{vocab_size - 1})", parameter=name
-                    )
+                    from kvexport.runtime.opened import out_of_vocabulary
+
+                    raise ParameterError(f"{name}: {out_of_vocabulary(outside, vocab_size)}", parameter=name)
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 from kvexport.errors import KvexportError
+from kvexport.runtime.opened import out_of_vocabulary
 from kvexport.serving.api.common import Served, chat_prompt, decode, served, wrong_model
 from kvexport.serving.api.render import error_response
 from kvexport.serving.protocol import DetokenizeRequest, TokenizeRequest
@@ -21,6 +22,9 @@ async def tokenize(body: TokenizeRequest, context: Served = Depends(served)) -> 
     problem = wrong_model(context, body.model)
     if problem is not None:
         return problem
+    refused = body.refused()
+    if refused is not None:
+        return error_response(400, str(refused), param=refused.parameter)
     if (body.prompt is None) == (body.messages is None):
         return error_response(400, "tokenize: send a prompt or messages (one of them)", param="prompt")
     engine = context.engine
@@ -49,7 +53,7 @@ async def detokenize(body: DetokenizeRequest, context: Served = Depends(served))
     engine = context.engine
     outside = [t for t in body.tokens if not 0 <= t < engine.vocab_size]
     if outside:
-        return error_response(400, f"tokens: token id {outside[0]} is outside the vocabulary (0..{engine.vocab_size - 1})", param="tokens")
+        return error_response(400, f"tokens: {out_of_vocabulary(outside, engine.vocab_size)}", param="tokens")
     if engine.tokenizer is None:
         return error_response(400, f"{engine.directory} has no tokenizer; there is no text to give", param="tokens")
     return JSONResponse({"prompt": decode(engine.tokenizer, body.tokens)})
