@@ -7,6 +7,7 @@ same tokens, texts against the engine's own single requests or the Generator.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -307,3 +308,38 @@ def test_tokenize_refuses_the_chat_fields_the_chat_route_refuses(all_logits_serv
     for route in ("/tokenize", "/v1/chat/completions"):
         answer = _post(all_logits_server, route, body)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field, (route, answer.text)
+
+
+def _sse(answer: httpx.Response) -> list[dict[str, object]]:
+    lines = [line.removeprefix("data: ") for line in answer.text.splitlines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(line) for line in lines[:-1]]
+
+
+def test_choices_carry_vllms_null_fields_and_return_token_ids_fills_them(plain_server: str) -> None:
+    prompt = TOKENIZER.encode("The help topic").ids
+    plain = _post(plain_server, "/v1/completions", {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json()
+    choice = plain["choices"][0]
+    assert (choice["prompt_logprobs"], choice["prompt_token_ids"], choice["token_ids"]) == (None, None, None)
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    asked = _post(plain_server, "/v1/completions", body).json()["choices"][0]
+    assert asked["prompt_token_ids"] == prompt and len(asked["token_ids"]) == 4
+    assert TOKENIZER.decode(asked["token_ids"]) == asked["text"] == choice["text"]
+    echoed = _post(plain_server, "/v1/completions", {**body, "echo": True}).json()["choices"][0]
+    assert echoed["token_ids"] == asked["token_ids"] and echoed["prompt_token_ids"] == prompt  # the output's ids only
+    chunks = _sse(httpx.post(f"{plain_server}/v1/completions", json={**body, "stream": True, "echo": True}, timeout=30))
+    streamed = [c["choices"][0] for c in chunks]  # type: ignore[index]
+    assert streamed[0]["prompt_token_ids"] == prompt and all(c["prompt_token_ids"] is None for c in streamed[1:])
+    assert [t for c in streamed for t in c["token_ids"]] == asked["token_ids"]  # type: ignore[union-attr]
+
+
+def test_chat_sends_the_top_level_prompt_fields_and_token_ids_when_asked(all_logits_server: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    plain = _post(all_logits_server, "/v1/chat/completions", body).json()
+    assert (plain["prompt_logprobs"], plain["prompt_token_ids"], plain["choices"][0]["token_ids"]) == (None, None, None)
+    asked = _post(all_logits_server, "/v1/chat/completions", {**body, "return_token_ids": True}).json()
+    prompt = TOKENIZER.encode("user: hi\nassistant:").ids
+    assert asked["prompt_token_ids"] == prompt and TOKENIZER.decode(asked["choices"][0]["token_ids"]) == asked["choices"][0]["message"]["content"]
+    chunks = _sse(httpx.post(f"{all_logits_server}/v1/chat/completions", json={**body, "return_token_ids": True, "stream": True}, timeout=30))
+    assert chunks[0]["prompt_token_ids"] == prompt
+    assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == asked["choices"][0]["token_ids"]  # type: ignore[index]

@@ -44,7 +44,6 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "kv_transfer_params": (None,),
     "vllm_xargs": (None,),
     "prompt_embeds": (None,),
-    "return_token_ids": (None, False),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
     "tools": (None, []),
@@ -113,6 +112,8 @@ class SamplingFields(BaseModel):
     add_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # vLLM's: the prompt's and each choice's token ids in the response (``prompt_token_ids``, ``token_ids``)
+    return_token_ids: bool | None = None
     # structured output (kvexport.serving.structured): OpenAI's and vLLM's ways to ask for it
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None

@@ -225,6 +225,7 @@ class _Render:
         self.body = body
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self._echo_cut: set[int] = set()  # choices whose first streamed chunk (echo and all) has gone
 
     def whole(self) -> Response:
         """The whole response, once every choice has ended."""
@@ -238,11 +239,22 @@ class _Render:
         """Chunks sent before any token."""
         return []
 
-    def _body(self, kind: str, choices: list[dict[str, Any]], counts: dict[str, Any] | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices, "usage": counts}
+    def _body(self, kind: str, choices: list[dict[str, Any]], counts: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices, "usage": counts, **(extra or {})}
 
-    def _chunk(self, choices: list[dict[str, Any]], counts: dict[str, Any] | None = None) -> str:
-        return sse(self._body(self.chunk_object, choices, counts))
+    def _chunk(self, choices: list[dict[str, Any]], counts: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> str:
+        return sse(self._body(self.chunk_object, choices, counts, extra))
+
+    def _token_ids(self, ids: list[int]) -> list[int] | None:
+        """``token_ids`` as vLLM sends them: the ids when ``return_token_ids`` asks, else null."""
+        return list(ids) if self.body.return_token_ids else None
+
+    def _new_ids(self, choice: Choice, tokens: list[int]) -> list[int]:
+        """The generated ids among a chunk's ``tokens`` (the first chunk of an echo starts with the prompt's)."""
+        if choice.index not in self._echo_cut:
+            self._echo_cut.add(choice.index)
+            return tokens[len(choice.echo_ids) :]
+        return tokens
 
     async def stream(self) -> AsyncIterator[str]:
         """SSE chunks as tokens come, every choice interleaved; then the usage (when asked) and ``[DONE]``."""
@@ -281,28 +293,36 @@ class CompletionRender(_Render):
             return None
         return completion_logprobs(tokens, logprobs, self.request.logprobs, offset, self.name)
 
-    def _choice(self, choice: Choice, text: str, logprobs: dict[str, Any] | None, done: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {
+    def _choice(
+        self, choice: Choice, text: str, logprobs: dict[str, Any] | None, done: bool, token_ids: list[int], first: bool
+    ) -> dict[str, Any]:
+        """One choice with every key vLLM sends: the unasked ones null, as its response models serialize them."""
+        asked = self.request.prompt_logprobs is not None and done
+        return {
             "index": choice.index,
             "text": text,
             "logprobs": logprobs,
             "finish_reason": choice.finish_reason if done else None,
             "stop_reason": choice.stop_reason if done else None,
+            "token_ids": self._token_ids(token_ids),
+            "prompt_logprobs": prompt_logprobs(choice.request, self.name) if asked else None,
+            "prompt_token_ids": self._token_ids(choice.request.prompt) if first else None,
         }
-        if self.request.prompt_logprobs is not None and done:
-            out["prompt_logprobs"] = prompt_logprobs(choice.request, self.name)
-        return out
 
     def whole(self) -> Response:
         """The ``text_completion`` body."""
-        choices = [self._choice(c, "".join(c.text), self._logprobs(c.tokens, c.logprobs, 0), True) for c in self.choices]
+        choices = [
+            self._choice(c, "".join(c.text), self._logprobs(c.tokens, c.logprobs, 0), True, [] if c.echo_only else c.request.output, True)
+            for c in self.choices
+        ]
         return JSONResponse(self._body("text_completion", choices, usage(self.choices, self.first)))
 
     def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any]:
         shown = self._logprobs(tokens, logprobs, self.offsets[choice.index])
         if shown is not None and shown["tokens"]:  # offsets advance by the tokens' strings, as in a whole response
             self.offsets[choice.index] = shown["text_offset"][-1] + len(shown["tokens"][-1])
-        return self._choice(choice, text, shown, done)
+        first = choice.index not in self._echo_cut
+        return self._choice(choice, text, shown, done, self._new_ids(choice, tokens), first)
 
 
 class ChatRender(_Render):
@@ -329,23 +349,33 @@ class ChatRender(_Render):
                 "logprobs": self._logprobs(c.tokens, c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
+                "token_ids": self._token_ids(c.request.output),
             }
             for c in self.choices
         ]
-        return JSONResponse(self._body("chat.completion", choices, usage(self.choices, self.first)))
+        # vLLM's top-level prompt fields: null unless asked (chat serves no prompt_logprobs)
+        prompt = {"prompt_logprobs": None, "prompt_token_ids": self._token_ids(self.choices[0].request.prompt)}
+        return JSONResponse(self._body("chat.completion", choices, usage(self.choices, self.first), prompt))
 
     def _opening(self) -> list[str]:
-        # the role first, as OpenAI and vLLM send it
+        # the role first, as OpenAI and vLLM send it; with return_token_ids the prompt's ids come with the first
+        ids = self._token_ids(self.choices[0].request.prompt)
         return [
-            self._chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-            for c in self.choices
+            self._chunk(
+                [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                extra={"prompt_token_ids": ids} if ids is not None and i == 0 else None,
+            )
+            for i, c in enumerate(self.choices)
         ]
 
     def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any]:
-        return {
+        piece = {
             "index": choice.index,
             "delta": {"content": text} if text or not done else {},
             "logprobs": self._logprobs(tokens, logprobs),
             "finish_reason": choice.finish_reason if done else None,
             "stop_reason": choice.stop_reason if done else None,
         }
+        if self.body.return_token_ids:
+            piece["token_ids"] = list(tokens)
+        return piece
