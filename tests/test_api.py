@@ -180,7 +180,7 @@ def test_chat_with_and_without_streaming(all_logits_server: str) -> None:
 @pytest.mark.parametrize(
     ("body", "message", "param"),
     [
-        ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role: Input should be 'system', 'user' or 'assistant'", "messages"),
+        ({"messages": [{"role": "", "content": "hi"}]}, "messages.0.role: String should have at least 1 character", "messages"),
         ({"messages": []}, "messages: List should have at least 1 item after validation, not 0", "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs: needs logprobs: true", "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools: not served by kvexport serve; leave it out", "tools"),
@@ -254,10 +254,17 @@ def test_any_integer_seed_and_a_null_max_tokens_as_vllm_takes_them(plain_server:
     assert unbounded.json()["usage"]["completion_tokens"] == 16  # vLLM's default, for null too
 
 
-def test_a_chat_message_key_the_template_would_never_see_is_refused(all_logits_server: str) -> None:
-    message = {"role": "assistant", "content": "", "tool_calls": [{"id": "x"}]}
-    response = _post(all_logits_server, "/v1/chat/completions", {"messages": [message]})
-    assert response.status_code == 400 and response.json()["error"]["message"].startswith("messages.0.tool_calls: Extra inputs")
+def test_any_role_and_any_message_key_reach_the_template_as_vllm_hands_them(all_logits_server: str) -> None:
+    """The test template renders ``role: content``; a role of its own and an extra key pass through unchanged."""
+    messages = [{"role": "developer", "content": "be brief"}, {"role": "tool", "content": "42", "tool_call_id": "call-1"}]
+    rendered = _post(all_logits_server, "/tokenize", {"messages": messages}).json()
+    assert rendered["tokens"] == TOKENIZER.encode("developer: be brief\ntool: 42\nassistant:").ids
+    answer = _post(all_logits_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert answer.status_code == 200, answer.text
+    from kvexport.serving.protocol import ChatMessage
+
+    seen = ChatMessage.model_validate(messages[1]).for_template()
+    assert seen == {"role": "tool", "content": "42", "tool_call_id": "call-1"}  # what the template gets
 
 
 def test_fields_unknown_to_vllm_are_ignored_as_vllm_ignores_them(plain_server: str) -> None:

@@ -15,7 +15,7 @@ OpenAI's error shape.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -185,19 +185,21 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatMessage(BaseModel):
-    """One message of a chat: its role, its text (a string, or a list of text parts) and a name.
+    """One message of a chat: its role, its text (a string, or a list of text parts), a name, and any other key.
 
-    Any other key (``tool_calls``, ...) is refused: the template would never see it.
+    As vLLM does, any role (``developer``, ``tool``, ...) and any other key
+    (``tool_call_id``, ``tool_calls``, ...) go to the chat template as they came: the
+    template decides what they mean, and one that cannot render them refuses in one line.
     """
 
-    model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant"]
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """What the chat template sees: role, text content, and the name when given."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        """What the chat template sees: role, text content, the name when given, and every other key."""
+        message: dict[str, Any] = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
         return message
