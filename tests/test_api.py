@@ -308,13 +308,28 @@ def test_several_bad_logit_bias_keys_are_all_named_and_the_seeds_range_is_vllms(
         assert _post(plain_server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "seed": seed}).status_code == 200
 
 
-@pytest.mark.parametrize("field", ["continue_final_message", "tools"])
+@pytest.mark.parametrize("field", ["tools", "chat_template_kwargs"])
 def test_tokenize_refuses_the_chat_fields_the_chat_route_refuses(all_logits_server: str, field: str) -> None:
-    value: object = True if field == "continue_final_message" else [{"type": "function", "function": {"name": "f"}}]
+    value: object = {"x": 1} if field == "chat_template_kwargs" else [{"type": "function", "function": {"name": "f"}}]
     body = {"messages": [{"role": "user", "content": "hi"}], field: value}
     for route in ("/tokenize", "/v1/chat/completions"):
         answer = _post(all_logits_server, route, body)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field, (route, answer.text)
+
+
+def test_continue_final_message_continues_the_last_message_in_chat_and_tokenize(all_logits_server: str) -> None:
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The help"}]
+    body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False}
+    want = TOKENIZER.encode("user: hi\nassistant: The help").ids  # no newline after it, no new turn
+    assert _post(all_logits_server, "/tokenize", body).json()["tokens"] == want
+    greedy = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    chat = _post(all_logits_server, "/v1/chat/completions", {**body, **greedy}).json()
+    completion = _post(all_logits_server, "/v1/completions", {"prompt": want, **greedy}).json()
+    assert chat["usage"]["prompt_tokens"] == len(want)
+    assert chat["choices"][0]["message"]["content"] == completion["choices"][0]["text"]
+    for route in ("/tokenize", "/v1/chat/completions"):  # both at once: vLLM's 400
+        both = _post(all_logits_server, route, {"messages": messages, "continue_final_message": True, **greedy})
+        assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message", route
 
 
 def _sse(answer: httpx.Response) -> list[dict[str, object]]:

@@ -54,7 +54,6 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "documents": (None, []),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
-    "continue_final_message": (None, False),
     "reasoning_effort": (None,),
     "mm_processor_kwargs": (None, {}),
     "audio": (None,),
@@ -229,6 +228,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     def wanted_tokens(self) -> int | None:
         """``max_completion_tokens``, else ``max_tokens`` (None: the rest of the context)."""
@@ -244,6 +244,7 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
     def refused(self) -> ParameterError | None:
@@ -255,7 +256,7 @@ class TokenizeRequest(BaseModel):
 
 
 # the chat fields /tokenize would have to render with: refused there as the chat route refuses them
-_CHAT_ONLY = ("continue_final_message", "tools", "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
+_CHAT_ONLY = ("tools", "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
 
 
 class DetokenizeRequest(BaseModel):

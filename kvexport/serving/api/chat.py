@@ -36,7 +36,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
     choices: list[Choice] = []
 
     def submit() -> None:
-        ids = engine.encode(chat_prompt(context, body.messages, body.add_generation_prompt))
+        ids = engine.encode(chat_prompt(context, body.messages, body.add_generation_prompt, body.continue_final_message))
         if body.truncate_prompt_tokens is not None:
             ids = ids[-body.truncate_prompt_tokens :]
         wanted = body.wanted_tokens()

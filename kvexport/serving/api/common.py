@@ -49,15 +49,35 @@ def wrong_model(served: Served, name: str | None) -> JSONResponse | None:
     return None
 
 
-def chat_prompt(served: Served, messages: list[ChatMessage], add_generation_prompt: bool) -> str:
-    """The prompt text of ``messages`` (chat and /tokenize); one line when there is no template."""
+def chat_prompt(served: Served, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool = False) -> str:
+    """The prompt text of ``messages`` (chat and /tokenize); one line when there is no template.
+
+    ``continue_final_message`` (vLLM's, transformers' ``apply_chat_template`` meaning): the
+    text ends with the last message's own content, so the model continues that message
+    instead of starting a new one (it needs ``add_generation_prompt`` false).
+    """
     if served.chat_template is None:
         raise ParameterError(
             "this model has no chat template: start kvexport serve with --chat-template FILE (a Jinja template), "
             "or use /v1/completions",
             parameter="messages",
         )
-    return served.chat_template.render([m.for_template() for m in messages], add_generation_prompt=add_generation_prompt)
+    if continue_final_message and add_generation_prompt:
+        raise ParameterError(
+            "continue_final_message: cannot be true with add_generation_prompt true; set add_generation_prompt to false",
+            parameter="continue_final_message",
+        )
+    rendered = served.chat_template.render([m.for_template() for m in messages], add_generation_prompt=add_generation_prompt)
+    if not continue_final_message:
+        return rendered
+    final = messages[-1].text()
+    for piece in (final, final.strip()):  # as transformers cuts it: after the last place the message's text appears
+        if piece and piece in rendered:
+            return rendered[: rendered.rindex(piece) + len(piece)]
+    raise ParameterError(
+        "continue_final_message: the final message's text does not appear in the rendered chat; the template changes it",
+        parameter="continue_final_message",
+    )
 
 
 def decode(tokenizer: Tokenizer | None, ids: list[int]) -> str:

@@ -31,9 +31,9 @@ async def tokenize(body: TokenizeRequest, context: Served = Depends(served)) -> 
     text = body.prompt
     if body.messages is not None:
         try:
-            text = chat_prompt(context, body.messages, body.add_generation_prompt)
+            text = chat_prompt(context, body.messages, body.add_generation_prompt, body.continue_final_message)
         except KvexportError as exc:
-            return error_response(400, str(exc), param="messages")
+            return error_response(400, str(exc), param=getattr(exc, "parameter", None) or "messages")
     assert text is not None
     try:
         ids = engine.encode(text)
