@@ -365,3 +365,15 @@ def test_chat_sends_the_top_level_prompt_fields_and_token_ids_when_asked(all_log
     chunks = _sse(httpx.post(f"{all_logits_server}/v1/chat/completions", json={**body, "return_token_ids": True, "stream": True}, timeout=30))
     assert chunks[0]["prompt_token_ids"] == prompt
     assert [t for c in chunks[1:] for t in c["choices"][0]["token_ids"]] == asked["choices"][0]["token_ids"]  # type: ignore[index]
+
+
+def test_an_echoed_prompt_of_special_tokens_keeps_their_text_and_offsets_stay_inside_it(all_logits_server: str) -> None:
+    eos = TOKENIZER.token_to_id("<|endoftext|>")
+    assert eos is not None
+    prompt = [eos] * 5  # vLLM's test: a prompt of special tokens, echoed
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0, "ignore_eos": True}
+    choice = _post(all_logits_server, "/v1/completions", body).json()["choices"][0]
+    assert choice["text"].startswith("<|endoftext|>" * 5)
+    offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    assert offsets[:5] == [13 * i for i in range(5)] and all(offset <= len(choice["text"]) for offset in offsets)
+    assert "".join(tokens) == choice["text"]

@@ -80,9 +80,9 @@ def chat_prompt(served: Served, messages: list[ChatMessage], add_generation_prom
     )
 
 
-def decode(tokenizer: Tokenizer | None, ids: list[int]) -> str:
-    """The text of ``ids`` ("" without a tokenizer)."""
-    return "" if tokenizer is None else str(tokenizer.decode(ids))
+def decode(tokenizer: Tokenizer | None, ids: list[int], *, special: bool = False) -> str:
+    """The text of ``ids`` ("" without a tokenizer); ``special`` keeps special tokens' text (an echoed prompt's)."""
+    return "" if tokenizer is None else str(tokenizer.decode(ids, skip_special_tokens=not special))
 
 
 def refusal(body: SamplingFields) -> JSONResponse | None:

@@ -40,8 +40,8 @@ async def completions(body: CompletionRequest, request: Request, context: Served
             wanted = 1 if echo_only else (body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS)
             params = body.sampling_params(wanted, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
             echo = ""
-            if body.echo:  # the prompt as sent, unless it was token ids or truncated
-                echo = prompt if isinstance(prompt, str) and body.truncate_prompt_tokens is None else decode(engine.tokenizer, ids)
+            if body.echo:  # the prompt as sent, unless it was token ids or truncated: then every id's text, special ones too (vLLM's)
+                echo = prompt if isinstance(prompt, str) and body.truncate_prompt_tokens is None else decode(engine.tokenizer, ids, special=True)
             for child in engine.submit_n(ids, params, body.n):
                 choices.append(Choice(len(choices), child, echo, ids if body.echo else [], echo_only))
 
