@@ -223,7 +223,6 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(all_logits_serve
         ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
         ({"guided_json": {"type": "object"}}, "guided_json"),
         ({"skip_special_tokens": False}, "skip_special_tokens"),
-        ({"stream_options": {"continuous_usage_stats": True}, "stream": True}, "stream_options"),
         ({"logit_bias": {"x": 1}}, "logit_bias"),
         ({"logit_bias": {"5": 101}}, "logit_bias"),
         ({"repetition_penalty": 0}, "repetition_penalty"),
@@ -377,3 +376,16 @@ def test_an_echoed_prompt_of_special_tokens_keeps_their_text_and_offsets_stay_in
     offsets, tokens = choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
     assert offsets[:5] == [13 * i for i in range(5)] and all(offset <= len(choice["text"]) for offset in offsets)
     assert "".join(tokens) == choice["text"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(plain_server: str) -> None:
+    body = {"prompt": "The help topic", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    chunks = _sse(httpx.post(f"{plain_server}/v1/completions", json=body, timeout=30))
+    prompt = len(TOKENIZER.encode("The help topic").ids)
+    counted = [c["usage"] for c in chunks[:-1]]
+    assert [u["completion_tokens"] for u in counted] == [1, 2, 3, 4, 5]  # type: ignore[index]
+    assert all(u["prompt_tokens"] == prompt for u in counted)  # type: ignore[index]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5  # type: ignore[index]
+    plain = _sse(httpx.post(f"{plain_server}/v1/completions", json={**body, "stream_options": {"include_usage": True}}, timeout=30))
+    assert all(c["usage"] is None for c in plain[:-1])

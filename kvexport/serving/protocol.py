@@ -77,7 +77,7 @@ _KNOWN_ELSEWHERE = {"user", "metadata", "store", "service_tier", "request_id", "
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` (a last chunk with the usage)."""
+    """``stream_options``: ``include_usage`` (a last chunk with the usage), ``continuous_usage_stats`` (the usage so far on every chunk)."""
 
     model_config = ConfigDict(extra="allow", strict=True)
     include_usage: bool = False
@@ -146,17 +146,16 @@ class SamplingFields(BaseModel):
         """Whether a streamed response ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (vLLM's ``continuous_usage_stats``, with ``include_usage``)."""
+        return self.include_usage() and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
     def refused(self) -> ParameterError | None:
         """The first field this server refuses, as a one-line error naming it, or None; unknown fields are logged."""
         extra = dict(self.model_extra or {})
         if self.stream_options is not None:
             if not self.stream:
                 return ParameterError("stream_options: only for a streamed request (stream: true)", parameter="stream_options")
-            if self.stream_options.continuous_usage_stats:
-                return ParameterError(
-                    "stream_options.continuous_usage_stats: not served; use include_usage for one usage chunk at the end",
-                    parameter="stream_options",
-                )
         for name, value in extra.items():
             if name in _REFUSED and value not in _REFUSED[name]:
                 return ParameterError(f"{name}: not served by kvexport serve; leave it out", parameter=name)

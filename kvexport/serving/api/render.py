@@ -256,6 +256,12 @@ class _Render:
             return tokens[len(choice.echo_ids) :]
         return tokens
 
+    def _usage_so_far(self) -> dict[str, Any]:
+        """The usage as of the chunks sent (``continuous_usage_stats``): the tokens streamed, not the engine's count, which runs ahead."""
+        prompt = sum(c.request.prompt_tokens for c in self.first)
+        completion = sum(0 if c.echo_only else len(c.tokens) - (len(c.echo_ids) if c.echoed else 0) for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
     async def stream(self) -> AsyncIterator[str]:
         """SSE chunks as tokens come, every choice interleaved; then the usage (when asked) and ``[DONE]``."""
         for chunk in self._opening():
@@ -270,7 +276,8 @@ class _Render:
             done = event.finish_reason is not None
             if choice.echo_only and not done:
                 continue
-            yield self._chunk([self._piece(choice, text, tokens, logprobs, done)])
+            counts = self._usage_so_far() if self.body.continuous_usage() else None
+            yield self._chunk([self._piece(choice, text, tokens, logprobs, done)], counts)
         else:
             if self.body.include_usage():
                 yield self._chunk([], usage(self.choices, self.first))
