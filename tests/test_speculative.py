@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -122,3 +124,18 @@ def test_generate_on_the_command_line_speculates(trained_all_logits: Path, train
         main, ["generate", str(trained_all_logits), "--prompt", prompt, "--prompt-lookup", "--draft", str(trained_exports["int8"])]
     )
     assert both.exit_code == 2 and both.stderr.strip() == "Error: --prompt-lookup and --draft: pick one drafter"
+
+
+def test_speculation_ends_on_any_of_the_exports_eos_tokens(trained_all_logits: Path, tmp_path: Path) -> None:
+    """As the Generator and the engine do: an export listing several EOS tokens (Llama 3) stops at any of them."""
+    free = SpeculativeGenerator(trained_all_logits, PromptLookup()).generate(EDIT_PROMPT, 30, eos_token_id=-1)
+    stop = next(i for i in range(3, 30) if free[i] not in free[:i])  # a token new at its place: made an EOS, it ends there
+    export = shutil.copytree(trained_all_logits, tmp_path / "export")
+    manifest = json.loads((export / "kvexport.json").read_text())
+    unused = next(t for t in range(2048) if t not in free)
+    manifest["tokenizer"]["eos_token_id"] = unused
+    manifest["tokenizer"]["eos_token_ids"] = [unused, free[stop]]
+    (export / "kvexport.json").write_text(json.dumps(manifest))
+    speculative = SpeculativeGenerator(export, PromptLookup())
+    assert speculative.generate(EDIT_PROMPT, 30) == free[: stop + 1]
+    assert speculative.last_stats.rounds > 0  # it did speculate on the way

@@ -282,6 +282,7 @@ class SpeculativeGenerator:
         self.draft_tokens = draft_tokens
         self.spinning = not isinstance(self.drafter, DraftModel) if spinning is None else spinning
         self.eos_token_id: int | None = opened.eos_token_id
+        self.eos_token_ids: tuple[int, ...] = opened.eos_token_ids  # every token that ends it (Llama 3 has several)
         self._tokenizer = opened.tokenizer
         self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
         self._row = _Row(opened, None, spinning=self.spinning, intra_op_threads=intra_op_threads)
@@ -304,7 +305,7 @@ class SpeculativeGenerator:
         tokens = [int(t) for t in prompt]
         limit = self.manifest.dims.max_positions
         check_prompt(tokens, self.manifest.dims.vocab_size, max_new_tokens, limit)
-        eos = self.eos_token_id if eos_token_id is None else eos_token_id
+        stops = self.eos_token_ids if eos_token_id is None else (eos_token_id,)
         rng = np.random.default_rng(sampling.seed)
         row, stats = self._row, SpeculativeStats()
         self.last_stats = stats
@@ -318,7 +319,7 @@ class SpeculativeGenerator:
             yield from emitted
             produced += len(emitted)
             stats.new_tokens = produced
-            if emitted[-1] == eos or produced >= max_new_tokens:
+            if emitted[-1] in stops or produced >= max_new_tokens:
                 return
             started = time.perf_counter()
             tokens.append(pending)
@@ -326,7 +327,7 @@ class SpeculativeGenerator:
             drafts, kept, pending = speculative_round(self.drafter, budget, tokens, room, row.run, sampling, rng)
             row.keep(len(tokens) + kept)
             tokens.extend(drafts[:kept])
-            emitted = _until_eos([*drafts[:kept], pending], eos)
+            emitted = _until_eos([*drafts[:kept], pending], stops)
             stats.rounds += 1
             stats.proposed += len(drafts)
             stats.accepted += kept
@@ -351,7 +352,7 @@ class SpeculativeGenerator:
         if not prompt:
             raise KvexportError("the prompt is empty; pass some text")
         tokens = self.stream(self.encode(prompt), max_new_tokens, sampling)
-        yield from text_pieces(tokenizer, tokens, self.eos_token_id)
+        yield from text_pieces(tokenizer, tokens, self.eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` with the export's tokenizer."""
@@ -364,9 +365,8 @@ def _choose(logits: np.ndarray, sampling: SamplingConfig, rng: np.random.Generat
     return int(draw(token_probabilities(logits[-1:], sampling), rng)[0])
 
 
-def _until_eos(tokens: list[int], eos: int | None) -> list[int]:
-    """``tokens`` up to and including the first EOS."""
-    if eos is not None and eos in tokens:
-        return tokens[: tokens.index(eos) + 1]
-    return tokens
+def _until_eos(tokens: list[int], stops: Sequence[int]) -> list[int]:
+    """``tokens`` up to and including the first that ends the generation (any of ``stops``)."""
+    ended = next((i for i, token in enumerate(tokens) if token in stops), None)
+    return tokens if ended is None else tokens[: ended + 1]
 
