@@ -207,7 +207,7 @@ class OutputProcessor:
         # structured output's tokenizer and checked grammars (None: no tokenizer, so no structured output)
         self.grammars: Grammars | None = None
         if tokenizer is not None and vocab_size is not None:
-            self.grammars = Grammars(tokenizer.to_str(), vocab_size, eos_token_ids[0] if eos_token_ids else 0)
+            self.grammars = Grammars(tokenizer, vocab_size, eos_token_ids[0] if eos_token_ids else 0)
 
     def check_structured(self, constraint: Constraint) -> None:
         """A constraint this export cannot follow is a :class:`ParameterError` naming its field (in the caller's thread)."""

@@ -37,6 +37,7 @@ from kvexport.serving.errors import ParameterError
 
 if TYPE_CHECKING:
     from llguidance._lib import JsonCompileOptions
+    from tokenizers import Tokenizer
 
 # llguidance's options for every JSON schema: compact JSON (see the module docstring)
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
@@ -162,14 +163,14 @@ class Grammars:
     """llguidance's tokenizer for one export, built once, and the grammars checked against it.
 
     Args:
-        tokenizer_json: the export's ``tokenizer.json`` text.
+        tokenizer: the export's tokenizer (serialized for llguidance on first use, not at start-up).
         vocab_size: the model's vocabulary (the logits' width; it may exceed the tokenizer's).
         eos_token_id: the token a finished grammar allows (the export's first EOS).
 
     """
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_id: int) -> None:
-        self._tokenizer_json = tokenizer_json
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_id: int) -> None:
+        self._source = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_id = eos_token_id
         self._tokenizer: Any = None
@@ -183,7 +184,7 @@ class Grammars:
             if self._tokenizer is None:
                 from llguidance import LLTokenizer
 
-                self._tokenizer = LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size, eos_token=self.eos_token_id)
+                self._tokenizer = LLTokenizer(self._source.to_str(), n_vocab=self.vocab_size, eos_token=self.eos_token_id)
             return self._tokenizer
 
     def check(self, constraint: Constraint) -> None:
