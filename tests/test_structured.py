@@ -164,6 +164,11 @@ def test_bad_constraints_are_one_line_naming_the_field(engine: Engine) -> None:
         from_request(None, {"structural_tag": "{}"})
     with pytest.raises(ParameterError, match="set exactly one of json, regex, choice, grammar"):
         from_request(None, {"regex": "a", "choice": ["a"]})
+    # vLLM's options are taken where they ask for what is done, and refused by name where they would be ignored
+    assert from_request(None, {"regex": "a", "disable_any_whitespace": True, "disable_fallback": True}) is not None
+    for option, value in (("whitespace_pattern", "[ ]?"), ("disable_additional_properties", True)):
+        with pytest.raises(ParameterError, match=rf"^structured_outputs\.{option}: .* is not served by kvexport serve"):
+            from_request(None, {"json": {"type": "object"}, option: value})
     assert engine.stats().running == 0  # nothing left pending
 
 

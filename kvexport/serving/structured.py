@@ -42,6 +42,15 @@ if TYPE_CHECKING:
 # llguidance's options for every JSON schema: compact JSON (see the module docstring)
 JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 _REMEMBERED = 256  # checked grammars kept, by text
+# vLLM's structured_outputs options, with the values that ask for what this server does: one
+# backend (no fallback to disable), compact JSON always (the default's any whitespace is the
+# documented difference), schemas as written, no whitespace pattern of the request's own
+_OPTIONS: dict[str, tuple[Any, ...]] = {
+    "disable_fallback": (None, False, True),
+    "disable_any_whitespace": (None, False, True),
+    "disable_additional_properties": (None, False),
+    "whitespace_pattern": (None,),
+}
 
 
 @dataclass(frozen=True)
@@ -101,10 +110,15 @@ def _from_structured_outputs(value: Any) -> Constraint | None:
     if value.get("structural_tag") is not None:
         raise ParameterError("structured_outputs.structural_tag: not served by kvexport serve; use json, regex, choice or grammar", parameter="structured_outputs")
     set_keys = [key for key in ("json", "regex", "choice", "grammar", "json_object") if value.get(key) not in (None, False)]
-    unknown = sorted(set(value) - {"json", "regex", "choice", "grammar", "json_object", "structural_tag", "disable_fallback",
-                                   "disable_any_whitespace", "disable_additional_properties", "whitespace_pattern"})
+    unknown = sorted(set(value) - {"json", "regex", "choice", "grammar", "json_object", "structural_tag", *_OPTIONS})
     if unknown:
         raise ParameterError(f"structured_outputs: unknown key {unknown[0]!r}; use one of json, regex, choice, grammar", parameter="structured_outputs")
+    for option, honoured in _OPTIONS.items():  # vLLM's options: taken where what this server does is what they ask, else refused
+        if value.get(option) not in honoured:
+            raise ParameterError(
+                f"structured_outputs.{option}: {value[option]!r} is not served by kvexport serve; leave it out",
+                parameter="structured_outputs",
+            )
     if len(set_keys) != 1:
         raise ParameterError(
             "structured_outputs: set exactly one of json, regex, choice, grammar" + (f" (got {', '.join(set_keys)})" if set_keys else ""),
