@@ -15,6 +15,7 @@ OpenAI's error shape.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -156,9 +157,9 @@ class SamplingFields(BaseModel):
         if self.stream_options is not None:
             if not self.stream:
                 return ParameterError("stream_options: only for a streamed request (stream: true)", parameter="stream_options")
-        for name, value in extra.items():
-            if name in _REFUSED and value not in _REFUSED[name]:
-                return ParameterError(f"{name}: not served by kvexport serve; leave it out", parameter=name)
+        refused = _first_refused(extra, _REFUSED)
+        if refused is not None:
+            return refused
         unknown = sorted(set(extra) - set(_REFUSED) - _KNOWN_ELSEWHERE)
         if unknown:
             LOG.warning("ignored request fields (unknown to vLLM's API too): %s", ", ".join(unknown))
@@ -248,10 +249,7 @@ class TokenizeRequest(BaseModel):
 
     def refused(self) -> ParameterError | None:
         """A chat field the chat route refuses is refused here too, naming it (never taken and ignored)."""
-        for name, value in (self.model_extra or {}).items():
-            if name in _CHAT_ONLY and value not in _REFUSED[name]:
-                return ParameterError(f"{name}: not served by kvexport serve; leave it out", parameter=name)
-        return None
+        return _first_refused(self.model_extra or {}, _CHAT_ONLY)
 
 
 # the chat fields /tokenize would have to render with: refused there as the chat route refuses them
@@ -264,6 +262,14 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
     model: str | None = None
     tokens: list[int]
+
+
+def _first_refused(extra: dict[str, Any], names: Iterable[str]) -> ParameterError | None:
+    """The first of ``extra``'s fields among ``names`` whose value is not its neutral default (``_REFUSED``), as one line naming it."""
+    for name, value in extra.items():
+        if name in names and value not in _REFUSED[name]:
+            return ParameterError(f"{name}: not served by kvexport serve; leave it out", parameter=name)
+    return None
 
 
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
