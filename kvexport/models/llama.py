@@ -106,7 +106,6 @@ class LlamaStyleFamily(ModelFamily):
                 f"({', '.join(sorted(self._rope_types))})"
             )
 
-
     def check_export(self, config: Mapping[str, Any], attention: str, where: str) -> None:
         """A sliding window needs ort attention: GroupQueryAttention's ``local_window_size`` applies it."""
         window = config.get("sliding_window")
