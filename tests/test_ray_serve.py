@@ -14,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -106,11 +106,31 @@ def _replicas_seen(url: str, count: int) -> tuple[set[str], list[httpx.Response]
     return {r.headers.get("x-kvexport-replica", "") for r in responses}, responses
 
 
+def _until_both_answer(
+    send: Callable[[], tuple[set[str], list[httpx.Response]]], rounds: int = 4, seconds: float = 90
+) -> tuple[set[str], list[httpx.Response]]:
+    """Rounds of ``send`` (a batch of concurrent requests) until two replicas have answered, at most ``rounds``.
+
+    Serve answers /health once one replica is up, and under load the second can come up a
+    round later; every response of every round is returned, for the caller's checks.
+    """
+    replicas: set[str] = set()
+    responses: list[httpx.Response] = []
+    deadline = time.monotonic() + seconds
+    for _ in range(rounds):
+        seen, batch = send()
+        replicas |= seen
+        responses += batch
+        if len(replicas - {""}) >= 2 or time.monotonic() > deadline:
+            break
+    return replicas, responses
+
+
 def test_requests_spread_over_both_replicas_with_the_embedded_servers_tokens(
     ray_server: tuple[str, subprocess.Popen[str]], trained_exports: dict[str, Path]
 ) -> None:
     url, _ = ray_server
-    replicas, responses = _replicas_seen(url, 16)
+    replicas, responses = _until_both_answer(lambda: _replicas_seen(url, 16))
     assert all(r.status_code == 200 for r in responses)
     assert len(replicas) == 2 and "" not in replicas  # each names its replica
     generator = Generator(trained_exports["none"])
