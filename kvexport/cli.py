@@ -63,6 +63,16 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated
 
 
+def _quiet_swallowed_sigterm(unraisable: Any) -> None:
+    """Drop the Terminated that a ``__del__`` or callback swallowed; the export stops on TERMINATING.
+
+    A SIGTERM that lands while the garbage collector runs a finalizer raises there, and Python
+    prints "Exception ignored in ..." with a traceback; everything else goes to the default hook.
+    """
+    if not isinstance(unraisable.exc_value, Terminated):
+        sys.__unraisablehook__(unraisable)
+
+
 class UserError(click.ClickException):
     """A ClickException that exits 2, like click's own usage errors."""
 
@@ -208,6 +218,7 @@ def main() -> None:
     """Export decoder LMs (GPT-2, ...) to ONNX prefill/decode graphs with a KV cache, verify and serve them."""
     _quiet_libraries()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    sys.unraisablehook = _quiet_swallowed_sigterm
 
 
 def export_options(function: F) -> F:

@@ -9,6 +9,11 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from kvexport import cli
+from kvexport.errors import Terminated
+
 
 def test_sigterm_during_export_leaves_nothing(tmp_path: Path, tiny_config: Path) -> None:
     exports = tmp_path / "exports"
@@ -41,3 +46,26 @@ def test_sigterm_during_export_leaves_nothing(tmp_path: Path, tiny_config: Path)
     assert "kvexport: interrupted; nothing was written" in stderr
     assert "Traceback" not in stderr
     assert list(exports.iterdir()) == []
+
+
+class _Finalizer:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def __del__(self) -> None:
+        raise self.error
+
+
+def test_sigterm_swallowed_by_a_finalizer_prints_no_traceback(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # CI saw a SIGTERM land inside regex's __del__: Python printed "Exception ignored in ..."
+    # with a traceback although the export then stopped cleanly on TERMINATING
+    monkeypatch.setattr(sys, "unraisablehook", cli._quiet_swallowed_sigterm)
+    finalizer = _Finalizer(Terminated())
+    del finalizer
+    assert capsys.readouterr().err == ""
+    other = _Finalizer(ValueError("a real fault"))
+    del other
+    err = capsys.readouterr().err
+    assert "Exception ignored" in err and "ValueError: a real fault" in err
