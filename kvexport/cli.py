@@ -827,6 +827,11 @@ def bench_command(
     default=None,
     help="Require 'Authorization: Bearer KEY' on every /v1 and tokenizer route (401 otherwise) [env: KVEXPORT_API_KEY].",
 )
+@click.option(
+    "--enable-prompt-tokens-details",
+    is_flag=True,
+    help="Send usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache served); null otherwise, as vLLM.",
+)
 @engine_options
 def serve_command(
     directory: Path,
@@ -837,6 +842,7 @@ def serve_command(
     ray_address: str | None,
     chat_template: Path | None,
     api_key: str | None,
+    enable_prompt_tokens_details: bool,
     engine_settings: dict[str, Any],
 ) -> None:
     """Serve DIRECTORY over HTTP with an OpenAI-compatible API.
@@ -846,17 +852,22 @@ def serve_command(
     over the in-place cache): the export needs --target ort-cpu / ort-cuda. Needs the serve
     extra: pip install 'kvexport[serve]'.
     """
-    from kvexport.serving.config import EngineConfig
+    from kvexport.serving.config import ApiConfig, EngineConfig
 
     config = _run(lambda: EngineConfig.from_options(engine_settings))
+    api = ApiConfig(
+        name=model_name,
+        chat_template=None if chat_template is None else str(chat_template),
+        api_key=api_key or None,
+        enable_prompt_tokens_details=enable_prompt_tokens_details,
+    )
     if replicas is not None:
         _run(lambda: require_extra("ray", "kvexport serve --replicas"))
         from kvexport.serving.ray import serve_with_ray
 
         _run(
             lambda: serve_with_ray(
-                directory, config, replicas=replicas, address=ray_address, host=host, port=port, name=model_name,
-                chat_template=chat_template, api_key=api_key or None, say=_progress,
+                directory, config, replicas=replicas, address=ray_address, host=host, port=port, api=api, say=_progress,
             )
         )
         return
@@ -866,10 +877,7 @@ def serve_command(
     from kvexport.serving.server import serve
 
     _run(
-        lambda: serve(
-            directory, config, host=host, port=port, name=model_name, chat_template=chat_template,
-            api_key=api_key or None, say=_progress,
-        )
+        lambda: serve(directory, config, host=host, port=port, api=api, say=_progress)
     )
 
 

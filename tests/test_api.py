@@ -17,7 +17,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from kvexport.serving.chat import ChatTemplate
+from kvexport.serving.config import ApiConfig
 from tests.conftest import TRAINED
 from tests.test_serving import _server
 
@@ -38,8 +38,8 @@ def template_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def all_logits_server(trained_all_logits: Path, template_file: Path) -> Iterator[str]:
-    template = ChatTemplate.find(trained_all_logits, template_file)
-    with _server(trained_all_logits, template, slots=4, max_context=128, max_queue=16) as (url, _):
+    api = ApiConfig(chat_template=str(template_file), enable_prompt_tokens_details=True)
+    with _server(trained_all_logits, api, slots=4, max_context=128, max_queue=16) as (url, _):
         yield url
 
 
@@ -389,3 +389,81 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(plain_server
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 5  # type: ignore[index]
     plain = _sse(httpx.post(f"{plain_server}/v1/completions", json={**body, "stream_options": {"include_usage": True}}, timeout=30))
     assert all(c["usage"] is None for c in plain[:-1])
+
+
+def test_prompt_tokens_details_are_null_unless_the_server_enables_them(plain_server: str, all_logits_server: str) -> None:
+    body = {"prompt": HELDOUT_IDS[:12], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    assert _post(plain_server, "/v1/completions", body).json()["usage"]["prompt_tokens_details"] is None
+    streamed = _sse(httpx.post(f"{plain_server}/v1/completions", json={**body, "stream": True, "stream_options": {"include_usage": True}}, timeout=30))
+    assert "prompt_tokens_details" not in streamed[-1]["usage"]  # type: ignore[operator]  # vLLM leaves it out of a chunk
+    _post(all_logits_server, "/v1/completions", body)
+    again = _post(all_logits_server, "/v1/completions", body).json()["usage"]["prompt_tokens_details"]
+    assert again == {"cached_tokens": 11}  # all but the last prompt token came from the prefix cache
+
+
+def test_logprob_token_ids_report_those_tokens_as_pytorch_scores_them(all_logits_server: str, torch_model: torch.nn.Module) -> None:
+    prompt = HELDOUT_IDS[40:52]
+    wanted = [5, 300, 1999]
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True, "logprobs": 0, "logprob_token_ids": wanted,
+            "return_tokens_as_token_ids": True}
+    choice = _post(all_logits_server, "/v1/completions", body).json()["choices"][0]
+    generated = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    reference = _reference(torch_model, prompt + generated)
+    for step, (token, top) in enumerate(zip(generated, choice["logprobs"]["top_logprobs"], strict=True)):
+        row = reference[len(prompt) - 1 + step]
+        assert next(iter(top)) == f"token_id:{token}"  # the chosen token first, then every id asked for, in order
+        assert [int(t.removeprefix("token_id:")) for t in list(top)[1:]] == [t for t in wanted if t != token]
+        for name, value in top.items():
+            assert abs(value - row[int(name.removeprefix("token_id:"))]) < 2e-4
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "temperature": 0, "ignore_eos": True,
+            "logprobs": True, "top_logprobs": 1, "logprob_token_ids": wanted, "return_tokens_as_token_ids": True}
+    content = _post(all_logits_server, "/v1/chat/completions", chat).json()["choices"][0]["logprobs"]["content"]
+    for entry in content:
+        shown = [e["token"] for e in entry["top_logprobs"]]
+        assert shown[0] == entry["token"] and set(shown[1:]) | {entry["token"]} >= {f"token_id:{t}" for t in wanted}
+    for extra, message in [
+        ({"logprobs": None}, "logprob_token_ids: needs logprobs set"),
+        ({"logprob_token_ids": [5, 99999]}, "out of vocabulary"),
+        ({"logprob_token_ids": list(range(129))}, "129 ids; give 1 to 128"),
+        ({"echo": True, "max_tokens": 0}, "echo with max_tokens 0 generates no token"),
+    ]:
+        refused = _post(all_logits_server, "/v1/completions", {**body, **extra})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "logprob_token_ids", refused.text
+        assert message in refused.json()["error"]["message"]
+
+
+def test_chat_echo_puts_the_last_message_first_as_vllm_does(all_logits_server: str) -> None:
+    saying = "The help topic for"
+    messages = [{"role": "user", "content": "say it"}, {"role": "assistant", "content": saying}]
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "add_generation_prompt": False, "continue_final_message": True}
+    plain = _post(all_logits_server, "/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+    echoed = _post(all_logits_server, "/v1/chat/completions", {**body, "echo": True}).json()
+    assert echoed["choices"][0]["message"]["content"] == saying + plain
+    assert echoed["usage"]["completion_tokens"] == 4  # the echo is not generated
+    chunks = _sse(httpx.post(f"{all_logits_server}/v1/chat/completions", json={**body, "echo": True, "stream": True}, timeout=30))
+    deltas = [c["choices"][0]["delta"].get("content", "") for c in chunks]  # type: ignore[index]
+    assert deltas[:2] == ["", saying] and "".join(deltas) == saying + plain
+    # after a generation prompt the reply is the assistant's: a user's last message is not echoed
+    asked = {"messages": messages[:1], "max_tokens": 2, "temperature": 0, "ignore_eos": True}
+    assert _post(all_logits_server, "/v1/chat/completions", {**asked, "echo": True}).json()["choices"][0]["message"]["content"] == (
+        _post(all_logits_server, "/v1/chat/completions", asked).json()["choices"][0]["message"]["content"]
+    )
+
+
+def test_chat_prompt_logprobs_are_pytorchs_at_the_top_level(all_logits_server: str, torch_model: torch.nn.Module) -> None:
+    body = {"messages": [{"role": "user", "content": "The help topic"}], "max_tokens": 1, "temperature": 0, "prompt_logprobs": 2,
+            "return_token_ids": True}
+    answer = _post(all_logits_server, "/v1/chat/completions", body).json()
+    prompt = answer["prompt_token_ids"]
+    assert prompt == TOKENIZER.encode("user: The help topic\nassistant:").ids
+    reference = _reference(torch_model, prompt)
+    got = answer["prompt_logprobs"]
+    assert len(got) == len(prompt) and got[0] is None
+    for position in range(1, len(prompt)):
+        entry = got[position][str(prompt[position])]
+        assert abs(entry["logprob"] - reference[position - 1, prompt[position]]) < 2e-4
+        assert entry["rank"] == int((reference[position - 1] > reference[position - 1, prompt[position]]).sum()) + 1
+        assert len(got[position]) <= 3  # the prompt token and the 2 likeliest
+    refused = _post(all_logits_server, "/v1/chat/completions", {**body, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

@@ -15,6 +15,7 @@ import pytest
 from openai import OpenAI
 
 from kvexport.serving.app import key_matches, needs_key
+from kvexport.serving.config import ApiConfig
 from tests.test_serving import _server
 
 KEY = "s3cret-key"
@@ -23,7 +24,7 @@ GREEDY = {"model": "trained", "prompt": "The", "max_tokens": 4, "temperature": 0
 
 @pytest.fixture(scope="module")
 def keyed(trained_exports: dict[str, Path]) -> Iterator[str]:
-    with _server(trained_exports["none"], api_key=KEY, slots=2, max_context=64) as (url, _):
+    with _server(trained_exports["none"], ApiConfig(api_key=KEY), slots=2, max_context=64) as (url, _):
         yield url
 
 

@@ -254,7 +254,7 @@ def test_chat_completions_use_the_checkpoints_own_template(qwen_checkpoint: Path
 
     from kvexport.serving import Engine
     from kvexport.serving.app import create_app
-    from kvexport.serving.chat import ChatTemplate
+    from kvexport.serving.config import ApiConfig
 
     out = tmp_path / "ort"
     export_model(out, str(qwen_checkpoint), target="ort-cpu")
@@ -267,7 +267,7 @@ def test_chat_completions_use_the_checkpoints_own_template(qwen_checkpoint: Path
     prompt_ids = reference.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     want = Generator(out).generate([list(prompt_ids)], 5, eos_token_id=-1)[0, len(prompt_ids):].tolist()
     with Engine(out, slots=2, max_context=64) as engine:
-        client = TestClient(create_app(engine, "qwen", chat_template=ChatTemplate.find(out)))
+        client = TestClient(create_app(engine, ApiConfig(name="qwen")))
         body = {"model": "qwen", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
         answer = client.post("/v1/chat/completions", json=body).json()
     assert answer["usage"]["prompt_tokens"] == len(prompt_ids)

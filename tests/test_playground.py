@@ -18,7 +18,7 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from kvexport.serving.chat import ChatTemplate
+from kvexport.serving.config import ApiConfig
 from tests.test_serving import _server
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -63,8 +63,7 @@ def _run_page(browser: webdriver.Chrome, url: str, prompt: str, *, tokens: int, 
 def test_the_page_streams_the_apis_greedy_text(browser: webdriver.Chrome, trained_exports: dict[str, Path], tmp_path: Path) -> None:
     template_file = tmp_path / "chat.jinja"
     template_file.write_text(TEMPLATE)
-    template = ChatTemplate.find(trained_exports["none"], template_file)
-    with _server(trained_exports["none"], template, slots=2, max_context=128) as (url, _):
+    with _server(trained_exports["none"], ApiConfig(chat_template=str(template_file)), slots=2, max_context=128) as (url, _):
         prompt = "The class statement"
         shown = _run_page(browser, url, prompt, tokens=24)
         want = httpx.post(f"{url}/v1/completions", json={"model": "trained", "prompt": prompt, "max_tokens": 24, "temperature": 0}, timeout=60)
@@ -82,7 +81,7 @@ def test_the_page_streams_the_apis_greedy_text(browser: webdriver.Chrome, traine
 
 
 def test_the_page_sends_the_key_when_the_server_has_one(browser: webdriver.Chrome, trained_exports: dict[str, Path]) -> None:
-    with _server(trained_exports["none"], api_key="page-key", slots=2, max_context=64) as (url, _):
+    with _server(trained_exports["none"], ApiConfig(api_key="page-key"), slots=2, max_context=64) as (url, _):
         assert httpx.get(f"{url}/", timeout=10).status_code == 200  # the page itself stays open
         shown = _run_page(browser, url, "The", tokens=6, key="page-key")
         want = httpx.post(

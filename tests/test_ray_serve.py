@@ -185,10 +185,13 @@ def test_sigterm_shuts_the_deployment_down_leaving_no_ray_processes(ray_server: 
         httpx.get(f"{url}/health", timeout=2)
 
 
-def test_the_example_config_builds_through_the_application_builder(trained_exports: dict[str, Path]) -> None:
+def test_the_example_config_builds_through_the_application_builder(
+    trained_exports: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import yaml
     from ray.serve import Application
 
+    from kvexport.serving.config import ApiConfig
     from kvexport.serving.ray import app
 
     config = yaml.safe_load((Path(__file__).parents[1] / "examples" / "ray_serve.yaml").read_text())
@@ -204,6 +207,13 @@ def test_the_example_config_builds_through_the_application_builder(trained_expor
     assert isinstance(app({"dir": str(trained_exports["none"]), "prefix_cache": "false", "chunk": "64", "replicas": "1"}), Application)
     with pytest.raises(Exception, match="unknown engine setting 'prefix'"):
         app({"dir": str(trained_exports["none"]), "prefix": "false"})
+    # the API's settings are ApiConfig's fields, parsed the same way (the key from the environment when not given)
+    monkeypatch.setenv("KVEXPORT_API_KEY", "from-env")
+    built = app({"dir": str(trained_exports["none"]), "name": "m", "enable_prompt_tokens_details": "true", "slots": "2"})
+    _, engine_config, api = built._bound_deployment.init_args
+    assert api == ApiConfig(name="m", api_key="from-env", enable_prompt_tokens_details=True) and engine_config.slots == 2
+    with pytest.raises(Exception, match="enable_prompt_tokens_details=maybe: expected true or false"):
+        app({"dir": str(trained_exports["none"]), "enable_prompt_tokens_details": "maybe"})
 
 
 def test_the_embedded_server_does_not_import_ray(trained_exports: dict[str, Path]) -> None:

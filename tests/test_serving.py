@@ -9,6 +9,7 @@ on a free port; every load loop is bounded.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -32,7 +33,7 @@ from kvexport import KvexportError
 from kvexport.runtime import Generator
 from kvexport.serving import Engine, EngineFull, SamplingParams
 from kvexport.serving.app import create_app
-from kvexport.serving.chat import ChatTemplate
+from kvexport.serving.config import ApiConfig
 from tests.conftest import TRAINED
 
 HELDOUT_IDS = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode((TRAINED / "heldout.txt").read_text()).ids
@@ -262,13 +263,14 @@ def test_a_concat_export_is_refused_in_one_line(tiny_export: Path) -> None:
 
 @contextlib.contextmanager
 def _server(
-    directory: Path, template: ChatTemplate | None = None, api_key: str | None = None, **engine_options: object
+    directory: Path, api: ApiConfig | None = None, **engine_options: object
 ) -> Iterator[tuple[str, Engine]]:
-    """The app on uvicorn in a thread, on 127.0.0.1 and a free port."""
+    """The app on uvicorn in a thread, on 127.0.0.1 and a free port; the model is named "trained" unless ``api`` names it."""
     engine = Engine(directory, **engine_options)  # type: ignore[arg-type]
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    app = create_app(engine, "trained", chat_template=template, api_key=api_key)
+    api = api or ApiConfig()
+    app = create_app(engine, dataclasses.replace(api, name=api.name or "trained"))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
@@ -286,7 +288,7 @@ def _server(
 
 @pytest.fixture(scope="module")
 def served(trained_exports: dict[str, Path]) -> Iterator[tuple[str, Engine]]:
-    with _server(trained_exports["none"], slots=4, max_context=128, max_queue=8) as running:
+    with _server(trained_exports["none"], ApiConfig(enable_prompt_tokens_details=True), slots=4, max_context=128, max_queue=8) as running:
         yield running
 
 

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from kvexport.serving import Engine, SamplingParams
+from kvexport.serving.config import ApiConfig
 from kvexport.serving.errors import ParameterError
 from kvexport.serving.structured import Constraint, from_request
 from tests.conftest import TRAINED
@@ -174,11 +175,9 @@ def test_bad_constraints_are_one_line_naming_the_field(engine: Engine) -> None:
 
 @pytest.fixture(scope="module")
 def chat_server(trained_exports: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    from kvexport.serving.chat import ChatTemplate
-
     path = tmp_path_factory.mktemp("template") / "chat.jinja"
     path.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:")
-    with _server(trained_exports["none"], ChatTemplate.find(trained_exports["none"], path), slots=4, max_context=256) as (url, _):
+    with _server(trained_exports["none"], ApiConfig(chat_template=str(path)), slots=4, max_context=256) as (url, _):
         yield url
 
 

@@ -40,7 +40,9 @@ from kvexport.serving.api.common import Served
 from kvexport.serving.api.models import playground_page
 from kvexport.serving.api.render import error_response
 from kvexport.serving.chat import ChatTemplate
+from kvexport.serving.config import ApiConfig
 from kvexport.serving.engine import Engine
+from kvexport.serving.server import model_name
 
 # the routes an API key guards (vLLM's --api-key guards /v1; the tokenizer routes read the model too)
 _KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
@@ -58,29 +60,26 @@ def key_matches(header: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key.encode())
 
 
-def create_app(
-    engine: Engine,
-    model: str,
-    *,
-    replica: str | None = None,
-    chat_template: ChatTemplate | None = None,
-    api_key: str | None = None,
-) -> FastAPI:
-    """The FastAPI app serving ``engine`` under the model name ``model``.
+def create_app(engine: Engine, api: ApiConfig | None = None, *, replica: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` as ``api`` says (:class:`~kvexport.serving.config.ApiConfig`).
 
-    ``replica`` names this copy of the app in an ``x-kvexport-replica`` response header
-    (a deployment with several replicas sets it); ``chat_template`` renders chat messages
-    (without one, ``/v1/chat/completions`` answers 400 naming ``--chat-template``);
-    ``api_key``, when set, is required on every ``/v1`` and tokenizer route as
-    ``Authorization: Bearer KEY`` (see :func:`key_matches`).
+    The model answers to ``api.name`` (default: the export directory's name); chat
+    messages are rendered by ``api.chat_template`` or the export's own template (without
+    either, ``/v1/chat/completions`` answers 400 naming ``--chat-template``); ``api.api_key``,
+    when set, is required on every ``/v1`` and tokenizer route as ``Authorization: Bearer KEY``
+    (see :func:`key_matches`). ``replica`` names this copy of the app in an
+    ``x-kvexport-replica`` response header (a deployment with several replicas sets it).
     """
+    api = api or ApiConfig()
+    model = api.name or model_name(engine.directory)
+    template = ChatTemplate.find(engine.directory, api.chat_template)
     app = FastAPI(title="kvexport", docs_url=None, redoc_url=None, openapi_url=None)
-    page = playground_page(model, chat=chat_template is not None, api_key=api_key is not None)
-    app.state.served = Served(engine, model, chat_template, page)
+    page = playground_page(model, chat=template is not None, api_key=api.api_key is not None)
+    app.state.served = Served(engine, model, template, page, api.enable_prompt_tokens_details)
     app.state.metrics = metrics.ServerMetrics(engine, model)
     engine.add_listener(app.state.metrics)
-    if api_key is not None:
-        _require_key(app, api_key)
+    if api.api_key is not None:
+        _require_key(app, api.api_key)
     if replica is not None:
         _name_replica(app, replica)
     _handle_errors(app)

@@ -1,4 +1,4 @@
-"""``EngineConfig``: every setting of the serving engine, in one frozen object.
+"""``EngineConfig``: every setting of the serving engine, in one frozen object; ``ApiConfig``: the HTTP API's.
 
 The CLI, :func:`kvexport.serving.server.serve` and the Ray Serve deployment each build it
 once and hand it on; ``serve run kvexport.serving.ray:app key=value`` parses every field
@@ -159,6 +159,37 @@ class EngineConfig:
         if unknown:
             raise KvexportError(f"unknown engine setting {unknown[0]!r}; the settings are {', '.join(known)}")
         return dataclasses.replace(self, **settings)
+
+
+@dataclass(frozen=True)
+class ApiConfig:
+    """How the HTTP API answers, beside the engine's settings: built once by the CLI, :func:`~kvexport.serving.server.serve` or the Ray deployment, and read by :func:`~kvexport.serving.app.create_app`.
+
+    Attributes:
+        name: the model name clients use (default: the export directory's name).
+        chat_template: a Jinja chat template file for ``/v1/chat/completions`` (default:
+            the export's ``tokenizer_config.json`` template, if it has one).
+        api_key: when set, every ``/v1`` and tokenizer route needs ``Authorization: Bearer KEY``.
+        enable_prompt_tokens_details: send ``usage.prompt_tokens_details`` (the prompt tokens
+            the prefix cache served, ``cached_tokens``); without it the field is ``null``, as
+            vLLM sends it unless started with ``--enable-prompt-tokens-details``.
+
+    """
+
+    name: str | None = None
+    chat_template: str | None = None
+    api_key: str | None = None
+    enable_prompt_tokens_details: bool = False
+
+    @classmethod
+    def from_strings(cls, values: dict[str, Any]) -> ApiConfig:
+        """A config from ``key=value`` strings (Serve's application arguments), each parsed by its field's type."""
+        hints = typing.get_type_hints(cls)
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise KvexportError(f"unknown API setting {unknown[0]!r}; the settings are {', '.join(known)}")
+        return cls(**{name: _parse(name, text, hints[name]) for name, text in values.items()})
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -321,7 +321,7 @@ class OutputProcessor:
             token = int(allowed[choose(scores[allowed], params, state.sampling, state.rng)])
         logprob = None
         if params.logprobs is not None:
-            logprob = logprob_of(log_softmax(raw[None])[0], token, params.logprobs)
+            logprob = logprob_of(log_softmax(raw[None])[0], token, params.logprobs, params.logprob_token_ids)
         return token, logprob
 
     def _emit(self, batch: OutputBatch, state: RequestState, token: int, logprob: Logprob | None, *, first: bool = False) -> bool:

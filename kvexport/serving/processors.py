@@ -115,9 +115,11 @@ def distribution(scores: np.ndarray, params: SamplingParams, sampling: SamplingC
     return token_probabilities(scaled[None], dataclasses.replace(sampling, temperature=1.0))[0]
 
 
-def logprob_of(logprobs: np.ndarray, token: int, top: int) -> Logprob:
-    """The :class:`Logprob` of ``token`` in one row of log-probabilities, with the ``top`` likeliest tokens."""
-    if top:
+def logprob_of(logprobs: np.ndarray, token: int, top: int, ids: tuple[int, ...] | None = None) -> Logprob:
+    """The :class:`Logprob` of ``token`` in one row of log-probabilities, with the ``top`` likeliest tokens, or ``ids``' in their order."""
+    if ids:
+        alternatives = tuple((int(t), float(logprobs[t])) for t in ids)
+    elif top:
         best = np.argpartition(-logprobs, top - 1)[:top]
         best = best[np.argsort(-logprobs[best], kind="stable")]
         alternatives = tuple((int(t), float(logprobs[t])) for t in best)

@@ -60,10 +60,7 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "echo": (None, False),  # chat's echo (completions serve theirs)
-    "prompt_logprobs": (None,),  # chat's (completions serve theirs)
     "truncation_side": (None, "left"),
-    "logprob_token_ids": (None, []),
     "repetition_detection": (None,),
     "thinking_token_budget": (None,),
     "watermarking": (None,),
@@ -112,6 +109,8 @@ class SamplingFields(BaseModel):
     add_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    # vLLM's: these tokens' log-probabilities in place of the top alternatives (needs logprobs)
+    logprob_token_ids: list[int] | None = None
     # vLLM's: the prompt's and each choice's token ids in the response (``prompt_token_ids``, ``token_ids``)
     return_token_ids: bool | None = None
     # structured output (kvexport.serving.structured): OpenAI's and vLLM's ways to ask for it
@@ -140,6 +139,7 @@ class SamplingFields(BaseModel):
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            logprob_token_ids=tuple(self.logprob_token_ids) if self.logprob_token_ids else None,
             structured=from_request(self.response_format, self.structured_outputs),
         )
 
@@ -229,6 +229,9 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: the reply starts with the last message's text when that message has the reply's role
+    echo: bool = False
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     def wanted_tokens(self) -> int | None:
         """``max_completion_tokens``, else ``max_tokens`` (None: the rest of the context)."""

@@ -22,6 +22,7 @@ copy differs from its manifest's hashes refuses to start, with the file named.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -36,9 +37,8 @@ from ray.serve import Application
 from kvexport.errors import KvexportError
 from kvexport.serving.app import API_KEY_ENV, create_app
 from kvexport.serving.chat import ChatTemplate
-from kvexport.serving.config import EngineConfig
+from kvexport.serving.config import ApiConfig, EngineConfig
 from kvexport.serving.engine import Engine
-from kvexport.serving.server import model_name
 
 DEPLOYMENT = "kvexport"
 
@@ -48,23 +48,14 @@ DEPLOYMENT = "kvexport"
 class KvexportReplica:
     """One replica: an engine over the export directory, behind the app of ``kvexport serve``."""
 
-    def __init__(
-        self,
-        directory: str,
-        config: EngineConfig,
-        name: str | None = None,
-        chat_template: str | None = None,
-        api_key: str | None = None,
-    ) -> None:
-        self.template = ChatTemplate.find(Path(directory), chat_template)
-        self.api_key = api_key
+    def __init__(self, directory: str, config: EngineConfig, api: ApiConfig) -> None:
+        self.api = api
         self.engine = Engine(directory, config)
-        self.model = name or model_name(Path(directory))
         self.replica = f"{socket.gethostname()}:{os.getpid()}"
 
     def __serve_build_asgi_app__(self) -> Any:
         """The app of ``kvexport serve`` over this replica's engine (Serve calls it after ``__init__``)."""
-        return create_app(self.engine, self.model, replica=self.replica, chat_template=self.template, api_key=self.api_key)
+        return create_app(self.engine, self.api, replica=self.replica)
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)
@@ -77,41 +68,42 @@ def build(
     config: EngineConfig | None = None,
     *,
     replicas: int = 2,
-    name: str | None = None,
-    chat_template: str | Path | None = None,
-    api_key: str | None = None,
+    api: ApiConfig | None = None,
 ) -> Application:
-    """The Serve application: ``replicas`` copies of :class:`KvexportReplica` over ``directory`` (each requiring ``api_key`` when set)."""
+    """The Serve application: ``replicas`` copies of :class:`KvexportReplica` over ``directory``, each answering as ``api`` says."""
     config = config or EngineConfig()
     path = Path(directory).resolve()
     if not (path / "kvexport.json").is_file():
         raise KvexportError(f"{directory}: no kvexport.json; pass an export directory (kvexport gpt2 --out ...)")
-    ChatTemplate.find(path, chat_template)  # a bad template file fails here, not in every replica
+    api = api or ApiConfig()
+    ChatTemplate.find(path, api.chat_template)  # a bad template file fails here, not in every replica
     deployment = KvexportReplica.options(  # type: ignore[attr-defined]
         num_replicas=replicas, max_ongoing_requests=config.slots + config.max_queue
     )
-    return deployment.bind(str(path), config, name, None if chat_template is None else str(chat_template), api_key)
+    return deployment.bind(str(path), config, api)
 
 
-# the application's own arguments; every other key=value is an EngineConfig field
-_APP_ARGUMENTS = ("dir", "replicas", "name", "chat_template", "api_key")
+# the application's own arguments and ApiConfig's fields; every other key=value is an EngineConfig field
+_APP_ARGUMENTS = ("dir", "replicas")
+_API_ARGUMENTS = tuple(f.name for f in dataclasses.fields(ApiConfig))
 
 
 def app(args: dict[str, Any]) -> Application:
     """Serve's application builder: ``serve run kvexport.serving.ray:app dir=DIR [replicas=2 slots=8 ...]``.
 
-    Besides ``dir``, ``replicas``, ``name``, ``chat_template`` and ``api_key`` (default: the
-    ``KVEXPORT_API_KEY`` environment variable), every key is a field of
-    :class:`~kvexport.serving.config.EngineConfig` (``prefix_cache=false``, ``chunk=128``, ...).
+    Besides ``dir`` and ``replicas``, a key is a field of
+    :class:`~kvexport.serving.config.ApiConfig` (``name``, ``chat_template``, ``api_key``
+    (default: the ``KVEXPORT_API_KEY`` environment variable), ``enable_prompt_tokens_details``)
+    or of :class:`~kvexport.serving.config.EngineConfig` (``prefix_cache=false``, ``chunk=128``, ...).
     """
     if "dir" not in args:
         raise KvexportError("pass the export directory: serve run kvexport.serving.ray:app dir=DIR")
-    config = EngineConfig.from_strings({k: v for k, v in args.items() if k not in _APP_ARGUMENTS})
+    api = ApiConfig.from_strings({k: v for k, v in args.items() if k in _API_ARGUMENTS})
+    if api.api_key is None and os.environ.get(API_KEY_ENV):
+        api = dataclasses.replace(api, api_key=os.environ[API_KEY_ENV])
+    config = EngineConfig.from_strings({k: v for k, v in args.items() if k not in _APP_ARGUMENTS + _API_ARGUMENTS})
     replicas = int(args.get("replicas", "2"))
-    return build(
-        args["dir"], config, replicas=replicas, name=args.get("name"), chat_template=args.get("chat_template"),
-        api_key=args.get("api_key") or os.environ.get(API_KEY_ENV) or None,
-    )
+    return build(args["dir"], config, replicas=replicas, api=api)
 
 
 def serve_with_ray(
@@ -122,20 +114,18 @@ def serve_with_ray(
     address: str | None = None,
     host: str = "127.0.0.1",
     port: int = 8000,
-    name: str | None = None,
-    chat_template: str | Path | None = None,
-    api_key: str | None = None,
+    api: ApiConfig | None = None,
     say: Callable[[str], None] = lambda message: None,
     stop: threading.Event | None = None,
 ) -> None:
-    """Deploy ``replicas`` replicas on a Ray cluster (started here unless ``address``) until SIGTERM / SIGINT.
+    """Deploy ``replicas`` replicas answering as ``api`` says on a Ray cluster (started here unless ``address``) until SIGTERM / SIGINT.
 
     ``stop``, when given, ends it too (tests). Serve's HTTP proxy listens on ``host:port``.
     On the way out the application is deleted and a cluster started here is shut down.
     """
     import ray
 
-    application = build(directory, config, replicas=replicas, name=name, chat_template=chat_template, api_key=api_key)
+    application = build(directory, config, replicas=replicas, api=api)
     started_here = address is None
     ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
     finished = stop or threading.Event()

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvexport.serving.structured import Constraint
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_LOGPROB_TOKEN_IDS = 128  # vLLM's bound on logprob_token_ids
 DEFAULT_MAX_TOKENS = 16  # vLLM's default max_tokens of a completion (also for max_tokens null)
 
 
@@ -51,6 +52,8 @@ class SamplingParams:
     likely alternatives (0..20); ``prompt_logprobs`` the same for each prompt token after the
     first (it needs an ``--all-logits`` export). Log-probabilities are of the model's own
     distribution, before any of the controls above, as vLLM reports them by default.
+    ``logprob_token_ids`` (vLLM's, at most 128 ids) puts those tokens' log-probabilities in
+    place of the most likely alternatives (it needs ``logprobs`` set).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -71,6 +74,7 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logprob_token_ids: tuple[int, ...] | None = None
     # structured output: the grammar the tokens must follow (kvexport.serving.structured)
     structured: Constraint | None = None
 
@@ -126,6 +130,13 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise ParameterError(f"{name} {value}: must be in [0, {MAX_LOGPROBS}]", parameter=name)
+        if self.logprob_token_ids is not None:
+            if self.logprobs is None:
+                raise ParameterError("logprob_token_ids: needs logprobs set", parameter="logprob_token_ids")
+            if not 0 < len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS:
+                raise ParameterError(
+                    f"logprob_token_ids: {len(self.logprob_token_ids)} ids; give 1 to {MAX_LOGPROB_TOKEN_IDS}", parameter="logprob_token_ids"
+                )
         for token, bias in self.logit_bias.items():
             if not -100 <= bias <= 100:
                 raise ParameterError(f"logit_bias: the bias {bias} of token {token} must be in [-100, 100]", parameter="logit_bias")
@@ -143,6 +154,7 @@ class SamplingParams:
                 ("logit_bias", list(self.logit_bias)),
                 ("stop_token_ids", list(self.stop_token_ids)),
                 ("allowed_token_ids", list(self.allowed_token_ids or ())),
+                ("logprob_token_ids", list(self.logprob_token_ids or ())),
             ):
                 outside = [t for t in tokens if not 0 <= t < vocab_size]
                 if outside:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvexport.errors import KvexportError
-from kvexport.serving.config import EngineConfig
+from kvexport.serving.config import ApiConfig, EngineConfig
 from kvexport.serving.engine import Engine, slot_bytes
 
 
@@ -31,27 +31,21 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
-    name: str | None = None,
-    chat_template: str | Path | None = None,
-    api_key: str | None = None,
+    api: ApiConfig | None = None,
     say: Callable[[str], None] = lambda message: None,
 ) -> None:
-    """Serve ``directory`` with the engine ``config`` describes until SIGTERM or SIGINT; returns after a clean shutdown.
-
-    ``chat_template`` is a Jinja chat template file for ``/v1/chat/completions`` (default:
-    the export's ``tokenizer_config.json`` template, if it has one). ``api_key``: every
-    ``/v1`` and tokenizer route then needs ``Authorization: Bearer KEY`` (401 without it).
-    """
+    """Serve ``directory`` with the engine ``config`` describes, answering as ``api`` says, until SIGTERM or SIGINT; returns after a clean shutdown."""
     import uvicorn
 
     from kvexport.serving.app import create_app
     from kvexport.serving.chat import ChatTemplate
 
     path = Path(directory)
-    template = ChatTemplate.find(path, chat_template)  # a bad template file fails before the engine loads
+    api = api or ApiConfig()
+    ChatTemplate.find(path, api.chat_template)  # a bad template file fails before the engine loads
     engine = Engine(path, config or EngineConfig())
-    served = name or model_name(path)
-    app = create_app(engine, served, chat_template=template, api_key=api_key)
+    served = api.name or model_name(path)
+    app = create_app(engine, api)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -73,7 +67,7 @@ def serve(
         )
     say(
         f"serving {path} as {served!r} on http://{host}:{bound_port} ({engine.slots} slots of {engine.capacity} tokens, "
-        f"{cache_summary(engine)}, {engine.provider}{', API key required' if api_key else ''}); stop with Ctrl-C or SIGTERM"
+        f"{cache_summary(engine)}, {engine.provider}{', API key required' if api.api_key else ''}); stop with Ctrl-C or SIGTERM"
     )
     try:
         server.run(sockets=[listener])

@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: ``messages`` rendered by the chat template (:mod:`kvexport.serving.chat`).
 
-The same controls as completions, ``logprobs`` / ``top_logprobs`` in the chat shape, and
-streamed ``chat.completion.chunk`` deltas. Without ``max_tokens`` (or
+The same controls as completions, ``logprobs`` / ``top_logprobs`` in the chat shape, vLLM's
+``echo`` and ``prompt_logprobs`` (top level, not streamed), and streamed
+``chat.completion.chunk`` deltas. Without ``max_tokens`` (or
 ``max_completion_tokens``) a chat may use the rest of the context, as vLLM's does.
 """
 
@@ -24,6 +25,18 @@ from kvexport.serving.protocol import ChatCompletionRequest
 router = APIRouter()
 
 
+def echo_text(body: ChatCompletionRequest) -> str:
+    """What ``echo`` puts before the reply (vLLM's): the last message's text when it has the reply's role, else nothing.
+
+    The reply's role is the assistant's after a generation prompt; without one
+    (``add_generation_prompt: false``) the reply continues the last message, whatever its role.
+    """
+    last = body.messages[-1]
+    if body.echo and (not body.add_generation_prompt or last.role == "assistant"):
+        return last.text()
+    return ""
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(body: ChatCompletionRequest, request: Request, context: Served = Depends(served)) -> Response:  # noqa: B008
     """A ``chat.completion`` body, or its ``chat.completion.chunk`` deltas as SSE."""
@@ -32,6 +45,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
         return problem
     if body.top_logprobs is not None and not body.logprobs:
         return error_response(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    if body.prompt_logprobs is not None and body.stream:  # vLLM's rule: a streamed chat carries no prompt logprobs
+        return error_response(400, "prompt_logprobs: not available with stream: true", param="prompt_logprobs")
     engine = context.engine
     choices: list[Choice] = []
 
@@ -43,7 +58,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
         params = body.sampling_params(
             wanted if wanted is not None else max(1, engine.capacity - len(ids)),
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-            prompt_logprobs=None,
+            prompt_logprobs=body.prompt_logprobs,
         )
         for child in engine.submit_n(ids, params, body.n):
             choices.append(Choice(len(choices), child))
@@ -51,7 +66,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
     refused = submit_choices(submit, choices, "messages")
     if refused is not None:
         return refused
-    render = ChatRender(context.model, choices, TokenNames(engine.tokenizer, body.return_tokens_as_token_ids), body)
+    names = TokenNames(engine.tokenizer, body.return_tokens_as_token_ids)
+    render = ChatRender(context.model, choices, names, body, context.prompt_tokens_details, echo_text(body))
     if body.stream:
         return StreamingResponse(render.stream(), media_type="text/event-stream")
     return await answer(choices, request, render.whole)

@@ -26,12 +26,13 @@ RETRY_AFTER_S = 1
 
 @dataclass(frozen=True)
 class Served:
-    """What one app serves: the engine, the model name clients use, the chat template and the playground page."""
+    """What one app serves: the engine, the model name clients use, the chat template, the playground page, and whether usage has ``prompt_tokens_details``."""
 
     engine: Engine
     model: str
     chat_template: ChatTemplate | None
     playground: str
+    prompt_tokens_details: bool = False
 
 
 def served(request: Request) -> Served:

@@ -26,6 +26,8 @@ async def completions(body: CompletionRequest, request: Request, context: Served
         return problem
     if body.max_tokens == 0 and not body.echo:
         return error_response(400, "max_tokens: Input should be greater than or equal to 1", param="max_tokens")
+    if body.max_tokens == 0 and body.logprob_token_ids:  # vLLM's rule: an echo alone generates no token to report
+        return error_response(400, "logprob_token_ids: echo with max_tokens 0 generates no token; drop one of them", param="logprob_token_ids")
     engine = context.engine
     prompt_logprobs = body.prompt_logprobs if body.prompt_logprobs is not None else (body.logprobs if body.echo else None)
     echo_only = body.echo and body.max_tokens == 0
@@ -49,7 +51,7 @@ async def completions(body: CompletionRequest, request: Request, context: Served
     if refused is not None:
         return refused
     first = choices[:: body.n]  # one choice per prompt: each prompt's n choices are together
-    render = CompletionRender(context.model, choices, first, TokenNames(engine.tokenizer, body.return_tokens_as_token_ids), body)
+    render = CompletionRender(context.model, choices, first, TokenNames(engine.tokenizer, body.return_tokens_as_token_ids), body, context.prompt_tokens_details)
     if body.stream:
         return StreamingResponse(render.stream(), media_type="text/event-stream")
     return await answer(choices, request, render.whole)

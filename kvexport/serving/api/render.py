@@ -197,16 +197,16 @@ async def answer(choices: list[Choice], request: Request, whole: Callable[[], Re
     return whole()
 
 
-def usage(choices: list[Choice], first: list[Choice]) -> dict[str, Any]:
-    """OpenAI's ``usage``: each prompt counted once (``first``: one choice per prompt), every choice's tokens."""
+def usage(choices: list[Choice], first: list[Choice], details: bool) -> dict[str, Any]:
+    """OpenAI's ``usage``: each prompt counted once (``first``: one choice per prompt), every choice's tokens.
+
+    ``prompt_tokens_details`` (the prompt tokens the prefix cache served) is sent when
+    ``details`` (``--enable-prompt-tokens-details``), else null, as vLLM sends it.
+    """
     prompt = sum(c.request.prompt_tokens for c in first)
     completion = sum(c.generated for c in choices)
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(c.request.cached_tokens for c in first)},
-    }
+    cached = {"cached_tokens": sum(c.request.cached_tokens for c in first)} if details else None
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion, "prompt_tokens_details": cached}
 
 
 def sse(body: dict[str, Any]) -> str:
@@ -220,9 +220,12 @@ class _Render:
     chunk_object = ""
     id_prefix = ""
 
-    def __init__(self, model: str, choices: list[Choice], first: list[Choice], name: TokenNames, body: SamplingFields) -> None:
+    def __init__(
+        self, model: str, choices: list[Choice], first: list[Choice], name: TokenNames, body: SamplingFields, details: bool
+    ) -> None:
         self.model, self.choices, self.first, self.name = model, choices, first, name
         self.body = body
+        self.details = details  # usage.prompt_tokens_details sent (--enable-prompt-tokens-details)
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self._echo_cut: set[int] = set()  # choices whose first streamed chunk (echo and all) has gone
@@ -279,8 +282,9 @@ class _Render:
             counts = self._usage_so_far() if self.body.continuous_usage() else None
             yield self._chunk([self._piece(choice, text, tokens, logprobs, done)], counts)
         else:
-            if self.body.include_usage():
-                yield self._chunk([], usage(self.choices, self.first))
+            if self.body.include_usage():  # vLLM leaves an unsent prompt_tokens_details out of a chunk
+                counts = {k: v for k, v in usage(self.choices, self.first, self.details).items() if v is not None}
+                yield self._chunk([], counts)
         yield "data: [DONE]\n\n"
 
 
@@ -290,15 +294,18 @@ class CompletionRender(_Render):
     chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, choices: list[Choice], first: list[Choice], name: TokenNames, body: CompletionRequest) -> None:
-        super().__init__(model, choices, first, name, body)
+    def __init__(
+        self, model: str, choices: list[Choice], first: list[Choice], name: TokenNames, body: CompletionRequest, details: bool
+    ) -> None:
+        super().__init__(model, choices, first, name, body, details)
         self.request = body
         self.offsets = [0] * len(choices)
 
     def _logprobs(self, tokens: list[int], logprobs: list[Logprob | None], offset: int) -> dict[str, Any] | None:
         if self.request.logprobs is None:
             return None
-        return completion_logprobs(tokens, logprobs, self.request.logprobs, offset, self.name)
+        top = len(self.request.logprob_token_ids) if self.request.logprob_token_ids else self.request.logprobs
+        return completion_logprobs(tokens, logprobs, top, offset, self.name)
 
     def _choice(
         self, choice: Choice, text: str, logprobs: dict[str, Any] | None, done: bool, token_ids: list[int], first: bool
@@ -322,7 +329,7 @@ class CompletionRender(_Render):
             self._choice(c, "".join(c.text), self._logprobs(c.tokens, c.logprobs, 0), True, [] if c.echo_only else c.request.output, True)
             for c in self.choices
         ]
-        return JSONResponse(self._body("text_completion", choices, usage(self.choices, self.first)))
+        return JSONResponse(self._body("text_completion", choices, usage(self.choices, self.first, self.details)))
 
     def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any]:
         shown = self._logprobs(tokens, logprobs, self.offsets[choice.index])
@@ -338,21 +345,26 @@ class ChatRender(_Render):
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def __init__(self, model: str, choices: list[Choice], name: TokenNames, body: ChatCompletionRequest) -> None:
-        super().__init__(model, choices, choices[:1], name, body)
+    def __init__(
+        self, model: str, choices: list[Choice], name: TokenNames, body: ChatCompletionRequest, details: bool, echo: str = ""
+    ) -> None:
+        super().__init__(model, choices, choices[:1], name, body, details)
         self.request = body
+        self.echo = echo  # the text echo puts before each reply (no tokens or logprobs of its own, as vLLM's)
 
     def _logprobs(self, tokens: list[int], logprobs: list[Logprob | None]) -> dict[str, Any] | None:
         if not self.request.logprobs:
             return None
-        return chat_logprobs(tokens, logprobs, self.request.top_logprobs or 0, self.name)
+        ids = self.request.logprob_token_ids
+        top = len(ids) + 1 if ids else self.request.top_logprobs or 0  # the chosen token and every id asked for (vLLM's)
+        return chat_logprobs(tokens, logprobs, top, self.name)
 
     def whole(self) -> Response:
         """The ``chat.completion`` body."""
         choices = [
             {
                 "index": c.index,
-                "message": {"role": "assistant", "content": "".join(c.text)},
+                "message": {"role": "assistant", "content": self.echo + "".join(c.text)},
                 "logprobs": self._logprobs(c.tokens, c.logprobs),
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -360,20 +372,30 @@ class ChatRender(_Render):
             }
             for c in self.choices
         ]
-        # vLLM's top-level prompt fields: null unless asked (chat serves no prompt_logprobs)
-        prompt = {"prompt_logprobs": None, "prompt_token_ids": self._token_ids(self.choices[0].request.prompt)}
-        return JSONResponse(self._body("chat.completion", choices, usage(self.choices, self.first), prompt))
+        # vLLM's top-level prompt fields: null unless asked
+        first = self.choices[0].request
+        asked = self.request.prompt_logprobs is not None
+        prompt = {"prompt_logprobs": prompt_logprobs(first, self.name) if asked else None, "prompt_token_ids": self._token_ids(first.prompt)}
+        return JSONResponse(self._body("chat.completion", choices, usage(self.choices, self.first, self.details), prompt))
 
     def _opening(self) -> list[str]:
         # the role first, as OpenAI and vLLM send it; with return_token_ids the prompt's ids come with the first
         ids = self._token_ids(self.choices[0].request.prompt)
-        return [
+        counts = self._usage_so_far() if self.body.continuous_usage() else None
+        chunks = [
             self._chunk(
                 [{"index": c.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+                counts,
                 extra={"prompt_token_ids": ids} if ids is not None and i == 0 else None,
             )
             for i, c in enumerate(self.choices)
         ]
+        if self.echo:  # then the echoed text, a chunk per choice
+            chunks += [
+                self._chunk([{"index": c.index, "delta": {"content": self.echo}, "logprobs": None, "finish_reason": None}], counts)
+                for c in self.choices
+            ]
+        return chunks
 
     def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any]:
         piece = {
