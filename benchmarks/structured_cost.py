@@ -5,7 +5,11 @@ Outside CI. On an in-place export with a tokenizer, in one engine (16 slots), th
 interleaved rounds: 1 and 16 concurrent sampled requests of 48 tokens, plain and
 constrained by the regex ``[a-z ]*`` (never complete, so every request runs its 48 tokens);
 then the first token of a request whose JSON schema was never seen, the same schema again,
-and no schema. Prints the medians; writes ``structured_cost.json`` (or the second argument).
+and no schema. Last, over HTTP (the app on uvicorn in a thread): the inter-token gaps of 4
+streamed plain requests while 12 one-token requests arrive one after another, each with a
+40-property JSON schema never seen, against the same with 12 one-token plain requests
+(the schemas' compiling is the only difference). Prints the medians; writes
+``structured_cost.json`` (or the second argument).
 
     .venv/bin/kvexport gpt2 --random-init --target ort-cpu --quantize int8 --out /tmp/gpt2-int8
     .venv/bin/python benchmarks/structured_cost.py /tmp/gpt2-int8
@@ -14,10 +18,16 @@ and no schema. Prints the medians; writes ``structured_cost.json`` (or the secon
 from __future__ import annotations
 
 import json
+import socket
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
+from typing import Any
+
+import httpx
+import uvicorn
 
 from kvexport.serving import Engine, SamplingParams
 from kvexport.serving.structured import Constraint, from_request
@@ -40,6 +50,67 @@ def first_token_ms(engine: Engine, constraint: Constraint | None) -> float:
     return (time.perf_counter() - start) * 1000
 
 
+def _schema(i: int) -> dict[str, Any]:
+    fields = {f"f{i}_{j}": {"type": "string", "pattern": "[a-z]{3,9}@[a-z]+\\.(com|org)", "maxLength": 40} for j in range(40)}
+    return {"type": "object", "properties": fields, "required": [f"f{i}_0"]}
+
+
+def gaps_while_others_arrive(url: str, schemas: bool, round_: int) -> list[float]:
+    """Inter-token gaps (ms) of 4 streamed plain requests while 12 one-token requests arrive, with new schemas or plain."""
+    gaps: list[float] = []
+
+    def stream(seed: int) -> None:
+        body = {"prompt": PROMPT, "max_tokens": 96, "temperature": 1.0, "seed": seed, "ignore_eos": True, "stream": True}
+        last = None
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    now = time.perf_counter()
+                    if last is not None:
+                        gaps.append((now - last) * 1000)
+                    last = now
+
+    streams = [threading.Thread(target=stream, args=(seed,)) for seed in range(4)]
+    for thread in streams:
+        thread.start()
+    time.sleep(0.3)  # the streams are decoding
+    for i in range(12):
+        body: dict[str, Any] = {"prompt": PROMPT, "max_tokens": 1, "temperature": 0}
+        if schemas:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "x", "schema": _schema(1000 * round_ + i)}}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=60).raise_for_status()
+    for thread in streams:
+        thread.join()
+    return gaps
+
+
+def interference(export: Path) -> dict[str, list[float]]:
+    """p99 and largest inter-token gap of running streams while schemas compile, against plain arrivals; 3 rounds each."""
+    from kvexport.serving.app import create_app
+
+    samples: dict[str, list[float]] = {}
+    with Engine(export, slots=16, max_context=256) as engine:
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning", lifespan="off"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.02)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        try:
+            for round_ in range(3):
+                for name, schemas in (("plain arrivals", False), ("schema arrivals", True)):
+                    gaps = sorted(gaps_while_others_arrive(url, schemas, round_))
+                    samples.setdefault(f"itl p99 ms, {name}", []).append(gaps[int(0.99 * (len(gaps) - 1))])
+                    samples.setdefault(f"itl max ms, {name}", []).append(gaps[-1])
+        finally:
+            server.should_exit = True
+            thread.join(20)
+            listener.close()
+    return samples
+
+
 def main() -> int:
     export = Path(sys.argv[1])
     out_path = Path(sys.argv[2]) if len(sys.argv) > 2 else Path("structured_cost.json")
@@ -58,6 +129,7 @@ def main() -> int:
             samples.setdefault("ttft new schema", []).append(first_token_ms(engine, constraint))
             samples.setdefault("ttft seen schema", []).append(first_token_ms(engine, constraint))
             samples.setdefault("ttft plain", []).append(first_token_ms(engine, None))
+    samples.update(interference(export))
     summary = {key: round(statistics.median(values), 3) for key, values in samples.items()}
     print(json.dumps(summary, indent=1))
     out_path.write_text(json.dumps({"export": str(export), "median": summary, "samples": samples}, indent=1))

@@ -232,6 +232,7 @@ def test_a_token_the_grammar_refuses_ends_the_request_with_an_error_never_uncons
     constraint = _constraint(choice=["yes", "no"])
     processor.check_structured(constraint)
     state = RequestState("r1", [5, 6], SamplingParams(max_tokens=8, structured=constraint))
+    processor.prepare(state)
     processor.add_request(state)
     refused = tokenizer.encode(" maybe").ids[0]
     batch = processor.accepted("r1", [refused])

@@ -248,6 +248,8 @@ class Engine:
 
     def _enqueue(self, requests: list[Request], states: list[RequestState], *, bounded: bool = True) -> None:
         """Hand the requests to the scheduler and their streams to the output processor, all or none."""
+        for state in states:  # outside the lock: a grammar's matcher takes milliseconds
+            self.output.prepare(state)
         with self._lock:
             if self._closing:
                 raise EngineClosed("the server is shutting down; send the request to another replica")

@@ -218,8 +218,13 @@ class OutputProcessor:
             )
         self.grammars.check(constraint)
 
-    def add_request(self, state: RequestState) -> None:
-        """Take a new request: its text stream, and the tokens that end it (EOS unless ignored)."""
+    def prepare(self, state: RequestState) -> None:
+        """Give a new request its text stream, the tokens that end it (EOS unless ignored) and its grammar's matcher.
+
+        In the caller's thread, before :meth:`add_request` and outside the engine's lock: a
+        matcher takes milliseconds to build (llguidance releases the GIL meanwhile), and the
+        engine's loop must not wait for it.
+        """
         params = state.params
         state.text = TextStream(self.tokenizer, params.stop, include_stop=params.include_stop_str_in_output)
         if self.eos_token_ids and not params.ignore_eos:
@@ -227,6 +232,9 @@ class OutputProcessor:
         if params.structured is not None:  # checked already (check_structured): the grammar compiles
             assert self.grammars is not None
             state.matcher = self.grammars.matcher(params.structured)
+
+    def add_request(self, state: RequestState) -> None:
+        """Take a new request, prepared already (:meth:`prepare`)."""
         self.states[state.id] = state
 
     def admitted(self, request_id: str, cached_tokens: int) -> None:

@@ -63,7 +63,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
         for child in engine.submit_n(ids, params, body.n):
             choices.append(Choice(len(choices), child))
 
-    refused = submit_choices(submit, choices, "messages")
+    refused = await submit_choices(submit, choices, "messages")
     if refused is not None:
         return refused
     names = TokenNames(engine.tokenizer, body.return_tokens_as_token_ids)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from tokenizers import Tokenizer
 
 from kvexport.errors import KvexportError
@@ -94,14 +95,16 @@ def refusal(body: SamplingFields) -> JSONResponse | None:
     return error_response(400, str(refused), param=refused.parameter)
 
 
-def submit_choices(submit: Callable[[], None], choices: list[Choice], input_field: str) -> JSONResponse | None:
-    """Run ``submit``; on a refusal cancel what it had queued and answer in OpenAI's shape.
+async def submit_choices(submit: Callable[[], None], choices: list[Choice], input_field: str) -> JSONResponse | None:
+    """Run ``submit`` in a worker thread; on a refusal cancel what it had queued and answer in OpenAI's shape.
 
-    The 400's ``param`` is the field the error names, else ``input_field`` (the prompt or
-    the messages: a prompt too long, a template that refuses them).
+    In a thread, not on the event loop: tokenizing, rendering a chat template and compiling a
+    grammar (milliseconds for a large JSON schema) would otherwise hold up every other
+    stream's chunks. The 400's ``param`` is the field the error names, else ``input_field``
+    (the prompt or the messages: a prompt too long, a template that refuses them).
     """
     try:
-        submit()
+        await run_in_threadpool(submit)
     except (EngineFull, EngineClosed) as exc:
         cancel(choices)
         return error_response(503, str(exc), kind="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})

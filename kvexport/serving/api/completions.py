@@ -47,7 +47,7 @@ async def completions(body: CompletionRequest, request: Request, context: Served
             for child in engine.submit_n(ids, params, body.n):
                 choices.append(Choice(len(choices), child, echo, ids if body.echo else [], echo_only))
 
-    refused = submit_choices(submit, choices, "prompt")
+    refused = await submit_choices(submit, choices, "prompt")
     if refused is not None:
         return refused
     first = choices[:: body.n]  # one choice per prompt: each prompt's n choices are together
