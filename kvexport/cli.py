@@ -832,6 +832,11 @@ def bench_command(
     is_flag=True,
     help="Send usage.prompt_tokens_details.cached_tokens (prompt tokens the prefix cache served); null otherwise, as vLLM.",
 )
+@click.option(
+    "--return-tokens-as-token-ids",
+    is_flag=True,
+    help="Show logprobs' tokens as 'token_id:N' unless a request sets return_tokens_as_token_ids (vLLM's flag).",
+)
 @engine_options
 def serve_command(
     directory: Path,
@@ -843,6 +848,7 @@ def serve_command(
     chat_template: Path | None,
     api_key: str | None,
     enable_prompt_tokens_details: bool,
+    return_tokens_as_token_ids: bool,
     engine_settings: dict[str, Any],
 ) -> None:
     """Serve DIRECTORY over HTTP with an OpenAI-compatible API.
@@ -860,6 +866,7 @@ def serve_command(
         chat_template=None if chat_template is None else str(chat_template),
         api_key=api_key or None,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
+        return_tokens_as_token_ids=return_tokens_as_token_ids,
     )
     if replicas is not None:
         _run(lambda: require_extra("ray", "kvexport serve --replicas"))

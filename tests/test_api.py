@@ -228,13 +228,14 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(all_logits_serve
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"presence_penalty": -2.5}, "presence_penalty"),
         ({"logprobs": 21}, "logprobs"),
+        ({"logprobs": -1}, "logprobs"),  # the whole vocabulary: only with --max-logprobs -1
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"),
         ({"stop_token_ids": [99999]}, "stop_token_ids"),
         ({"n": 2, "temperature": 0}, "n"),
         ({"n": 30, "temperature": 1.0}, "n"),  # more sequences than the server can ever queue: not a 503 forever
         ({"allowed_token_ids": [5], "logit_bias": {"5": -100}}, "logit_bias"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"truncation_side": "right"}, "truncation_side"),
+        ({"truncation_side": "middle"}, "truncation_side"),
         ({"seed": 2**63}, "seed"),  # vLLM's range: a 64-bit signed integer
         ({"seed": -(2**63) - 1}, "seed"),
         ({"logit_bias": {"x": 1, "y": 2}}, "logit_bias"),
@@ -467,3 +468,51 @@ def test_chat_prompt_logprobs_are_pytorchs_at_the_top_level(all_logits_server: s
         assert len(got[position]) <= 3  # the prompt token and the 2 likeliest
     refused = _post(all_logits_server, "/v1/chat/completions", {**body, "stream": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_truncation_side_right_keeps_the_first_tokens(plain_server: str) -> None:
+    prompt = HELDOUT_IDS[:20]
+    body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, "ignore_eos": True, "truncate_prompt_tokens": 8, "return_token_ids": True}
+    left = _post(plain_server, "/v1/completions", body).json()["choices"][0]
+    right = _post(plain_server, "/v1/completions", {**body, "truncation_side": "right"}).json()["choices"][0]
+    assert left["prompt_token_ids"] == prompt[-8:] and right["prompt_token_ids"] == prompt[:8]
+    alone = _post(plain_server, "/v1/completions", {**body, "prompt": prompt[:8], "truncate_prompt_tokens": None}).json()["choices"][0]
+    assert right["token_ids"] == alone["token_ids"]
+
+
+def test_the_servers_return_tokens_as_token_ids_is_the_default_a_request_overrides(trained_exports: dict[str, Path]) -> None:
+    from fastapi.testclient import TestClient
+
+    from kvexport.serving import Engine
+    from kvexport.serving.app import create_app
+
+    body = {"prompt": "The help", "max_tokens": 2, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    with Engine(trained_exports["none"], slots=2, max_context=64, warm_up=0) as engine:
+        client = TestClient(create_app(engine, ApiConfig(return_tokens_as_token_ids=True)))
+        shown = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+        named = client.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
+    assert all(t.startswith("token_id:") for t in shown) and len(shown) == 2
+    assert "".join(named["logprobs"]["tokens"]) == named["text"] and [f"token_id:{t}" for t in TOKENIZER.encode(named["text"]).ids] == shown
+
+
+def test_max_logprobs_minus_one_lets_a_request_ask_for_every_token(
+    trained_all_logits: Path, template_file: Path, torch_model: torch.nn.Module
+) -> None:
+    from fastapi.testclient import TestClient
+
+    from kvexport.serving import Engine
+    from kvexport.serving.app import create_app
+
+    prompt = HELDOUT_IDS[60:70]
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": -1, "prompt_logprobs": -1, "return_tokens_as_token_ids": True}
+    with Engine(trained_all_logits, slots=2, max_context=64, warm_up=0, max_logprobs=-1) as engine:
+        client = TestClient(create_app(engine, ApiConfig(chat_template=str(template_file))))
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "logprobs": True, "top_logprobs": -1}
+        content = client.post("/v1/chat/completions", json=chat).json()["choices"][0]["logprobs"]["content"]
+    vocab = TOKENIZER.get_vocab_size()
+    top = choice["logprobs"]["top_logprobs"][0]
+    reference = _reference(torch_model, prompt)
+    assert len(top) == vocab and len(content[0]["top_logprobs"]) == vocab
+    assert max(abs(value - reference[-1, int(name.removeprefix("token_id:"))]) for name, value in top.items()) < 2e-4
+    assert all(len(entry) == vocab for entry in choice["prompt_logprobs"][1:])

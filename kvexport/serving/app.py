@@ -75,7 +75,7 @@ def create_app(engine: Engine, api: ApiConfig | None = None, *, replica: str | N
     template = ChatTemplate.find(engine.directory, api.chat_template)
     app = FastAPI(title="kvexport", docs_url=None, redoc_url=None, openapi_url=None)
     page = playground_page(model, chat=template is not None, api_key=api.api_key is not None)
-    app.state.served = Served(engine, model, template, page, api.enable_prompt_tokens_details)
+    app.state.served = Served(engine, model, template, page, api)
     app.state.metrics = metrics.ServerMetrics(engine, model)
     engine.add_listener(app.state.metrics)
     if api.api_key is not None:

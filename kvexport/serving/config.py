@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvexport.drafting import DEFAULT_DRAFT_TOKENS
 from kvexport.errors import KvexportError
+from kvexport.serving.request import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from kvexport.runtime.speculative import Drafter
@@ -63,6 +64,8 @@ class EngineConfig:
             runs alone (the export needs ``--all-logits``).
         draft: speculative decoding with drafts from this smaller in-place export.
         draft_tokens: drafts per speculative step.
+        max_logprobs: the most log-probabilities a request may ask for per position (-1:
+            the whole vocabulary, which a request then asks for with -1), as vLLM's.
         warm_up: requests run through the engine before it takes any (0: none), so the
             first real requests do not pay for ONNX Runtime's first runs; what they leave
             (counters, cached rows) is cleared.
@@ -107,6 +110,13 @@ class EngineConfig:
         None, "Speculative decoding with this smaller in-place export as the drafter (same tokenizer).", flag="--draft"
     )
     draft_tokens: int = setting(DEFAULT_DRAFT_TOKENS, "Drafts per step.", flag="--draft-tokens", low=1)
+    max_logprobs: int = setting(
+        MAX_LOGPROBS,
+        "The most logprobs / top_logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary, "
+        "which a request asks for with -1), as vLLM's --max-logprobs.",
+        flag="--max-logprobs",
+        low=-1,
+    )
     warm_up: int = setting(
         2, "Requests run before serving, so the first clients are not slower (0: none).", flag="--warm-up", low=0
     )
@@ -173,6 +183,8 @@ class ApiConfig:
         enable_prompt_tokens_details: send ``usage.prompt_tokens_details`` (the prompt tokens
             the prefix cache served, ``cached_tokens``); without it the field is ``null``, as
             vLLM sends it unless started with ``--enable-prompt-tokens-details``.
+        return_tokens_as_token_ids: show logprobs' tokens as ``token_id:N`` unless a request
+            says otherwise (vLLM's ``--return-tokens-as-token-ids``).
 
     """
 
@@ -180,6 +192,7 @@ class ApiConfig:
     chat_template: str | None = None
     api_key: str | None = None
     enable_prompt_tokens_details: bool = False
+    return_tokens_as_token_ids: bool = False
 
     @classmethod
     def from_strings(cls, values: dict[str, Any]) -> ApiConfig:

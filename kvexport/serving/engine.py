@@ -264,7 +264,7 @@ class Engine:
             self.scheduler.check_fits(requests)
 
     def _checked(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
-        params.validate(self.vocab_size)
+        params.validate(self.vocab_size, self.config.max_logprobs)
         if params.stop and self.tokenizer is None:
             raise ParameterError(
                 f"stop: {self.directory} has no tokenizer, so there is no text to find stop strings in; use stop_token_ids",

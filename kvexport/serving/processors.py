@@ -117,6 +117,8 @@ def distribution(scores: np.ndarray, params: SamplingParams, sampling: SamplingC
 
 def logprob_of(logprobs: np.ndarray, token: int, top: int, ids: tuple[int, ...] | None = None) -> Logprob:
     """The :class:`Logprob` of ``token`` in one row of log-probabilities, with the ``top`` likeliest tokens, or ``ids``' in their order."""
+    if top < 0:  # -1: every token
+        top = logprobs.shape[-1]
     if ids:
         alternatives = tuple((int(t), float(logprobs[t])) for t in ids)
     elif top:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvexport.serving.errors import ParameterError
-from kvexport.serving.request import DEFAULT_MAX_TOKENS, MAX_LOGPROBS, SamplingParams
+from kvexport.serving.request import DEFAULT_MAX_TOKENS, SamplingParams
 from kvexport.serving.structured import from_request
 
 LOG = logging.getLogger("kvexport.serving")
@@ -60,7 +60,6 @@ _REFUSED: dict[str, tuple[Any, ...]] = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
-    "truncation_side": (None, "left"),
     "repetition_detection": (None,),
     "thinking_token_budget": (None,),
     "watermarking": (None,),
@@ -107,8 +106,9 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     add_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncation_side: Literal["left", "right"] | None = None  # vLLM's: "left" (the default) keeps the last N tokens, "right" the first N
     # vLLM's: these tokens' log-probabilities in place of the top alternatives (needs logprobs)
     logprob_token_ids: list[int] | None = None
     # vLLM's: the prompt's and each choice's token ids in the response (``prompt_token_ids``, ``token_ids``)
@@ -143,6 +143,13 @@ class SamplingFields(BaseModel):
             structured=from_request(self.response_format, self.structured_outputs),
         )
 
+    def truncated(self, ids: list[int]) -> list[int]:
+        """The prompt ``ids`` cut to ``truncate_prompt_tokens``: its last tokens, or its first with ``truncation_side: right``."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return ids
+        return ids[:keep] if self.truncation_side == "right" else ids[-keep:]
+
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
@@ -172,8 +179,8 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0)
     echo: bool = False
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=-1)  # the bound is the server's --max-logprobs
+    prompt_logprobs: int | None = Field(default=None, ge=-1)  # the bound is the server's --max-logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The request's prompts: one, or each of a list."""
@@ -226,12 +233,12 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=-1)  # the bound is the server's --max-logprobs
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     # vLLM's: the reply starts with the last message's text when that message has the reply's role
     echo: bool = False
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=-1)  # the bound is the server's --max-logprobs
 
     def wanted_tokens(self) -> int | None:
         """``max_completion_tokens``, else ``max_tokens`` (None: the rest of the context)."""

@@ -49,7 +49,8 @@ class SamplingParams:
     to a token's logit; -100 bans the token. ``allowed_token_ids`` keeps only those tokens.
 
     ``logprobs`` asks for each generated token's log-probability and that many of the most
-    likely alternatives (0..20); ``prompt_logprobs`` the same for each prompt token after the
+    likely alternatives (0..20 by default, the server's ``max_logprobs``; -1: every token);
+    ``prompt_logprobs`` the same for each prompt token after the
     first (it needs an ``--all-logits`` export). Log-probabilities are of the model's own
     distribution, before any of the controls above, as vLLM reports them by default.
     ``logprob_token_ids`` (vLLM's, at most 128 ids) puts those tokens' log-probabilities in
@@ -101,8 +102,12 @@ class SamplingParams:
             or self.structured is not None
         )
 
-    def validate(self, vocab_size: int | None = None) -> None:
-        """One line for an out-of-range setting (token ids too, given ``vocab_size``), naming it (:class:`ParameterError`)."""
+    def validate(self, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS) -> None:
+        """One line for an out-of-range setting (token ids too, given ``vocab_size``), naming it (:class:`ParameterError`).
+
+        ``max_logprobs`` is the server's bound on ``logprobs`` and ``prompt_logprobs`` (-1:
+        the vocabulary's size; a request's -1 asks for the whole vocabulary).
+        """
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ParameterError(f"max_tokens {self.max_tokens!r}: must be a positive integer", parameter="max_tokens")
         if self.temperature < 0:
@@ -126,10 +131,18 @@ class SamplingParams:
             raise ParameterError(
                 f"min_tokens {self.min_tokens}: must be in [0, max_tokens] (max_tokens is {self.max_tokens})", parameter="min_tokens"
             )
+        most = max_logprobs if max_logprobs >= 0 else vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                raise ParameterError(f"{name} {value}: must be in [0, {MAX_LOGPROBS}]", parameter=name)
+            if value is None:
+                continue
+            asked = vocab_size if value == -1 else value
+            if value < -1 or (asked is not None and most is not None and asked > most):
+                raise ParameterError(
+                    f"{name} {value}: this server returns at most {most} (start it with --max-logprobs N, or -1 for the "
+                    "whole vocabulary, which a request asks for with -1)",
+                    parameter=name,
+                )
         if self.logprob_token_ids is not None:
             if self.logprobs is None:
                 raise ParameterError("logprob_token_ids: needs logprobs set", parameter="logprob_token_ids")

@@ -19,7 +19,7 @@ from kvexport.serving.api.common import (
     submit_choices,
     wrong_model,
 )
-from kvexport.serving.api.render import ChatRender, Choice, TokenNames, answer, error_response
+from kvexport.serving.api.render import ChatRender, Choice, answer, error_response
 from kvexport.serving.protocol import ChatCompletionRequest
 
 router = APIRouter()
@@ -52,8 +52,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
 
     def submit() -> None:
         ids = engine.encode(chat_prompt(context, body.messages, body.add_generation_prompt, body.continue_final_message))
-        if body.truncate_prompt_tokens is not None:
-            ids = ids[-body.truncate_prompt_tokens :]
+        ids = body.truncated(ids)
         wanted = body.wanted_tokens()
         params = body.sampling_params(
             wanted if wanted is not None else max(1, engine.capacity - len(ids)),
@@ -66,8 +65,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
     refused = await submit_choices(submit, choices, "messages")
     if refused is not None:
         return refused
-    names = TokenNames(engine.tokenizer, body.return_tokens_as_token_ids)
-    render = ChatRender(context.model, choices, names, body, context.prompt_tokens_details, echo_text(body))
+    render = ChatRender(context.model, choices, context.names(body), body, context.api.enable_prompt_tokens_details, echo_text(body))
     if body.stream:
         return StreamingResponse(render.stream(), media_type="text/event-stream")
     return await answer(choices, request, render.whole)

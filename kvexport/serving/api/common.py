@@ -16,8 +16,9 @@ from starlette.concurrency import run_in_threadpool
 from tokenizers import Tokenizer
 
 from kvexport.errors import KvexportError
-from kvexport.serving.api.render import Choice, cancel, error_response
+from kvexport.serving.api.render import Choice, TokenNames, cancel, error_response
 from kvexport.serving.chat import ChatTemplate
+from kvexport.serving.config import ApiConfig
 from kvexport.serving.engine import Engine, EngineClosed, EngineFull
 from kvexport.serving.errors import ParameterError
 from kvexport.serving.protocol import ChatMessage, SamplingFields
@@ -27,13 +28,18 @@ RETRY_AFTER_S = 1
 
 @dataclass(frozen=True)
 class Served:
-    """What one app serves: the engine, the model name clients use, the chat template, the playground page, and whether usage has ``prompt_tokens_details``."""
+    """What one app serves: the engine, the model name clients use, the chat template, the playground page and the API's settings."""
 
     engine: Engine
     model: str
     chat_template: ChatTemplate | None
     playground: str
-    prompt_tokens_details: bool = False
+    api: ApiConfig
+
+    def names(self, body: SamplingFields) -> TokenNames:
+        """How tokens are shown: as ``token_id:N`` when the request asks, else when the server does (``--return-tokens-as-token-ids``)."""
+        as_ids = body.return_tokens_as_token_ids
+        return TokenNames(self.engine.tokenizer, self.api.return_tokens_as_token_ids if as_ids is None else as_ids)
 
 
 def served(request: Request) -> Served:

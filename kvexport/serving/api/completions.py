@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from kvexport.serving.api.common import Served, decode, refusal, served, submit_choices, wrong_model
-from kvexport.serving.api.render import Choice, CompletionRender, TokenNames, answer, error_response
+from kvexport.serving.api.render import Choice, CompletionRender, answer, error_response
 from kvexport.serving.protocol import CompletionRequest
 from kvexport.serving.request import DEFAULT_MAX_TOKENS
 
@@ -37,8 +37,7 @@ async def completions(body: CompletionRequest, request: Request, context: Served
         engine.check_fits(len(body.prompts()) * body.n)
         for prompt in body.prompts():
             ids = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
-            if body.truncate_prompt_tokens is not None:
-                ids = ids[-body.truncate_prompt_tokens :]
+            ids = body.truncated(ids)
             wanted = 1 if echo_only else (body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS)
             params = body.sampling_params(wanted, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
             echo = ""
@@ -51,7 +50,7 @@ async def completions(body: CompletionRequest, request: Request, context: Served
     if refused is not None:
         return refused
     first = choices[:: body.n]  # one choice per prompt: each prompt's n choices are together
-    render = CompletionRender(context.model, choices, first, TokenNames(engine.tokenizer, body.return_tokens_as_token_ids), body, context.prompt_tokens_details)
+    render = CompletionRender(context.model, choices, first, context.names(body), body, context.api.enable_prompt_tokens_details)
     if body.stream:
         return StreamingResponse(render.stream(), media_type="text/event-stream")
     return await answer(choices, request, render.whole)

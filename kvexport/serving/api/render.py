@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -305,7 +306,7 @@ class CompletionRender(_Render):
         if self.request.logprobs is None:
             return None
         top = len(self.request.logprob_token_ids) if self.request.logprob_token_ids else self.request.logprobs
-        return completion_logprobs(tokens, logprobs, top, offset, self.name)
+        return completion_logprobs(tokens, logprobs, top if top >= 0 else sys.maxsize, offset, self.name)
 
     def _choice(
         self, choice: Choice, text: str, logprobs: dict[str, Any] | None, done: bool, token_ids: list[int], first: bool
@@ -357,7 +358,7 @@ class ChatRender(_Render):
             return None
         ids = self.request.logprob_token_ids
         top = len(ids) + 1 if ids else self.request.top_logprobs or 0  # the chosen token and every id asked for (vLLM's)
-        return chat_logprobs(tokens, logprobs, top, self.name)
+        return chat_logprobs(tokens, logprobs, top if top >= 0 else sys.maxsize, self.name)
 
     def whole(self) -> Response:
         """The ``chat.completion`` body."""
