@@ -8,16 +8,20 @@ import pytest
 
 from kvexport.serving.config import EngineConfig
 from kvexport.serving.request import Request, SamplingParams, Status
-from kvexport.serving.scheduler import EngineFull, PrefixJob, Scheduler
+from kvexport.serving.scheduler import EngineFull, PrefillBudget, PrefixJob, Scheduler
 from kvexport.serving.slots import MIN_COPIED_PREFIX, SlotTable
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
 
 
-def _scheduler(slots: int = 4, chunk: int = 8, max_queue: int = 4, can_copy: bool = True) -> Scheduler:
+def _scheduler(
+    slots: int = 4, chunk: int = 8, max_queue: int = 4, can_copy: bool = True, budget: PrefillBudget | None = None
+) -> Scheduler:
+    """A scheduler whose steps prefill ``chunk`` tokens (unless ``budget`` says otherwise)."""
     ticks = itertools.count()
     table = SlotTable(slots, can_copy_rows=can_copy, clock=lambda: float(next(ticks)))
-    return Scheduler(table, chunk=chunk, max_queue=max_queue, capacity=64)
+    budget = budget or PrefillBudget(chunk, burst=chunk)
+    return Scheduler(table, chunk=chunk, max_queue=max_queue, capacity=64, budget=budget)
 
 
 def _run_prefill(scheduler: Scheduler) -> None:
@@ -156,3 +160,38 @@ def test_engine_config_parses_every_field_from_strings() -> None:
         EngineConfig.from_strings({"prefix_cache": "maybe"})
     with pytest.raises(Exception, match="^slots 0: must be at least 1$"):
         EngineConfig(slots=0)
+
+
+def test_a_burst_prefills_every_waiting_prompt_in_one_step_in_pieces_of_at_most_chunk() -> None:
+    scheduler = _scheduler(slots=3, chunk=8, budget=PrefillBudget(8))  # the default burst
+    requests = [Request(f"r{i}", list(range(1, 21)), GREEDY) for i in range(3)]
+    for request in requests:
+        scheduler.add(request)
+    plan = scheduler.schedule()
+    pieces = [(c.request.id, c.start, len(c.tokens), c.last) for c in plan.prefill]
+    assert pieces == [(f"r{i}", start, size, start + size == 20) for i in range(3) for start, size in ((0, 8), (8, 8), (16, 4))]
+
+
+def test_while_streams_run_a_step_prefills_what_fits_in_a_decode_step() -> None:
+    budget = PrefillBudget(64)
+    assert budget.tokens(running=True) == 64  # nothing measured yet: a whole chunk
+    budget.prefilled(32, 0.032)  # 1 ms a prompt token
+    budget.decoded(0.040)
+    assert budget.tokens(running=True) == 40 and budget.tokens(running=False) == 4096
+    budget.decoded(0.020)  # a faster decode step: the average moves a fifth of the way
+    assert budget.tokens(running=True) == 36
+    quick = PrefillBudget(64)
+    quick.prefilled(32, 0.032)
+    quick.decoded(0.005)
+    assert quick.tokens(running=True) == 16  # 5 ms of prompt would be 5 tokens: the floor keeps prompts moving
+    assert PrefillBudget(64, target_ms=20).tokens(running=True) == 64  # a target, but no cost measured yet
+    fixed = PrefillBudget(64, target_ms=20)
+    fixed.prefilled(32, 0.032)
+    assert fixed.tokens(running=True) == 20
+    scheduler = _scheduler(slots=2, chunk=64, budget=budget)
+    first, second = Request("a", [5, 6, 7], GREEDY), Request("b", list(range(1, 101)), GREEDY)
+    scheduler.add(first)
+    _run_prefill(scheduler)  # a runs
+    scheduler.add(second)
+    plan = scheduler.schedule()
+    assert [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 0, 36)]

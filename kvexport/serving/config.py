@@ -53,7 +53,12 @@ class EngineConfig:
             ``max_context`` tokens as fit, in the export's cache dtype: an int8 cache holds
             4x the fp32 cache's slots); it overrides ``slots`` (the CLI refuses both).
         max_queue: requests that may wait for a slot; more are refused.
-        chunk: prompt tokens prefilled per engine step.
+        chunk: the most prompt tokens of one prefill call.
+        step_ms: while streams run, how long a step may prefill (its prompt tokens at their
+            measured cost); None: as long as one decode step of the running rows, measured.
+            With no stream running a step prefills up to
+            :data:`~kvexport.serving.scheduler.BURST_TOKENS` tokens (see
+            :class:`~kvexport.serving.scheduler.PrefillBudget`).
         provider: ``cpu``, ``cuda`` or ``auto``.
         intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
         spinning: let the session's threads spin between runs (faster decode steps on CPU).
@@ -90,7 +95,15 @@ class EngineConfig:
         flag="--max-queue",
         low=0,
     )
-    chunk: int = setting(DEFAULT_CHUNK, "Prompt tokens prefilled per engine step.", flag="--chunk", low=1)
+    chunk: int = setting(DEFAULT_CHUNK, "The most prompt tokens of one prefill call.", flag="--chunk", low=1)
+    step_ms: int | None = setting(
+        None,
+        "While streams are running, prefill at most this long per engine step (prompt tokens at their measured cost), "
+        "so no stream's next token waits longer; with none running, a step prefills up to 4096 tokens.",
+        flag="--step-ms",
+        low=1,
+        shown="one decode step, measured",
+    )
     provider: str = setting(
         "cpu",
         "ONNX Runtime execution provider; cuda fails if unavailable, auto picks the best.",

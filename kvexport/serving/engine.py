@@ -20,9 +20,11 @@ The engine is four parts, as vLLM v1 splits it, tied together by one thread's lo
   (:class:`~kvexport.serving.output.RequestState`, what :meth:`Engine.submit` returns).
 
 One step, as vLLM v1's ``EngineCore.step``: the scheduler plans (``schedule()``: admit
-waiting requests into free slots, reusing any cached prefix of the prompt; up to
-``chunk`` prompt tokens to prefill, the oldest admitted prompts first, each at batch 1
-straight into its slot); the runner runs the plan and returns logits; the output
+waiting requests into free slots, reusing any cached prefix of the prompt; the prompt
+tokens to prefill, the oldest admitted prompts first, each at batch 1 straight into its
+slot in pieces of at most ``chunk``: up to 4096 while no stream runs, else as many as fit
+in one decode step's time, or ``step_ms``, at their measured cost, see
+:class:`~kvexport.serving.scheduler.PrefillBudget`); the runner runs the plan and returns logits; the output
 processor turns them into tokens and returns an
 :class:`~kvexport.serving.output.OutputBatch` (which requests took which tokens, which
 ended and why); the engine hands that to the scheduler
@@ -45,6 +47,7 @@ import collections
 import dataclasses
 import itertools
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -64,6 +67,7 @@ from kvexport.serving.request import Request, SamplingParams, Status
 from kvexport.serving.runner import ModelRunner
 from kvexport.serving.scheduler import (
     EngineFull,
+    PrefillBudget,
     PrefillChunk,
     PrefixJob,
     Scheduler,
@@ -186,7 +190,12 @@ class Engine:
         )
         self.table = SlotTable(config.slots, prefix_cache=config.prefix_cache, can_copy_rows=self.runner.can_copy_rows)
         self.scheduler = Scheduler(
-            self.table, chunk=config.chunk, max_queue=config.max_queue, capacity=self.capacity, draft_tokens=config.draft_tokens
+            self.table,
+            chunk=config.chunk,
+            max_queue=config.max_queue,
+            capacity=self.capacity,
+            draft_tokens=config.draft_tokens,
+            budget=PrefillBudget(config.chunk, target_ms=config.step_ms),
         )
         self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids, self.vocab_size)
         self._listeners: list[EngineListener] = []
@@ -437,8 +446,11 @@ class Engine:
     def _prefill(self, chunk: PrefillChunk) -> OutputBatch:
         """One prompt chunk at batch 1 into its slot; the prompt's last chunk gives the first token."""
         request = chunk.request
+        started = time.perf_counter()
         logits = self.runner.run_piece(request.slot, chunk.tokens, chunk.start)
+        seconds = time.perf_counter() - started
         with self._lock:
+            self.scheduler.budget.prefilled(len(chunk.tokens), seconds)
             self.scheduler.prefilled(chunk)
             self._counters["prompt_tokens"] += len(chunk.tokens)
         if self.runner.all_logits:
@@ -455,8 +467,11 @@ class Engine:
             return OutputBatch()
         if plan.speculative is not None:
             return self._speculative_step(plan.speculative)
+        started = time.perf_counter()
         logits = self.runner.decode(plan.tokens, plan.positions)
+        seconds = time.perf_counter() - started
         with self._lock:
+            self.scheduler.budget.decoded(seconds)
             self._counters["steps"] += 1
         return self.output.decoded([r.id for r in plan.requests], logits, [r.slot for r in plan.requests])
 

@@ -29,6 +29,56 @@ class EngineFull(KvexportError):
     """The engine's queue of waiting requests is full; try again later."""
 
 
+BURST_TOKENS = 4096  # prompt tokens one step may prefill while no stream runs (vLLM's CPU budget is of this order)
+MIN_STEP_TOKENS = 16  # while streams run, a step still prefills this many, so a prompt always advances
+_SMOOTHING = 0.2  # weight of the newest measurement in the running averages
+
+
+class PrefillBudget:
+    """How many prompt tokens one step prefills: the running streams' next token against the waiting prompts' first.
+
+    A step prefills its prompt chunks, then decodes every running row; the chunks' time is
+    added to every running stream's gap between two tokens. So:
+
+    - while no stream runs (a burst's start), up to ``burst`` tokens: every waiting prompt
+      gets its first token before the first decode step holds it up;
+    - while streams run, as many as fit in ``target_ms`` at the measured cost per prompt
+      token; by default the target is the measured decode step, so a stream's gap stays
+      within about twice its usual one. At least ``floor`` and at most ``chunk`` tokens;
+      ``chunk`` until both costs are measured.
+
+    ``chunk`` also bounds each call (one request's piece). Plain Python: the engine reports
+    each prefill and decode call's time (:meth:`prefilled`, :meth:`decoded`).
+    """
+
+    def __init__(self, chunk: int, *, burst: int = BURST_TOKENS, target_ms: float | None = None, floor: int = MIN_STEP_TOKENS) -> None:
+        self.chunk, self.burst, self.target_ms, self.floor = chunk, max(burst, chunk), target_ms, min(floor, chunk)
+        self.seconds_per_token: float | None = None
+        self.decode_seconds: float | None = None
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """One prefill call of ``tokens`` took ``seconds``."""
+        if tokens >= self.floor:  # a short piece's cost is mostly the call's, not its tokens'
+            self.seconds_per_token = _smoothed(self.seconds_per_token, seconds / tokens)
+
+    def decoded(self, seconds: float) -> None:
+        """One decode call over the running rows took ``seconds``."""
+        self.decode_seconds = _smoothed(self.decode_seconds, seconds)
+
+    def tokens(self, *, running: bool) -> int:
+        """The step's prompt tokens: ``burst`` while no stream runs, else what fits the target."""
+        if not running:
+            return self.burst
+        target = self.target_ms / 1000 if self.target_ms is not None else self.decode_seconds
+        if target is None or self.seconds_per_token is None:
+            return self.chunk
+        return max(self.floor, min(self.chunk, int(target / self.seconds_per_token)))
+
+
+def _smoothed(average: float | None, sample: float) -> float:
+    return sample if average is None else (1 - _SMOOTHING) * average + _SMOOTHING * sample
+
+
 @dataclass
 class PrefixJob:
     """A prefix to cache in a slot of its own (``Engine.register_prefix``); ``done`` is set once it is."""
@@ -119,18 +169,28 @@ class Scheduler:
 
     Args:
         table: the cache's bookkeeping.
-        chunk: prompt tokens prefilled per step, over all prompts.
+        chunk: the most prompt tokens of one call (one request's piece).
         max_queue: requests that may wait beyond the free slots.
         capacity: tokens per slot.
         draft_tokens: the most drafts per speculative round.
+        budget: the prompt tokens each step prefills, over all prompts (default: a
+            :class:`PrefillBudget` of ``chunk``).
 
     """
 
     def __init__(
-        self, table: SlotTable, *, chunk: int, max_queue: int, capacity: int, draft_tokens: int = DEFAULT_DRAFT_TOKENS
+        self,
+        table: SlotTable,
+        *,
+        chunk: int,
+        max_queue: int,
+        capacity: int,
+        draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        budget: PrefillBudget | None = None,
     ) -> None:
         self.table = table
         self.chunk = chunk
+        self.budget = budget or PrefillBudget(chunk)
         self.max_queue = max_queue
         self.capacity = capacity
         self.draft_tokens = draft_tokens
@@ -220,14 +280,16 @@ class Scheduler:
             self.active[placement.slot] = request
             plan.admitted.append((request, placement))
         self.waiting.extendleft(reversed(held))
-        budget = self.chunk
+        running = any(r.status is Status.RUNNING for r in self.active.values())
+        budget = self.budget.tokens(running=running)
         prefilling = sorted((r for r in self.active.values() if r.status is Status.PREFILLING), key=lambda r: r.submitted)
         for request in prefilling:
-            if budget == 0:
-                break
-            piece = request.prompt[request.prefilled : request.prefilled + budget]
-            plan.prefill.append(PrefillChunk(request, request.prefilled, piece))
-            budget -= len(piece)
+            start = request.prefilled
+            while budget and start < len(request.prompt):  # pieces of at most chunk tokens, in order
+                piece = request.prompt[start : start + min(budget, self.chunk)]
+                plan.prefill.append(PrefillChunk(request, start, piece))
+                start += len(piece)
+                budget -= len(piece)
         return plan
 
     def _waits_for_rows(self, request: Request) -> bool:
