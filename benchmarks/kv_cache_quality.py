@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from kvexport import export_gpt2, verify  # noqa: E402
 from kvexport.export.calibration import copy_with_quantized_cache  # noqa: E402
+from kvexport.export.quantization import QUANTIZATION_SCHEMES  # noqa: E402
 from kvexport.passes.quantize_cache import CacheQuantization  # noqa: E402
 
 TRAINED = ROOT / "tests" / "data" / "tiny-trained"
@@ -55,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     rows: dict[str, dict[str, Any]] = {}
     for weights in ("none", "int8"):
-        base = export_gpt2(args.work / f"{weights}-fp32", str(TRAINED), target="ort-cpu", quantize=weights, force=True).out_dir  # type: ignore[arg-type]
+        knobs = QUANTIZATION_SCHEMES.get(weights)  # int8: the blocks these results were measured with
+        base = export_gpt2(args.work / f"{weights}-fp32", str(TRAINED), target="ort-cpu", quantize=weights, quantization=knobs, force=True).out_dir  # type: ignore[arg-type]
         reference = rows[f"weights {weights}, cache fp32"] = _quality(base)
         for bits in (8, 4):
             for per_channel in (True, False):

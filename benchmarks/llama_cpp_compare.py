@@ -187,14 +187,14 @@ def llama_perplexity(source: Path, gguf: Path, text: Path, context: int, threads
 def kvexport_exports(
     model: str, random_init: bool, work: Path, int4_blocks: list[int], int8_per_channel: bool = False
 ) -> dict[str, Path]:
-    """ort-cpu exports by row label: none, int8, int4 (defaults), int4 at other block sizes, and
-    ``int8 pc`` (``--per-channel``) when asked."""
+    """ort-cpu exports by row label: none, int8 (the blocks, asked for by name: GPT-2's default int8
+    on ort-cpu is per channel), int4, int4 at other block sizes, and ``int8 pc`` (``--per-channel``) when asked."""
     import dataclasses
 
     from kvexport import export_gpt2
     from kvexport.export.quantization import QUANTIZATION_SCHEMES
 
-    wanted: dict[str, tuple[str, Any]] = {scheme: (scheme, None) for scheme, _ in SCHEMES}
+    wanted: dict[str, tuple[str, Any]] = {scheme: (scheme, QUANTIZATION_SCHEMES.get(scheme)) for scheme, _ in SCHEMES}
     for block in int4_blocks:
         if block != QUANTIZATION_SCHEMES["int4"].block_size:
             wanted[f"int4 b{block}"] = ("int4", dataclasses.replace(QUANTIZATION_SCHEMES["int4"], block_size=block))

@@ -119,7 +119,7 @@ def quantization_options(function: F) -> F:
         asymmetric: bool,
         accuracy_level: int | None,
         head_bits: str | None,
-        per_channel: bool,
+        per_channel: bool | None,
         **kwargs: Any,
     ) -> Any:
         given = {
@@ -127,7 +127,7 @@ def quantization_options(function: F) -> F:
             "symmetric": False if asymmetric else None,
             "accuracy_level": accuracy_level,
             "head_bits": int(head_bits) if head_bits is not None else None,
-            "per_channel": True if per_channel else None,
+            "per_channel": per_channel,
         }
         overrides = {knob: value for knob, value in given.items() if value is not None}
         choice = _run(lambda: QuantizationChoice(QuantizeKind(quantize), overrides))
@@ -143,10 +143,11 @@ def quantization_options(function: F) -> F:
                 help="Weight-only quantization with ONNX Runtime's MatMulNBits / GatherBlockQuantized (ort attention only).",
             ),
             click.option(
-                "--per-channel",
-                is_flag=True,
-                help="int8, fp32, CPU: 7-bit weights per output channel and activations quantized row by row "
-                "(MatMulIntegerToFloat); 2-2.5x faster prompts than the blocks, a little less accurate.",
+                "--per-channel/--blocks",
+                default=None,
+                help="int8: per-channel (fp32, CPU: 7-bit weights per output channel, activations quantized row by "
+                "row, MatMulIntegerToFloat; 2-2.5x faster prompts) or blocks of 32 (MatMulNBits, closer to fp32) "
+                "[default: per-channel for GPT-2 on --target ort-cpu, blocks otherwise].",
             ),
             click.option(
                 "--block-size",
@@ -175,10 +176,16 @@ def quantization_options(function: F) -> F:
     return command  # type: ignore[return-value]
 
 
-def _knobs(choice: QuantizationChoice) -> Any:
-    """The :class:`~passes.QuantizationConfig` a command's ``quantization`` stands for (None: float)."""
+def _knobs(choice: QuantizationChoice, *, defaulted: bool = False) -> Any:
+    """The :class:`~passes.QuantizationConfig` a command's ``quantization`` stands for (None: float).
+
+    ``defaulted``: None too when no knob was given, so the export picks the scheme's default
+    for the model's family and target (``--quantize int8`` is per-channel for GPT-2 on CPU).
+    """
     from kvexport.export.quantization import quantization_config
 
+    if defaulted and not choice.overrides:
+        return None
     return _run(lambda: quantization_config(choice))
 
 
@@ -320,7 +327,7 @@ def _export(
     from kvexport.export.exporter import DEFAULT_STRATEGY_ORDER, export_model
 
     strategies = DEFAULT_STRATEGY_ORDER if exporter == "auto" else (exporter,)
-    knobs = _knobs(quantization)
+    knobs = _knobs(quantization, defaulted=True)
     result = _run(
         lambda: export_model(
             out,
@@ -1073,7 +1080,7 @@ def import_command(
     """Turn a one-graph decoder SOURCE (an Optimum export directory or its .onnx) into a kvexport directory."""
     from kvexport.export.importer import import_decoder
 
-    knobs = _knobs(quantization)
+    knobs = _knobs(quantization, defaulted=True)
     manifest = _run(
         lambda: import_decoder(
             source,

@@ -169,10 +169,25 @@ def test_bad_quantization_options_get_one_line(tmp_path: Path, args: list[str], 
     assert not (tmp_path / "o").exists()
 
 
+def test_int8_means_per_channel_for_gpt2_on_cpu_and_blocks_elsewhere() -> None:
+    from kvexport.export.options import ExportOptions
+    from kvexport.export.quantization import QUANTIZATION_SCHEMES
+
+    def per_channel(target: str, family: str, **given: object) -> bool:
+        options = ExportOptions.resolve(target, quantize="int8", family=family, **given)  # type: ignore[arg-type]
+        assert options.quantization is not None
+        return options.quantization.per_channel
+
+    assert per_channel("ort-cpu", "gpt2")
+    assert not per_channel("ort-cpu", "llama")  # outside the int8 tolerances on the trained Llama
+    assert not per_channel("ort-cuda", "gpt2")  # fp16, and MatMulIntegerToFloat is a CPU kernel
+    assert not per_channel("ort-cpu", "gpt2", quantization=QUANTIZATION_SCHEMES["int8"])  # knobs given: the blocks
+
+
 def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "int8-per-channel"
-    result = CliRunner().invoke(
-        main, ["gpt2", "--out", str(out), "--model", str(TRAINED), "--target", "ort-cpu", "--quantize", "int8", "--per-channel"]
+    result = CliRunner().invoke(  # GPT-2's int8 on ort-cpu: per channel without asking
+        main, ["gpt2", "--out", str(out), "--model", str(TRAINED), "--target", "ort-cpu", "--quantize", "int8"]
     )
     assert result.exit_code == 0, result.output
     assert "quantized int8: 7-bit weights per output channel, head included" in result.stdout
@@ -191,6 +206,14 @@ def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: 
     # further from fp32 than the blocks, which quantize activations per row in blocks of 32
     blocks = verify(trained_exports["int8"], steps=1, text=HELDOUT, text_tokens=100_000, record=False)
     assert blocks.text is not None and report.text.mean_kl > blocks.text.mean_kl
+    # --blocks asks for them by name
+    named = tmp_path / "int8-blocks"
+    result = CliRunner().invoke(
+        main, ["gpt2", "--out", str(named), "--model", str(TRAINED), "--target", "ort-cpu", "--quantize", "int8", "--blocks"]
+    )
+    assert result.exit_code == 0, result.output
+    ops = [node.op_type for node in onnx.load(str(named / "prefill.onnx"), load_external_data=False).graph.node]
+    assert ops.count("MatMulNBits") == 4 * n_layer + 1 and "MatMulIntegerToFloat" not in ops
 
 
 def test_verify_text_needs_a_tokenizer_and_a_file(trained_exports: dict[str, Path], tmp_path: Path) -> None:

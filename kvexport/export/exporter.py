@@ -399,13 +399,13 @@ def export_model(
     """
     progress = progress or silent
     out_path = Path(out)
+    chosen = family_for(family) if family is not None else family_of_model(model, random_init=random_init)
     options = ExportOptions.resolve(
-        target, attention, dtype, cache, quantize, quantization, opset, all_logits, kv_cache
+        target, attention, dtype, cache, quantize, quantization, opset, all_logits, kv_cache, family=chosen.name
     )
     _check_strategies(strategies)
     check_output_dir(out_path.absolute(), force)
     started = time.perf_counter()
-    chosen = family_for(family) if family is not None else family_of_model(model, random_init=random_init)
     check_attention(chosen, options)
     source = source_of(chosen, model, random_init=random_init, seed=seed)
     if source.config is not None or source.kind == "local":  # refused before minutes of loading

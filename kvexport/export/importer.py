@@ -278,8 +278,6 @@ def import_decoder(
     out_path = Path(out)
     graph_path, source_dir = _locate(Path(source))
     check_output_dir(out_path.absolute(), force)
-    target = "ort-cpu" if attention == Attention.ORT else "portable"
-    options = ExportOptions.resolve(target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache)
     model_dir = Path(model) if model is not None else None
     if model_dir is not None and not (model_dir / "config.json").is_file():
         raise KvexportError(f"--model {model_dir}: not a checkpoint directory (no config.json)")
@@ -292,6 +290,10 @@ def import_decoder(
             f"{graph_path}: kvexport import takes GPT-2 decoders; a {family.name} graph from another tool is "
             f"not imported yet: export the checkpoint with `kvexport export --model DIR` instead"
         )
+    target = "ort-cpu" if attention == Attention.ORT else "portable"
+    options = ExportOptions.resolve(
+        target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache, family=family.name
+    )
     graphs: dict[str, ir.Model] = {}
     reports: list[dict[str, Any]] = []
     last_only = True

@@ -61,8 +61,13 @@ class ExportOptions:
         opset: int = DEFAULT_OPSET,
         all_logits: bool = False,
         kv_cache: str | None = None,
+        family: str | None = None,
     ) -> ExportOptions:
-        """Fill in the target's defaults and refuse what can't work (:class:`KvexportError`)."""
+        """Fill in the target's defaults and refuse what can't work (:class:`KvexportError`).
+
+        ``family`` (the manifest's name of the model's family) picks what ``--quantize int8``
+        without knobs means on a CPU target (:func:`~kvexport.export.quantization.scheme_knobs`).
+        """
         target_kind = choose(TargetKind, target, "--target")
         default_attention, default_dtype, _ = TARGET_DEFAULTS[target_kind]
         attention_kind = choose(AttentionKind, attention or default_attention, "--attention")
@@ -80,7 +85,7 @@ class ExportOptions:
             dtype=dtype_kind,
             cache=cache_kind,
             quantize=quantize_kind,
-            quantization=scheme_knobs(quantize_kind, quantization, dtype_kind),
+            quantization=scheme_knobs(quantize_kind, quantization, dtype_kind, target=target_kind, family=family),
             opset=opset,
             all_logits=all_logits,
             kv_cache=kv_cache_quantization(kv_cache, dtype_kind, cache_kind),
