@@ -326,6 +326,11 @@ def main(argv: list[str] | None = None) -> int:
         "--kvexport-before", type=Path, default=None,
         help="Also serve each kvexport export with the code of this checkout (git worktree add DIR REV), as '... (before)'.",
     )
+    parser.add_argument(
+        "--serve-variant", action="append", default=[], metavar="LABEL=ARGS",
+        help="Also serve each kvexport export with these extra kvexport serve arguments, as '... LABEL' "
+        "(e.g. 'step80=--step-ms 80'); repeatable.",
+    )
     parser.add_argument("--vllm-dtype", default=VLLM_DTYPE, help=f"vLLM's --dtype [default: {VLLM_DTYPE}; float32 where the CPU has no bf16 kernels].")
     parser.add_argument("--vllm", default="auto", help=f"The vLLM venv's Python, 'auto' ({VLLM_PYTHON} if it exists) or 'none' [default: auto].")
     args = parser.parse_args(argv)
@@ -372,6 +377,11 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     url, process = start_kvexport(quantized, args.slots, args.context, args.work / f"serve-{label.replace(' ', '-')}-kv.log")
                     servers[f"kvexport {label} kv-{args.kv_cache}"] = (url, process, quantized.name)
+                for variant in args.serve_variant:
+                    name_, _, extra = variant.partition("=")
+                    variant_log = args.work / f"serve-{label.replace(' ', '-')}-{name_}.log"
+                    url, process = start_kvexport(exports[label], args.slots, args.context, variant_log, tuple(extra.split()))
+                    servers[f"kvexport {label} {name_}"] = (url, process, exports[label].name)
                 if args.kvexport_before is not None:
                     before_log = args.work / f"serve-{label.replace(' ', '-')}-before.log"
                     before_export = format_1_copy(exports[label], args.work / f"before-{exports[label].name}")

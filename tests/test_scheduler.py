@@ -172,26 +172,33 @@ def test_a_burst_prefills_every_waiting_prompt_in_one_step_in_pieces_of_at_most_
     assert pieces == [(f"r{i}", start, size, start + size == 20) for i in range(3) for start, size in ((0, 8), (8, 8), (16, 4))]
 
 
-def test_while_streams_run_a_step_prefills_what_fits_in_a_decode_step() -> None:
-    budget = PrefillBudget(64)
-    assert budget.tokens(running=True) == 64  # nothing measured yet: a whole chunk
+def test_while_more_streams_run_than_prompts_wait_a_step_stays_within_twice_a_full_decode_step() -> None:
+    budget = PrefillBudget(256)
+    assert budget.tokens(running=9, prefilling=1) == 256  # nothing measured yet: a whole chunk
     budget.prefilled(32, 0.032)  # 1 ms a prompt token
-    budget.decoded(0.040)
-    assert budget.tokens(running=True) == 40 and budget.tokens(running=False) == 4096
-    budget.decoded(0.020)  # a faster decode step: the average moves a fifth of the way
-    assert budget.tokens(running=True) == 36
+    budget.decoded(0.040)  # a full batch's decode step
+    assert budget.tokens(running=9, prefilling=1) == 40 and budget.tokens(running=3, prefilling=3) == 4096  # 80 ms a step, 40 of them decoding
+    for _ in range(20):  # most streams ended: decode steps of 10 ms, so the step has room for more prompt
+        budget.decoded(0.010)
+    assert 60 <= budget.tokens(running=9, prefilling=1) <= 70  # the 40 ms peak fades slowly: 2 x ~37 ms - ~11 ms
     quick = PrefillBudget(64)
     quick.prefilled(32, 0.032)
     quick.decoded(0.005)
-    assert quick.tokens(running=True) == 16  # 5 ms of prompt would be 5 tokens: the floor keeps prompts moving
-    assert PrefillBudget(64, target_ms=20).tokens(running=True) == 64  # a target, but no cost measured yet
-    fixed = PrefillBudget(64, target_ms=20)
+    assert quick.tokens(running=9, prefilling=1) == 16  # 5 ms of prompt would be 5 tokens: the floor keeps prompts moving
+    fixed = PrefillBudget(64, target_ms=30)
     fixed.prefilled(32, 0.032)
-    assert fixed.tokens(running=True) == 20
-    scheduler = _scheduler(slots=2, chunk=64, budget=budget)
-    first, second = Request("a", [5, 6, 7], GREEDY), Request("b", list(range(1, 101)), GREEDY)
-    scheduler.add(first)
-    _run_prefill(scheduler)  # a runs
-    scheduler.add(second)
-    plan = scheduler.schedule()
-    assert [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 0, 36)]
+    fixed.decoded(0.010)
+    assert fixed.tokens(running=9, prefilling=1) == 20  # --step-ms 30: 10 of decode, 20 of prompt
+    scheduler = _scheduler(slots=4, chunk=256, budget=budget)
+    for index in range(2):
+        scheduler.add(Request(f"r{index}", [5, 6, 7], GREEDY))
+    _run_prefill(scheduler)  # two streams
+    scheduler.add(Request("b", list(range(1, 201)), GREEDY))
+    plan = scheduler.schedule()  # two running, one prompt waiting: a share that fits the step
+    share = budget.tokens(running=2, prefilling=1)
+    assert 16 < share < 200 and [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", 0, share)]
+    for chunk in plan.prefill:
+        scheduler.prefilled(chunk)
+    scheduler.add(Request("c", list(range(300, 500)), GREEDY))  # nothing in common with b (no cached prefix)
+    plan = scheduler.schedule()  # two running, two prompts waiting: the prompts go first, whole
+    assert [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", share, 200 - share), ("c", 0, 200)]

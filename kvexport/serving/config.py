@@ -54,9 +54,10 @@ class EngineConfig:
             4x the fp32 cache's slots); it overrides ``slots`` (the CLI refuses both).
         max_queue: requests that may wait for a slot; more are refused.
         chunk: the most prompt tokens of one prefill call.
-        step_ms: while streams run, how long a step may prefill (its prompt tokens at their
-            measured cost); None: as long as one decode step of the running rows, measured.
-            With no stream running a step prefills up to
+        step_ms: while streams run, how long a step (prompt chunks and decode call) may
+            take, its prompt tokens at their measured cost; None: twice the slowest recent
+            decode step, measured. While no more streams run than prompts wait, a step
+            prefills up to
             :data:`~kvexport.serving.scheduler.BURST_TOKENS` tokens (see
             :class:`~kvexport.serving.scheduler.PrefillBudget`).
         provider: ``cpu``, ``cuda`` or ``auto``.
@@ -98,11 +99,12 @@ class EngineConfig:
     chunk: int = setting(DEFAULT_CHUNK, "The most prompt tokens of one prefill call.", flag="--chunk", low=1)
     step_ms: int | None = setting(
         None,
-        "While streams are running, prefill at most this long per engine step (prompt tokens at their measured cost), "
-        "so no stream's next token waits longer; with none running, a step prefills up to 4096 tokens.",
+        "While streams are running, keep each engine step (its prompt chunks and its decode call) within this many "
+        "ms, prompt tokens at their measured cost, so no stream's next token waits longer; while no more streams "
+        "run than prompts wait, a step prefills up to 4096 tokens.",
         flag="--step-ms",
         low=1,
-        shown="one decode step, measured",
+        shown="twice the slowest recent decode step, measured",
     )
     provider: str = setting(
         "cpu",

@@ -22,8 +22,9 @@ The engine is four parts, as vLLM v1 splits it, tied together by one thread's lo
 One step, as vLLM v1's ``EngineCore.step``: the scheduler plans (``schedule()``: admit
 waiting requests into free slots, reusing any cached prefix of the prompt; the prompt
 tokens to prefill, the oldest admitted prompts first, each at batch 1 straight into its
-slot in pieces of at most ``chunk``: up to 4096 while no stream runs, else as many as fit
-in one decode step's time, or ``step_ms``, at their measured cost, see
+slot in pieces of at most ``chunk``: up to 4096 while no more streams run than prompts
+wait, else as many as keep the step within twice the slowest recent decode step (or
+``step_ms``), see
 :class:`~kvexport.serving.scheduler.PrefillBudget`); the runner runs the plan and returns logits; the output
 processor turns them into tokens and returns an
 :class:`~kvexport.serving.output.OutputBatch` (which requests took which tokens, which

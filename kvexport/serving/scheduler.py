@@ -32,6 +32,7 @@ class EngineFull(KvexportError):
 BURST_TOKENS = 4096  # prompt tokens one step may prefill while no stream runs (vLLM's CPU budget is of this order)
 MIN_STEP_TOKENS = 16  # while streams run, a step still prefills this many, so a prompt always advances
 _SMOOTHING = 0.2  # weight of the newest measurement in the running averages
+_PEAK_DECAY = 0.995  # per decode step: a peak from a full batch fades over a few hundred steps
 
 
 class PrefillBudget:
@@ -40,12 +41,14 @@ class PrefillBudget:
     A step prefills its prompt chunks, then decodes every running row; the chunks' time is
     added to every running stream's gap between two tokens. So:
 
-    - while no stream runs (a burst's start), up to ``burst`` tokens: every waiting prompt
-      gets its first token before the first decode step holds it up;
-    - while streams run, as many as fit in ``target_ms`` at the measured cost per prompt
-      token; by default the target is the measured decode step, so a stream's gap stays
-      within about twice its usual one. At least ``floor`` and at most ``chunk`` tokens;
-      ``chunk`` until both costs are measured.
+    - while no more streams run than prompts wait to be prefilled (a burst, or a wave of
+      requests that replaces the ones that ended), up to ``burst`` tokens: those prompts get
+      their first tokens before decode steps hold them up, and the few running streams wait;
+    - while more streams run, as many as keep the step (chunks and decode) within ``target_ms``,
+      at the measured costs: by default twice the slowest recent decode step, so a stream's
+      gap stays within about twice what a full batch's decode takes, and a step with few
+      streams running (cheap decodes) prefills more. At least ``floor`` and at most
+      ``chunk`` tokens; ``chunk`` until the costs are measured.
 
     ``chunk`` also bounds each call (one request's piece). Plain Python: the engine reports
     each prefill and decode call's time (:meth:`prefilled`, :meth:`decoded`).
@@ -55,6 +58,7 @@ class PrefillBudget:
         self.chunk, self.burst, self.target_ms, self.floor = chunk, max(burst, chunk), target_ms, min(floor, chunk)
         self.seconds_per_token: float | None = None
         self.decode_seconds: float | None = None
+        self.decode_peak = 0.0  # the slowest recent decode step (decays slowly)
 
     def prefilled(self, tokens: int, seconds: float) -> None:
         """One prefill call of ``tokens`` took ``seconds``."""
@@ -64,15 +68,16 @@ class PrefillBudget:
     def decoded(self, seconds: float) -> None:
         """One decode call over the running rows took ``seconds``."""
         self.decode_seconds = _smoothed(self.decode_seconds, seconds)
+        self.decode_peak = max(self.decode_seconds, self.decode_peak * _PEAK_DECAY)
 
-    def tokens(self, *, running: bool) -> int:
-        """The step's prompt tokens: ``burst`` while no stream runs, else what fits the target."""
-        if not running:
+    def tokens(self, *, running: int, prefilling: int) -> int:
+        """The step's prompt tokens, with ``running`` streams and ``prefilling`` prompts not done: ``burst`` unless more streams run, else what fits the target."""
+        if running <= prefilling:
             return self.burst
-        target = self.target_ms / 1000 if self.target_ms is not None else self.decode_seconds
-        if target is None or self.seconds_per_token is None:
+        if self.decode_seconds is None or self.seconds_per_token is None:
             return self.chunk
-        return max(self.floor, min(self.chunk, int(target / self.seconds_per_token)))
+        target = self.target_ms / 1000 if self.target_ms is not None else 2 * self.decode_peak
+        return max(self.floor, min(self.chunk, round((target - self.decode_seconds) / self.seconds_per_token)))
 
 
 def _smoothed(average: float | None, sample: float) -> float:
@@ -280,9 +285,8 @@ class Scheduler:
             self.active[placement.slot] = request
             plan.admitted.append((request, placement))
         self.waiting.extendleft(reversed(held))
-        running = any(r.status is Status.RUNNING for r in self.active.values())
-        budget = self.budget.tokens(running=running)
         prefilling = sorted((r for r in self.active.values() if r.status is Status.PREFILLING), key=lambda r: r.submitted)
+        budget = self.budget.tokens(running=len(self.active) - len(prefilling), prefilling=len(prefilling))
         for request in prefilling:
             start = request.prefilled
             while budget and start < len(request.prompt):  # pieces of at most chunk tokens, in order
