@@ -45,6 +45,8 @@ EXIT_FAILED_CHECKS = 1  # verify ran and some check failed; user errors exit 2 (
 
 
 def _progress(message: str) -> None:
+    if TERMINATING.is_set():  # a SIGTERM whose exception a finalizer swallowed: stop at the next stage
+        raise Terminated
     click.echo(f"kvexport: {message}", err=True)
 
 
@@ -63,14 +65,20 @@ def _raise_on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated
 
 
-def _quiet_swallowed_sigterm(unraisable: Any) -> None:
-    """Drop the Terminated that a ``__del__`` or callback swallowed; the export stops on TERMINATING.
+def _swallowed_sigterm_hook(previous: Callable[[Any], object]) -> Callable[[Any], None]:
+    """An unraisable hook that drops a Terminated a ``__del__`` or callback swallowed, and hands the rest to ``previous``.
 
     A SIGTERM that lands while the garbage collector runs a finalizer raises there, and Python
-    prints "Exception ignored in ..." with a traceback; everything else goes to the default hook.
+    prints "Exception ignored in ..." with a traceback. The command stops anyway: at its next
+    progress line or before its output is renamed into place (TERMINATING is set).
     """
-    if not isinstance(unraisable.exc_value, Terminated):
-        sys.__unraisablehook__(unraisable)
+
+    def hook(unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, Terminated):
+            previous(unraisable)
+
+    hook.kvexport = True  # type: ignore[attr-defined]  # installed once, however often main() runs
+    return hook
 
 
 class UserError(click.ClickException):
@@ -147,7 +155,7 @@ def quantization_options(function: F) -> F:
                 default=None,
                 help="int8: per-channel (fp32, CPU: 7-bit weights per output channel, activations quantized row by "
                 "row, MatMulIntegerToFloat; 2-2.5x faster prompts) or blocks of 32 (MatMulNBits, closer to fp32) "
-                "[default: per-channel for GPT-2 on --target ort-cpu, blocks otherwise].",
+                "[default: per-channel for GPT-2 on --target ort-cpu, blocks otherwise; any block knob below means blocks].",
             ),
             click.option(
                 "--block-size",
@@ -225,7 +233,8 @@ def main() -> None:
     """Export decoder LMs (GPT-2, ...) to ONNX prefill/decode graphs with a KV cache, verify and serve them."""
     _quiet_libraries()
     signal.signal(signal.SIGTERM, _raise_on_sigterm)
-    sys.unraisablehook = _quiet_swallowed_sigterm
+    if not getattr(sys.unraisablehook, "kvexport", False):
+        sys.unraisablehook = _swallowed_sigterm_hook(sys.unraisablehook)
 
 
 def export_options(function: F) -> F:

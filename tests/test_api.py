@@ -422,6 +422,10 @@ def test_logprob_token_ids_report_those_tokens_as_pytorch_scores_them(all_logits
     for entry in content:
         shown = [e["token"] for e in entry["top_logprobs"]]
         assert shown[0] == entry["token"] and set(shown[1:]) | {entry["token"]} >= {f"token_id:{t}" for t in wanted}
+    # with echo, the prompt's positions keep their own alternatives (logprobs of them), the generated ones the ids
+    echoed = _post(all_logits_server, "/v1/completions", {**body, "echo": True, "logprobs": 5}).json()["choices"][0]["logprobs"]
+    assert echoed["top_logprobs"][0] is None and all(5 <= len(top) <= 6 for top in echoed["top_logprobs"][1 : len(prompt)])
+    assert all(len(top) == len(wanted) + 1 or len(top) == len(wanted) for top in echoed["top_logprobs"][len(prompt) :])
     for extra, message in [
         ({"logprobs": None}, "logprob_token_ids: needs logprobs set"),
         ({"logprob_token_ids": [5, 99999]}, "out of vocabulary"),

@@ -541,3 +541,12 @@ def test_streamed_text_is_the_decoded_text_cut_at_the_first_stop(stop: tuple[str
         assert "".join(streamed) == upto
         if "\ufffd" not in upto:  # real text: no piece ends inside a character
             assert all("\ufffd" not in piece for piece in streamed)
+
+
+def test_the_warm_up_leaves_no_costs_in_the_prefill_budget(trained_exports: dict[str, Path]) -> None:
+    """ONNX Runtime's cold first runs are slow: measured into the budget, they would set its decode peak for hundreds of steps."""
+    with Engine(trained_exports["none"], slots=2, max_context=64, warm_up=2) as engine:
+        budget = engine.scheduler.budget
+        assert (budget.decode_seconds, budget.seconds_per_token, budget.decode_peak) == (None, None, 0.0)
+        engine.submit([5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)).result()
+        assert engine.scheduler.budget.decode_seconds is not None  # measured from the first real request on

@@ -277,6 +277,8 @@ def import_decoder(
     started = time.perf_counter()
     out_path = Path(out)
     graph_path, source_dir = _locate(Path(source))
+    target = "ort-cpu" if attention == Attention.ORT else "portable"
+    ExportOptions.resolve(target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache)  # refused first
     check_output_dir(out_path.absolute(), force)
     model_dir = Path(model) if model is not None else None
     if model_dir is not None and not (model_dir / "config.json").is_file():
@@ -290,8 +292,7 @@ def import_decoder(
             f"{graph_path}: kvexport import takes GPT-2 decoders; a {family.name} graph from another tool is "
             f"not imported yet: export the checkpoint with `kvexport export --model DIR` instead"
         )
-    target = "ort-cpu" if attention == Attention.ORT else "portable"
-    options = ExportOptions.resolve(
+    options = ExportOptions.resolve(  # again, now that the family decides what --quantize int8 means
         target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache, family=family.name
     )
     graphs: dict[str, ir.Model] = {}

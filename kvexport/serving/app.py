@@ -70,6 +70,8 @@ def create_app(engine: Engine, api: ApiConfig | None = None, *, replica: str | N
     (see :func:`key_matches`). ``replica`` names this copy of the app in an
     ``x-kvexport-replica`` response header (a deployment with several replicas sets it).
     """
+    if isinstance(api, str):  # the signature before ApiConfig: create_app(engine, "name")
+        raise TypeError(f"create_app(engine, api): api is an ApiConfig; name the model with ApiConfig(name={api!r})")
     api = api or ApiConfig()
     model = api.name or model_name(engine.directory)
     template = ChatTemplate.find(engine.directory, api.chat_template)

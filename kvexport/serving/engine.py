@@ -371,6 +371,7 @@ class Engine:
             self._counters = dict.fromkeys(_COUNTERS, 0)
             self._finished.clear()
             self.table.forget()
+            self.scheduler.budget = PrefillBudget(self.config.chunk, target_ms=self.config.step_ms)  # cold runs' costs are not the budget's
 
     # ---------------------------------------------------------------- loop
 
@@ -413,7 +414,7 @@ class Engine:
                 self._counters["prompt_tokens"] += len(job.tokens)
             job.done.set()
         for chunk in plan.prefill:
-            if chunk.request.status is Status.PREFILLING:
+            if chunk.request.status is Status.PREFILLING and not chunk.request.cancelled:  # a cancel ends it next step
                 self._update(self._prefill(chunk))
         self._update(self._decode())
 

@@ -136,8 +136,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is None:
                 continue
+            if value < -1:
+                raise ParameterError(f"{name} {value}: must be -1 (every token) or at least 0", parameter=name)
             asked = vocab_size if value == -1 else value
-            if value < -1 or (asked is not None and most is not None and asked > most):
+            if asked is not None and most is not None and asked > most:
                 raise ParameterError(
                     f"{name} {value}: this server returns at most {most} (start it with --max-logprobs N, or -1 for the "
                     "whole vocabulary, which a request asks for with -1)",
@@ -145,7 +147,9 @@ class SamplingParams:
                 )
         if self.logprob_token_ids is not None:
             if self.logprobs is None:
-                raise ParameterError("logprob_token_ids: needs logprobs set", parameter="logprob_token_ids")
+                raise ParameterError(
+                    "logprob_token_ids: needs logprobs set (a number on completions, true on chat)", parameter="logprob_token_ids"
+                )
             if not 0 < len(self.logprob_token_ids) <= MAX_LOGPROB_TOKEN_IDS:
                 raise ParameterError(
                     f"logprob_token_ids: {len(self.logprob_token_ids)} ids; give 1 to {MAX_LOGPROB_TOKEN_IDS}", parameter="logprob_token_ids"

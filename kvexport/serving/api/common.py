@@ -118,4 +118,7 @@ async def submit_choices(submit: Callable[[], None], choices: list[Choice], inpu
         cancel(choices)
         param = exc.parameter if isinstance(exc, ParameterError) else input_field
         return error_response(400, str(exc), param=param)
+    except BaseException:  # the route itself cancelled (a client gone, under Ray Serve): nothing it queued may run on
+        cancel(choices)
+        raise
     return None

@@ -305,8 +305,8 @@ class CompletionRender(_Render):
     def _logprobs(self, tokens: list[int], logprobs: list[Logprob | None], offset: int) -> dict[str, Any] | None:
         if self.request.logprobs is None:
             return None
-        top = len(self.request.logprob_token_ids) if self.request.logprob_token_ids else self.request.logprobs
-        return completion_logprobs(tokens, logprobs, top if top >= 0 else sys.maxsize, offset, self.name)
+        top = self.request.logprobs  # each position's alternatives are cut where they are made; ids: every one (vLLM's)
+        return completion_logprobs(tokens, logprobs, top if top >= 0 and not self.request.logprob_token_ids else sys.maxsize, offset, self.name)
 
     def _choice(
         self, choice: Choice, text: str, logprobs: dict[str, Any] | None, done: bool, token_ids: list[int], first: bool
