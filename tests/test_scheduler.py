@@ -21,7 +21,7 @@ def _scheduler(
     ticks = itertools.count()
     table = SlotTable(slots, can_copy_rows=can_copy, clock=lambda: float(next(ticks)))
     budget = budget or PrefillBudget(chunk, burst=chunk)
-    return Scheduler(table, chunk=chunk, max_queue=max_queue, capacity=64, budget=budget)
+    return Scheduler(table, budget=budget, max_queue=max_queue, capacity=64)
 
 
 def _run_prefill(scheduler: Scheduler) -> None:

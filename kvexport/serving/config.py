@@ -15,7 +15,7 @@ import functools
 import re
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -174,15 +174,11 @@ class EngineConfig:
         Values that are not strings (a YAML config's numbers and booleans) are taken as
         they are. Unknown keys are refused in one line naming them and the known ones.
         """
-        hints = typing.get_type_hints(cls)
-        return cls().updated(**{name: _parse(name, text, hints[name]) if name in hints else text for name, text in values.items()})
+        return cls(**_parsed_fields(cls, values, "engine"))
 
     def updated(self, **settings: Any) -> EngineConfig:
         """A copy of the config with ``settings`` changed; an unknown name is refused in one line naming the known ones."""
-        known = [f.name for f in dataclasses.fields(self)]
-        unknown = sorted(set(settings) - set(known))
-        if unknown:
-            raise KvexportError(f"unknown engine setting {unknown[0]!r}; the settings are {', '.join(known)}")
+        _check_known(type(self), settings, "engine")
         return dataclasses.replace(self, **settings)
 
 
@@ -212,12 +208,22 @@ class ApiConfig:
     @classmethod
     def from_strings(cls, values: dict[str, Any]) -> ApiConfig:
         """A config from ``key=value`` strings (Serve's application arguments), each parsed by its field's type."""
-        hints = typing.get_type_hints(cls)
-        known = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(values) - set(known))
-        if unknown:
-            raise KvexportError(f"unknown API setting {unknown[0]!r}; the settings are {', '.join(known)}")
-        return cls(**{name: _parse(name, text, hints[name]) for name, text in values.items()})
+        return cls(**_parsed_fields(cls, values, "API"))
+
+
+def _check_known(config: type, names: Iterable[str], what: str) -> None:
+    """One line naming the first of ``names`` that is not a field of ``config``, and the fields."""
+    known = [f.name for f in dataclasses.fields(config)]
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise KvexportError(f"unknown {what} setting {unknown[0]!r}; the settings are {', '.join(known)}")
+
+
+def _parsed_fields(config: type, values: dict[str, Any], what: str) -> dict[str, Any]:
+    """``values`` checked against ``config``'s fields, each string parsed by its field's type (other values taken as they are)."""
+    _check_known(config, values, what)
+    hints = typing.get_type_hints(config)
+    return {name: _parse(name, text, hints[name]) for name, text in values.items()}
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}

@@ -192,11 +192,10 @@ class Engine:
         self.table = SlotTable(config.slots, prefix_cache=config.prefix_cache, can_copy_rows=self.runner.can_copy_rows)
         self.scheduler = Scheduler(
             self.table,
-            chunk=config.chunk,
+            budget=PrefillBudget(config.chunk, target_ms=config.step_ms),
             max_queue=config.max_queue,
             capacity=self.capacity,
             draft_tokens=config.draft_tokens,
-            budget=PrefillBudget(config.chunk, target_ms=config.step_ms),
         )
         self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids, self.vocab_size)
         self._listeners: list[EngineListener] = []
@@ -371,7 +370,7 @@ class Engine:
             self._counters = dict.fromkeys(_COUNTERS, 0)
             self._finished.clear()
             self.table.forget()
-            self.scheduler.budget = PrefillBudget(self.config.chunk, target_ms=self.config.step_ms)  # cold runs' costs are not the budget's
+            self.scheduler.budget.forget()
 
     # ---------------------------------------------------------------- loop
 

@@ -56,6 +56,10 @@ class PrefillBudget:
 
     def __init__(self, chunk: int, *, burst: int = BURST_TOKENS, target_ms: float | None = None, floor: int = MIN_STEP_TOKENS) -> None:
         self.chunk, self.burst, self.target_ms, self.floor = chunk, max(burst, chunk), target_ms, min(floor, chunk)
+        self.forget()
+
+    def forget(self) -> None:
+        """Drop the measured costs (the engine's warm-up: ONNX Runtime's cold first runs are no guide)."""
         self.seconds_per_token: float | None = None
         self.decode_seconds: float | None = None
         self.decode_peak = 0.0  # the slowest recent decode step (decays slowly)
@@ -174,12 +178,11 @@ class Scheduler:
 
     Args:
         table: the cache's bookkeeping.
-        chunk: the most prompt tokens of one call (one request's piece).
+        budget: the prompt tokens each step prefills, over all prompts, in calls of at most
+            its ``chunk`` tokens (one request's piece).
         max_queue: requests that may wait beyond the free slots.
         capacity: tokens per slot.
         draft_tokens: the most drafts per speculative round.
-        budget: the prompt tokens each step prefills, over all prompts (default: a
-            :class:`PrefillBudget` of ``chunk``).
 
     """
 
@@ -187,15 +190,13 @@ class Scheduler:
         self,
         table: SlotTable,
         *,
-        chunk: int,
+        budget: PrefillBudget,
         max_queue: int,
         capacity: int,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
-        budget: PrefillBudget | None = None,
     ) -> None:
         self.table = table
-        self.chunk = chunk
-        self.budget = budget or PrefillBudget(chunk)
+        self.budget = budget
         self.max_queue = max_queue
         self.capacity = capacity
         self.draft_tokens = draft_tokens
@@ -290,7 +291,7 @@ class Scheduler:
         for request in prefilling:
             start = request.prefilled
             while budget and start < len(request.prompt):  # pieces of at most chunk tokens, in order
-                piece = request.prompt[start : start + min(budget, self.chunk)]
+                piece = request.prompt[start : start + min(budget, self.budget.chunk)]
                 plan.prefill.append(PrefillChunk(request, start, piece))
                 start += len(piece)
                 budget -= len(piece)

@@ -44,8 +44,8 @@ def serve(
     api = api or ApiConfig()
     ChatTemplate.find(path, api.chat_template)  # a bad template file fails before the engine loads
     engine = Engine(path, config or EngineConfig())
-    served = api.name or model_name(path)
     app = create_app(engine, api)
+    served = app.state.served.model
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
