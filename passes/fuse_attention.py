@@ -33,6 +33,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
+from onnx_ir.passes.common import TopologicalSortPass
 from onnxscript import version_converter
 from onnxscript.rewriter import MatchResult, RewriteRule, RewriteRuleClassBase
 from onnxscript.rewriter.pattern import OrValue
@@ -103,19 +104,7 @@ class _FuseAttention(RewriteRuleClassBase):
             present_value = op.Concat(past_value, v, axis=-2, _outputs=["present_value"])
         else:
             present_key, present_value = k, v
-        key_t = op.Transpose(present_key, perm=[0, 1, 3, 2])
-        # Each choice below is between different op types, so onnxscript dispatches on
-        # the op it finds instead of backtracking (it does not undo a failed
-        # alternative's bindings when two alternatives share pattern nodes).
-        product = op.MatMul(
-            OrValue([op.Mul(q, _Var("query_scale")), q]), OrValue([op.Mul(key_t, _Var("key_scale")), key_t])
-        )
-        scaled = [op.Div(product, _Var("divisor")), op.Mul(product, _Var("scale_after")), product]
-        causal = [op.Where(_Var("causal"), OrValue(scaled), _Var("causal_fill")), *scaled]
-        scores = OrValue([op.Add(OrValue(causal), _Var("mask_bias")), *causal])
-        probs = op.Softmax(scores, axis=-1)
-        probs = OrValue([op.Where(op.IsNaN(probs), _Var("zero"), probs), probs])
-        out = op.MatMul(probs, present_value)
+        out = op.MatMul(attention_probs(op, q, op.Transpose(present_key, perm=[0, 1, 3, 2])), present_value)
         return op.Transpose(out, perm=heads_first), present_key, present_value
 
     def check(
@@ -140,36 +129,8 @@ class _FuseAttention(RewriteRuleClassBase):
         numbers = _attention_numbers(query, query_shape, key_shape, value_shape, query_scale, key_scale, divisor, scale_after)
         if isinstance(numbers, str):
             return result.fail(numbers)
-        heads = numbers.heads
-        if zero is not None and const_float(zero) != 0.0:
-            return result.fail("NaNs are not replaced by 0")
-        if causal is not None and not is_lowest(causal_fill):
-            return result.fail("the causal Where does not fill with -inf or the lowest float", causal_fill)
-        for bias in (causal, mask_bias):
-            if bias is None:
-                continue
-            bias_dims = dims_of(bias)
-            if bias.shape is None or len(bias.shape) != 4:
-                return result.fail("a mask is not 4-D", bias)
-            if bias_dims is not None and bias_dims[1] not in (1, heads):
-                return result.fail("a mask has a head dim that is neither 1 nor the heads", bias)
-        return result
-
-    def _bias(
-        self, op: Any, causal: ir.Value | None, causal_fill: ir.Value | None, mask_bias: ir.Value | None
-    ) -> ir.Value | None:
-        """One additive bias for the fused op: the causal Where's bias plus the mask's.
-
-        ``Where(c, s, fill) + m`` equals ``s + (Where(c, 0, fill) + m)`` wherever ``c``
-        holds, and where it does not both are ``fill + m`` (``s`` vanishes next to the
-        lowest float), so the fused op sees the same scores.
-        """
-        if causal is None:
-            return mask_bias
-        assert causal_fill is not None and causal_fill.const_value is not None
-        zero = np.zeros((), dtype=causal_fill.const_value.numpy().dtype)
-        causal_bias = op.Where(causal, op.Constant(value=ir.tensor(zero)), causal_fill)
-        return causal_bias if mask_bias is None else op.Add(causal_bias, mask_bias)
+        problem = scores_problem(numbers.heads, causal, causal_fill, mask_bias, zero)
+        return result.fail(problem) if problem else result
 
     def rewrite(
         self,
@@ -195,7 +156,7 @@ class _FuseAttention(RewriteRuleClassBase):
         numbers = _attention_numbers(query, query_shape, key_shape, value_shape, query_scale, key_scale, divisor, scale_after)
         assert not isinstance(numbers, str)  # check() accepted this match
         past = (past_key, past_value) if self.with_past else (None, None)
-        mask_bias = self._bias(op, causal, causal_fill, mask_bias)
+        mask_bias = combined_bias(op, causal, causal_fill, mask_bias)
         if self.target == "onnx":
             output, present_key, present_value = op.Attention(
                 query,
@@ -229,6 +190,62 @@ class _FuseAttention(RewriteRuleClassBase):
         return op.Reshape(output, split_heads), present_key, present_value
 
 
+def attention_probs(op: Any, q: Any, key_t: Any) -> Any:
+    """The pattern from the query and the transposed keys to the softmax: scale, masks, NaN guard.
+
+    Each choice is between different op types, so onnxscript dispatches on the op it finds
+    instead of backtracking (it does not undo a failed alternative's bindings when two
+    alternatives share pattern nodes). Its variables are those :func:`scores_problem`,
+    :func:`combined_bias` and :func:`attention_scale` read.
+    """
+    product = op.MatMul(
+        OrValue([op.Mul(q, _Var("query_scale")), q]), OrValue([op.Mul(key_t, _Var("key_scale")), key_t])
+    )
+    scaled = [op.Div(product, _Var("divisor")), op.Mul(product, _Var("scale_after")), product]
+    causal = [op.Where(_Var("causal"), OrValue(scaled), _Var("causal_fill")), *scaled]
+    scores = OrValue([op.Add(OrValue(causal), _Var("mask_bias")), *causal])
+    probs = op.Softmax(scores, axis=-1)
+    return OrValue([op.Where(op.IsNaN(probs), _Var("zero"), probs), probs])
+
+
+def scores_problem(
+    heads: int,
+    causal: ir.Value | None,
+    causal_fill: ir.Value | None,
+    mask_bias: ir.Value | None,
+    zero: ir.Value | None,
+) -> str:
+    """Why :func:`attention_probs`' match can't be fused (empty if it can): NaN guard, fills, mask shapes."""
+    if zero is not None and const_float(zero) != 0.0:
+        return "NaNs are not replaced by 0"
+    if causal is not None and not is_lowest(causal_fill):
+        return "the causal Where does not fill with -inf or the lowest float"
+    for bias in (causal, mask_bias):
+        if bias is None:
+            continue
+        bias_dims = dims_of(bias)
+        if bias.shape is None or len(bias.shape) != 4:
+            return "a mask is not 4-D"
+        if bias_dims is not None and bias_dims[1] not in (1, heads):
+            return "a mask has a head dim that is neither 1 nor the heads"
+    return ""
+
+
+def combined_bias(op: Any, causal: ir.Value | None, causal_fill: ir.Value | None, mask_bias: ir.Value | None) -> ir.Value | None:
+    """One additive bias for the fused op: the causal Where's bias plus the mask's.
+
+    ``Where(c, s, fill) + m`` equals ``s + (Where(c, 0, fill) + m)`` wherever ``c``
+    holds, and where it does not both are ``fill + m`` (``s`` vanishes next to the
+    lowest float), so the fused op sees the same scores.
+    """
+    if causal is None:
+        return mask_bias
+    assert causal_fill is not None and causal_fill.const_value is not None
+    zero = np.zeros((), dtype=causal_fill.const_value.numpy().dtype)
+    causal_bias = op.Where(causal, op.Constant(value=ir.tensor(zero)), causal_fill)
+    return causal_bias if mask_bias is None else op.Add(causal_bias, mask_bias)
+
+
 class _AttentionNumbers(NamedTuple):
     """What the fused op needs to know of a matched attention: heads, head size, scale."""
 
@@ -257,13 +274,13 @@ def _attention_numbers(
     query_dims = dims_of(query)
     if query_dims is None or len(query_dims) != 3 or query_dims[2] != heads * head_dim:
         return "the query is not a [batch, sequence, heads * head_dim] tensor"
-    scale = _scale(query_scale, key_scale, divisor, scale_after)
+    scale = attention_scale(query_scale, key_scale, divisor, scale_after)
     if scale is None:
         return "the attention scale is not a scalar constant"
     return _AttentionNumbers(heads, head_dim, scale)
 
 
-def _scale(
+def attention_scale(
     query_scale: ir.Value | None,
     key_scale: ir.Value | None,
     divisor: ir.Value | None,
@@ -324,8 +341,38 @@ class FuseAttentionPass(InPlacePass):
         if self.target == "ort":
             model.opset_imports.setdefault("com.microsoft", 1)
         self.explanations = {}
+        explanations = self.explanations if self.explain else None
         self.counts = apply_rules(model, [InfiniteMaskToLowest.rule()])
-        self.counts.update(
-            apply_rules(model, attention_rules(self.target), self.explanations if self.explain else None)
-        )
+        self.counts.update(apply_rules(model, attention_rules(self.target), explanations))
+        if any(node.op_type == "Softmax" for node in model.graph):  # what the multi-head rules left: grouped-query attention
+            from .fuse_grouped_attention import grouped_attention_rules, take_over_presents
+
+            rules, fused = grouped_attention_rules(model, self.target)
+            self.counts.update(apply_rules(model, rules, explanations))
+            self.counts["presents_taken_over"] = take_over_presents(model.graph, fused)
+            if any(self.counts.values()):
+                TopologicalSortPass()(model)  # the length nodes were appended; put them before their users
         return PassResult(model, modified=any(self.counts.values()))
+
+
+def unfused_attention(model: ir.Model, target: AttentionTarget) -> str:
+    """Why ``model`` still has attention that ``target``'s rules did not fuse; empty if none is left.
+
+    Attention left is a ``Softmax`` that survived the fusion. The answer names how many
+    and the rule that came closest to one of them, with its :func:`explain_miss` (the rule
+    that matched the most nodes). Matching under the tracer may add ``attention_mask``'s
+    length nodes to the graph; call it on a graph that is refused anyway.
+    """
+    from ._rules import explain_miss
+    from .fuse_grouped_attention import grouped_attention_rules
+
+    left = sum(1 for node in model.graph if node.op_type == "Softmax")
+    if not left:
+        return ""
+    best, best_nodes = "", -1
+    for rule in [*attention_rules(target), *grouped_attention_rules(model, target)[0]]:
+        why = explain_miss(model, rule)
+        nodes = int(why.split(" nodes matched")[0].rsplit("(", 1)[-1]) if " nodes matched" in why else 0
+        if nodes > best_nodes:
+            best, best_nodes = f"{rule.name}: {why}", nodes
+    return f"{left} attention subgraph(s) left unfused (closest rule {best})"

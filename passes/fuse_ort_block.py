@@ -14,7 +14,9 @@ Run with ``fuse_attention(target="ort")`` to bring a decode layer to ~10 nodes:
   1-D bias added to ``a`` or ``b`` just before moves into the op's bias input.
 - ``SimplifiedLayerNormalization`` / ``SkipSimplifiedLayerNormalization``: the Llama-style
   RMSNorm, ``x * Reciprocal(Sqrt(ReduceMean(Pow(x, 2)) + eps)) * weight`` (and that of a
-  residual sum), by onnxscript's own ``ort_fusions`` rules.
+  residual sum), by onnxscript's own ``ort_fusions`` rules; ``Div(1, s)`` (TorchScript's
+  ``rsqrt``, in Optimum's graphs) is read as ``Reciprocal(s)`` first; opset 23's
+  ``RMSNormalization`` becomes the contrib op too.
 """
 
 from __future__ import annotations
@@ -117,14 +119,60 @@ class SkipLayerNormRule(RewriteRuleClassBase):
         return norm, total
 
 
+class OneOverToReciprocal(RewriteRuleClassBase):
+    """``Div(1, x)`` -> ``Reciprocal(x)``: TorchScript traces ``torch.rsqrt`` so (Optimum's RMSNorm); onnxscript's rule reads Reciprocal."""
+
+    def pattern(self, op: Any, one: ir.Value, x: ir.Value) -> ir.Value:
+        """One over a value."""
+        return op.Div(one, x)
+
+    def check(self, context: Any, one: ir.Value, **_: Any) -> MatchResult:
+        """The numerator is the constant 1."""
+        return MatchResult() if const_float(one) == 1.0 else MatchResult().fail("the numerator is not the constant 1", one)
+
+    def rewrite(self, op: Any, x: ir.Value, **_: Any) -> ir.Value:
+        """The same number, as onnxscript's RMSNorm rule spells it."""
+        return op.Reciprocal(x)
+
+
+class StandardRmsNormToOrt(RewriteRuleClassBase):
+    """Opset 23's ``RMSNormalization`` over the last axis -> ONNX Runtime's ``SimplifiedLayerNormalization``.
+
+    The same formula; ONNX Runtime's kernel is the fused one, and the skip rule then folds
+    the residual Add before it in.
+    """
+
+    def pattern(self, op: Any, x: ir.Value, scale: ir.Value) -> ir.Value:
+        """The standard op."""
+        return op.RMSNormalization(x, scale, _allow_other_attributes=True, _outputs=["normed"])
+
+    def check(self, context: Any, normed: ir.Value, **_: Any) -> MatchResult:
+        """Normalizes over the last axis only, in float32 (what the contrib op's stash type computes in)."""
+        node = normed.producer()
+        assert node is not None
+        if node.attributes.get_int("axis", -1) != -1 or node.attributes.get_int("stash_type", 1) != 1:
+            return MatchResult().fail("not over the last axis alone, or not computed in float32")
+        return MatchResult()
+
+    def rewrite(self, op: Any, x: ir.Value, scale: ir.Value, normed: ir.Value, **_: Any) -> ir.Value:
+        """The contrib op with the same epsilon."""
+        node = normed.producer()
+        assert node is not None
+        epsilon = node.attributes.get_float("epsilon", 1e-5)
+        return op.SimplifiedLayerNormalization(x, scale, axis=-1, epsilon=epsilon, stash_type=1)
+
+
 class FuseOrtBlockPass(RulePass):
     """FastGelu, SkipLayerNormalization and the RMSNorm pair (ONNX Runtime contrib ops); ``counts`` per rule."""
 
-    rules = (FastGeluRule.rule(), SkipLayerNormRule.rule(), *rms_normalization_rules)
+    rules = (FastGeluRule.rule(), SkipLayerNormRule.rule(), OneOverToReciprocal.rule(), *rms_normalization_rules, StandardRmsNormToOrt.rule())
 
     def call(self, model: ir.Model) -> PassResult:
         """Fuse in place; adds the ``com.microsoft`` opset import."""
         model.opset_imports.setdefault("com.microsoft", 1)
+        for node in model.graph:  # onnxscript's RMSNorm rule reads this attribute; TorchScript leaves the default out
+            if node.op_type == "ReduceMean" and node.domain in ("", "ai.onnx") and "noop_with_empty_axes" not in node.attributes:
+                node.attributes["noop_with_empty_axes"] = ir.AttrInt64("noop_with_empty_axes", 0)
         result = super().call(model)
         self.counts["SkipSimplifiedLayerNormalization"] = fuse_skip_rms_normalization(model)
         return PassResult(model, modified=result.modified or bool(self.counts["SkipSimplifiedLayerNormalization"]))

@@ -44,6 +44,7 @@ from onnx_ir.passes.common import TopologicalSortPass
 from ._masks import is_mask_where, padding_condition
 from .cache_names import canonical_slot
 from .errors import PassInputError
+from .fuse_grouped_attention import GQA_MARK
 from .values import initializer
 
 CAPACITY_DIM = "max_sequence"
@@ -116,7 +117,7 @@ def _read_token_shape_from_queries(graph: ir.Graph, mask: ir.Value, queries: ir.
             consumer.node.replace_input_with(consumer.idx, twin.outputs[0])
 
 
-def _lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
+def mask_lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
     """``seqlens_k`` [batch] int32 and ``total_sequence_length`` int32 scalar for the mask.
 
     ``total_sequence_length`` is the mask's width, from a Shape node the graph already has
@@ -183,18 +184,35 @@ def _padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dty
 
 
 def _attention_nodes(graph: ir.Graph) -> list[ir.Node]:
-    return [n for n in graph if n.op_type == "MultiHeadAttention" and n.domain == _MS]
+    """MultiHeadAttention to convert, and GroupQueryAttention that fuse_attention made over the exporter's cache."""
+    return [
+        n
+        for n in graph
+        if n.domain == _MS
+        and (n.op_type == "MultiHeadAttention" or (n.op_type == "GroupQueryAttention" and GQA_MARK in n.metadata_props))
+    ]
 
 
 def _input(graph: ir.Graph, name: str) -> ir.Value | None:
     return next((v for v in graph.inputs if v.name == name), None)
 
 
+# where each op reads its past and its attention bias
+_PAST_AT = {"MultiHeadAttention": 6, "GroupQueryAttention": 3}
+_BIAS_AT = {"MultiHeadAttention": 5, "GroupQueryAttention": 10}
+
+
+def _optional_input(node: ir.Node, index: int) -> ir.Value | None:
+    return node.inputs[index] if len(node.inputs) > index else None
+
+
 class SharedBufferCachePass(InPlacePass):
     """MultiHeadAttention with a cache -> GroupQueryAttention over shared past/present buffers.
 
-    ``counts["attention_converted"]`` says how many ops were rewritten; a graph without
-    ``MultiHeadAttention`` is left unmodified.
+    GroupQueryAttention that :mod:`passes.fuse_grouped_attention` fused over the exporter's
+    past and present (grouped-query models: fewer cache heads than query heads) is kept and
+    given the same buffers. ``counts["attention_converted"]`` and ``counts["attention_adopted"]``
+    say how many ops were rewritten; a graph with neither is left unmodified.
     """
 
     def __init__(self) -> None:
@@ -213,14 +231,14 @@ class SharedBufferCachePass(InPlacePass):
         if _input(model.graph, "attention_mask") is None:
             raise SharedBufferCacheError("the graph has no attention_mask input to take lengths from")
         for node in attention:
-            if any(v is not None for v in node.inputs[3:5]) or len(node.inputs) > 8:
+            if node.op_type == "MultiHeadAttention" and (any(v is not None for v in node.inputs[3:5]) or len(node.inputs) > 8):
                 raise SharedBufferCacheError(
                     f"{node.name}: MultiHeadAttention with bias / key_padding_mask inputs is not supported"
                 )
             slots = [canonical_slot(o.name or "") for o in node.outputs[1:3]]
             if len(node.outputs) < 3 or not all(s is not None and s.direction == "present" for s in slots):
                 raise SharedBufferCacheError(f"{node.name}: its presents are not present.<l>.key|value outputs")
-            bias = node.inputs[5] if len(node.inputs) > 5 else None
+            bias = _optional_input(node, _BIAS_AT[node.op_type])
             if bias is not None and is_mask_where(bias.producer()) and _input(model.graph, "input_ids") is None:
                 raise SharedBufferCacheError("the graph has no input_ids input to take the query length from")
 
@@ -228,43 +246,50 @@ class SharedBufferCachePass(InPlacePass):
         """Rewrite in place (what :meth:`requires` checked holds)."""
         graph = model.graph
         attention = _attention_nodes(graph)
-        self.counts = {"attention_converted": 0}
+        self.counts = {"attention_converted": 0, "attention_adopted": 0}
         mask = _input(graph, "attention_mask")
         if not attention or mask is None:
             return PassResult(model, modified=False)
-        seqlens, total = _lengths(graph, mask)
+        lengths: list[tuple[ir.Value, ir.Value]] = []
         queries = _input(graph, "input_ids")
         padding: dict[ir.DataType, ir.Value] = {}
         self.counts["bias_replaced"] = 0
         new_inputs: list[ir.Value] = []
+        total: ir.Value | None = None
         for node in attention:
-            heads = node.attributes.get_int("num_heads")
             present_key = node.outputs[1]
             slot = canonical_slot(present_key.name or "")
             assert slot is not None  # requires() checked every present name
-            layer = slot.layer
+            heads = node.attributes.get_int("kv_num_heads" if node.op_type == "GroupQueryAttention" else "num_heads")
             head_dim = present_key.shape[3] if present_key.shape is not None else None
             shape = ir.Shape(["batch", heads, CAPACITY_DIM, head_dim])
             past: list[ir.Value] = []
             for index, kind in enumerate(("key", "value")):
-                existing = node.inputs[6 + index] if len(node.inputs) > 6 + index else None
+                existing = _optional_input(node, _PAST_AT[node.op_type] + index)
                 if existing is None:
-                    existing = ir.Value(name=f"past.{layer}.{kind}", shape=shape, type=present_key.type)
+                    existing = ir.Value(name=f"past.{slot.layer}.{kind}", shape=shape, type=present_key.type)
                     new_inputs.append(existing)
                 existing.shape = shape
                 past.append(existing)
-            attributes: dict[str, int | float] = {"num_heads": heads or 1, "kv_num_heads": heads or 1}
-            scale = node.attributes.get_float("scale", 0.0)
-            if scale:
-                attributes["scale"] = scale
-            bias = node.inputs[5] if len(node.inputs) > 5 else None
+            bias = _optional_input(node, _BIAS_AT[node.op_type])
             if bias is not None and is_mask_where(bias.producer()) and node.inputs[0] is not None and node.inputs[0].dtype is not None:
                 dtype = node.inputs[0].dtype
                 if dtype not in padding:
                     padding[dtype] = _padding_bias(graph, mask, queries, dtype)
                 bias = padding[dtype]
                 self.counts["bias_replaced"] += 1
-            inputs = [*node.inputs[:3], *past, seqlens, total, None, None, None, bias]
+            if node.op_type == "GroupQueryAttention":  # fused already: the buffers and the bias are all that change
+                total = _adopt(node, past, bias, shape)
+                self.counts["attention_adopted"] += 1
+                continue
+            if not lengths:
+                lengths.append(mask_lengths(graph, mask))
+            total = lengths[0][1]
+            attributes: dict[str, int | float] = {"num_heads": heads or 1, "kv_num_heads": heads or 1}
+            scale = node.attributes.get_float("scale", 0.0)
+            if scale:
+                attributes["scale"] = scale
+            inputs = [*node.inputs[:3], *past, *lengths[0], None, None, None, bias]
             gqa = ir.node("GroupQueryAttention", inputs, attributes=attributes, domain=_MS, num_outputs=3)
             graph.insert_after(node, gqa)
             for old, new in zip(node.outputs[:3], gqa.outputs, strict=True):
@@ -282,9 +307,24 @@ class SharedBufferCachePass(InPlacePass):
         if new_inputs:
             new_inputs.sort(key=lambda v: (int((v.name or "").split(".")[1]), v.name))
             graph.inputs.extend(new_inputs)
+        assert total is not None  # there was an op to convert or adopt
         self.counts["mask_dim_separated"] = int(_separate_mask_dim(graph, mask, queries, total))
         TopologicalSortPass()(model)  # the length nodes were appended; put them before their users
         return PassResult(model, modified=True)
+
+
+def _adopt(node: ir.Node, past: list[ir.Value], bias: ir.Value | None, shape: ir.Shape) -> ir.Value:
+    """A fused GroupQueryAttention reads and writes the shared buffers ``past`` (and ``bias``); returns its total length."""
+    assert len(node.inputs) == 11  # as fuse_grouped_attention makes it
+    node.replace_input_with(3, past[0])
+    node.replace_input_with(4, past[1])
+    node.replace_input_with(10, bias)
+    for present in node.outputs[1:3]:
+        present.shape = shape
+    del node.metadata_props[GQA_MARK]
+    total = node.inputs[6]
+    assert total is not None
+    return total
 
 
 def _separate_mask_dim(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, total: ir.Value) -> bool:

@@ -81,7 +81,7 @@ CASES: dict[str, tuple[Callable[[onnx.ModelProto], None], list[str], str]] = {
 def _fused(tmp_path: Path) -> onnx.ModelProto:
     """Optimum's graph with ONNX Runtime's fused attention (MultiHeadAttention), as a user would have it."""
     out = tmp_path / "fused" / "decode.onnx"
-    done = CliRunner().invoke(main, ["rewrite", str(OPTIMUM), str(out), "--attention", "ort", "--passes", "rename_cache,fuse_attention"])
+    done = CliRunner().invoke(main, ["rewrite", str(OPTIMUM), str(out), "--attention", "ort", "--passes", "rename_cache,fold_shapes,fuse_attention"])
     assert done.exit_code == 0, done.output
     return onnx.load(str(out))
 

@@ -33,7 +33,7 @@ from kvexport.bundle.storage import atomic_output_dir, check_output_dir
 from kvexport.errors import ExportError, KvexportError, first_line
 from kvexport.export.calibration import quantize_cache_step
 from kvexport.export.choices import DEFAULT_OPSET, EXPORT_STRATEGIES
-from kvexport.export.options import ExportOptions
+from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
 from kvexport.models.base import ModelFamily, read_config, source_of, weights_fingerprint
@@ -456,20 +456,6 @@ def export_gpt2(out: str | Path, model: str = "gpt2", **options: Any) -> ExportR
     ``random_init``) or hub id, and a config of another family is refused.
     """
     return export_model(out, model, family="gpt2", **options)
-
-
-def check_attention(family: ModelFamily, options: ExportOptions) -> None:
-    """Refuse, in one line, an attention or cache choice the family can't export."""
-    if options.attention.value not in family.attention_kinds:
-        raise KvexportError(
-            f"--attention {options.attention.value}: not available for {family.name} models; "
-            f"choose {' or '.join(sorted(family.attention_kinds))} (or the --target that implies it)"
-        )
-    if family.in_place_attention and options.attention.value == "ort" and not options.in_place_cache:
-        raise KvexportError(
-            f"--cache {options.cache.value} with ort attention: {family.name} models take ort attention with "
-            "the in-place cache only; drop --cache (or use --cache shared-buffer)"
-        )
 
 
 def _check_strategies(strategies: Sequence[str]) -> None:

@@ -34,7 +34,7 @@ from kvexport.bundle.model_info import ModelDims, ModelSource
 from kvexport.bundle.storage import atomic_output_dir, check_output_dir, load_graph
 from kvexport.errors import KvexportError
 from kvexport.export.calibration import quantize_cache_step
-from kvexport.export.options import ExportOptions
+from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.extras import require_export_extra
 from kvexport.models import family_for
@@ -46,9 +46,11 @@ from kvexport.passes import (
     build_pipeline,
     run_pipeline,
 )
+from kvexport.passes.cache_names import canonical_slot
 from kvexport.passes.choices import Attention
 from kvexport.passes.values import ints
 from kvexport.progress import Progress, silent
+from kvexport.tools.rewrite import refuse_unfused
 
 # Optimum's and torch's dim names -> the contract's, per graph.
 _PREFILL_DIMS = {
@@ -187,6 +189,25 @@ def _last_position_logits(model: ir.Model) -> bool:
     return True
 
 
+def _windows(family: ModelFamily, config_dir: Path | None) -> list[int]:
+    """Each layer's sliding window (-1: none), as the checkpoint's config sets them; empty without a config."""
+    if config_dir is None or not (config_dir / "config.json").is_file():
+        return []
+    return family.layer_windows(read_config(config_dir / "config.json"))
+
+
+def _set_windows(graph: ir.Model, windows: list[int]) -> None:
+    """Give each layer's GroupQueryAttention its sliding window (``local_window_size``).
+
+    Over the in-place cache the exporter's mask, which held the window, is replaced by the
+    padding alone, so the op must apply the window itself.
+    """
+    for node in graph.graph:
+        slot = canonical_slot(node.outputs[1].name or "") if node.op_type == "GroupQueryAttention" and len(node.outputs) > 1 else None
+        if slot is not None and slot.layer < len(windows) and windows[slot.layer] >= 0:
+            node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", windows[slot.layer])
+
+
 def _source(model_dir: Path | None, graph_path: Path) -> tuple[ModelSource, str]:
     """The manifest's source and weights fingerprint.
 
@@ -226,6 +247,7 @@ def _specialise(
             options.attention.value, shared_buffer=options.in_place_cache, quantization=options.quantization
         )
         reports = [{"graph": name, **report.to_json()} for report in run_pipeline(graph, pipeline)]
+        refuse_unfused(graph, options.attention, str(graph_path))
     except PassInputError as exc:  # any pass's refusal of this graph: one line
         raise KvexportError(f"{graph_path}: {exc}") from None
     last_only = _last_position_logits(graph) if name == "prefill" else True
@@ -287,19 +309,17 @@ def import_decoder(
         require_export_extra("kvexport import --model")
     config_dir = source_dir if (source_dir / "config.json").is_file() else model_dir
     family = _family(config_dir)
-    if family.in_place_attention:  # its graphs' attention is fused at export, not by the passes import runs
-        raise KvexportError(
-            f"{graph_path}: kvexport import takes GPT-2 decoders; a {family.name} graph from another tool is "
-            f"not imported yet: export the checkpoint with `kvexport export --model DIR` instead"
-        )
     options = ExportOptions.resolve(  # again, now that the family decides what --quantize int8 means
         target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache, family=family.name
     )
+    check_attention(family, options)
+    windows = _windows(family, config_dir)
     graphs: dict[str, ir.Model] = {}
     reports: list[dict[str, Any]] = []
     last_only = True
     for name in ("prefill", "decode"):
         graphs[name], dims, graph_reports, graph_last_only = _specialise(graph_path, name, options, config_dir, progress)
+        _set_windows(graphs[name], windows)
         reports += graph_reports
         last_only &= graph_last_only
     model_source, fingerprint = _source(model_dir, graph_path)

@@ -7,8 +7,9 @@ can't work is refused there, with one line. No torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvexport.errors import KvexportError
 from kvexport.export.choices import (
     CACHE_DESCRIPTIONS,
     DEFAULT_OPSET,
@@ -29,6 +30,9 @@ from kvexport.export.quantization import (
 )
 from kvexport.passes.quantize_cache import CacheQuantization
 from kvexport.passes.quantize_weights import QuantizationConfig
+
+if TYPE_CHECKING:
+    from kvexport.models.base import ModelFamily
 
 
 @dataclass(frozen=True)
@@ -108,3 +112,15 @@ class ExportOptions:
         return {"layout": self.cache.value, "description": CACHE_DESCRIPTIONS[self.cache]}
 
 
+def check_attention(family: ModelFamily, options: ExportOptions) -> None:
+    """Refuse, in one line, an attention or cache choice the family can't export."""
+    if options.attention.value not in family.attention_kinds:
+        raise KvexportError(
+            f"--attention {options.attention.value}: not available for {family.name} models; "
+            f"choose {' or '.join(sorted(family.attention_kinds))} (or the --target that implies it)"
+        )
+    if family.in_place_attention and options.attention.value == "ort" and not options.in_place_cache:
+        raise KvexportError(
+            f"--cache {options.cache.value} with ort attention: {family.name} models take ort attention with "
+            "the in-place cache only; drop --cache (or use --cache shared-buffer)"
+        )

@@ -74,6 +74,10 @@ class ModelFamily(ABC):
     def decode_module(self, model: PreTrainedModel) -> torch.nn.Module:
         """The one-step graph's module: ``(input_ids, attention_mask, position_ids, *past) -> (logits, *present)``."""
 
+    def layer_windows(self, config: Mapping[str, Any]) -> list[int]:
+        """Each layer's sliding attention window in positions, -1 where it sees the whole past (all, here)."""
+        return [-1] * self.dims(config).num_layers
+
     def in_place_module(self, model: PreTrainedModel, last_only: bool = True) -> torch.nn.Module:
         """Either graph over the in-place cache with GroupQueryAttention (families with :attr:`in_place_attention`)."""
         raise NotImplementedError(f"{self.name}: ort attention comes from the fusion passes, not the export")

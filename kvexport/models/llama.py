@@ -76,6 +76,21 @@ class LlamaStyleFamily(ModelFamily):
     # config options that change the graph and that this family's tests cover, by value
     _rope_types: ClassVar[frozenset[str]] = frozenset({"default"})
 
+    def layer_windows(self, config: Mapping[str, Any]) -> list[int]:
+        """The window transformers applies per layer: ``sliding_window`` where ``layer_types`` says sliding.
+
+        Read through transformers' config class, which drops Qwen2's window unless
+        ``use_sliding_window`` is set; a config without ``layer_types`` (Mistral, Phi-3)
+        windows every layer.
+        """
+        from transformers import AutoConfig
+
+        settings = {k: v for k, v in config.items() if k not in ("model_type", "transformers_version", "architectures")}
+        loaded = AutoConfig.for_model(str(config["model_type"]), **settings)
+        window = getattr(loaded, "sliding_window", None)
+        kinds = getattr(loaded, "layer_types", None) or ["sliding_attention"] * int(loaded.num_hidden_layers)
+        return [int(window) if window and kind == "sliding_attention" else -1 for kind in kinds]
+
     def random_init_config(self, model: str) -> dict[str, Any]:
         """A preset's config, or a config file's, with transformers' defaults filled in."""
         from transformers import AutoConfig

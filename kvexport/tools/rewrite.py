@@ -36,6 +36,7 @@ from kvexport.passes import (
 )
 from kvexport.passes.cache_names import Style
 from kvexport.passes.choices import Attention
+from kvexport.passes.fuse_attention import unfused_attention
 
 
 @dataclass
@@ -73,8 +74,9 @@ def rewrite_graph(
         explain: each report says why a fusion rule that fired 0 times did not match.
 
     Raises:
-        KvexportError: bad paths, an unreadable graph, a graph with no KV cache, or
-            cache names that can't be mapped without guessing.
+        KvexportError: bad paths, an unreadable graph, a graph with no KV cache,
+            cache names that can't be mapped without guessing, or attention that
+            ``attention`` asked to fuse and no rule could (:func:`refuse_unfused`).
 
     """
     source, output = Path(source), Path(output)
@@ -91,6 +93,7 @@ def rewrite_graph(
     model = load_graph(source)
     try:
         reports = run_pipeline(model, pipeline)
+        refuse_unfused(model, attention, str(source))
         if names != "canonical":
             RenameCachePass(style=names)(model)
     except PassInputError as exc:  # any pass's refusal of this graph: one line
@@ -99,6 +102,23 @@ def rewrite_graph(
     with created_parents(output):
         data_file = _write_atomically(model, output, data_name)
     return RewriteResult(source, output, data_file, reports)
+
+
+def refuse_unfused(model: ir.Model, attention: Attention | str, where: str) -> None:
+    """Refuse, in one line, a graph whose attention ``--attention onnx|ort`` asked to fuse but no rule could.
+
+    Raises:
+        KvexportError: Softmax nodes are left; the message has the closest rule's reason.
+
+    """
+    chosen = Attention(attention)
+    if chosen is Attention.UNFUSED:
+        return
+    why = unfused_attention(model, chosen.value)
+    if why:
+        raise KvexportError(
+            f"{where}: --attention {chosen.value}: {why}; nothing written (--attention unfused keeps the attention as it is)"
+        )
 
 
 def _write_atomically(model: ir.Model, output: Path, data_name: str) -> Path | None:

@@ -48,7 +48,9 @@ def test_attention_becomes_gqa_over_capacity_sized_shared_buffers(tiny_export: P
     assert shared(model).modified
     # prefill's mask spans the cache, not the tokens fed: it gets a dim of its own
     separated = int(graph == "prefill")
-    assert shared.counts == {"attention_converted": layers, "bias_replaced": layers, "mask_dim_separated": separated}
+    assert shared.counts == {
+        "attention_converted": layers, "attention_adopted": 0, "bias_replaced": layers, "mask_dim_separated": separated
+    }
     mask = next(v for v in model.graph.inputs if v.name == "attention_mask")
     assert mask.shape is not None and str(mask.shape[1]) == "total_sequence"  # decode: the export named it so
     assert _ops(model).count("GroupQueryAttention") == layers
