@@ -41,13 +41,16 @@ FOREIGN_STYLES: dict[str, Callable[[str], str]] = {"optimum": _optimum, "split":
 
 
 def export_foreign(
-    out: Path, config: Path, seed: int, style: str, exporter: str = "torchscript"
+    out: Path, config: Path, seed: int, style: str, exporter: str = "torchscript", opset: int = 18
 ) -> Path:
     """Export prefill.onnx / decode.onnx the way other tools do: their cache names, no passes.
 
     Uses kvexport's wrapper modules (transformers 5 keeps the cache in a DynamicCache that
     no exporter takes as IO) but nothing of kvexport's pipeline: the graphs come straight
     from ``torch.onnx.export``, as Optimum's or ONNX Runtime's scripts would leave them.
+    The family is the config's (``model_type``); a Llama-style model's attention is
+    transformers' own (the past concatenated, ``repeat_kv``, rotary decomposed; at opset
+    23 the exporter writes the standard ``RotaryEmbedding`` and ``RMSNormalization``).
     """
     import dataclasses
     import tempfile
@@ -56,14 +59,16 @@ def export_foreign(
     import torch
 
     from kvexport.export.exporter import STRATEGIES, graph_requests, quiet_exporters
-    from kvexport.models.gpt2 import FAMILY, resolve_source
+    from kvexport.models import family_for
+    from kvexport.models.base import read_config, source_of
 
     rename = FOREIGN_STYLES[style]
-    model = FAMILY.load(resolve_source(str(config), random_init=True, seed=seed), "fp32")
-    dims = FAMILY.dims(model.config.to_dict())
+    family = family_for(read_config(config).get("model_type", "gpt2"), str(config))
+    model = family.load(source_of(family, str(config), random_init=True, seed=seed), "fp32")
+    dims = family.dims(model.config.to_dict())
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as work:
-        for request in graph_requests(FAMILY, model, dims, False, 18):
+        for request in graph_requests(family, model, dims, False, opset):
             foreign = dataclasses.replace(
                 request,
                 input_names=[rename(n) for n in request.input_names],
@@ -133,7 +138,8 @@ def run_single_graph(
     Without ``past``, the first step feeds the left-padded ``prompts`` with a past of
     length 0 (a one-graph decoder's prefill); with ``past`` (the prompts' cache, by
     (layer, kind)), the prompts only set the mask and positions. Each further step feeds
-    ``tokens[i]`` (one per row) with the previous step's present tensors as the past.
+    ``tokens[i]`` (one per row) with the previous step's present tensors as the past. A
+    graph without past inputs (a prefill graph) takes no ``tokens``.
     Cache inputs and outputs are paired by layer and kind parsed from their names
     (``passes.rename_cache``), so any exporter's names work.
     """
@@ -158,7 +164,7 @@ def run_single_graph(
             outputs = session.run(None, {k: v for k, v in feeds.items() if k in input_names})
             named = dict(zip(output_names, outputs, strict=True))
             results.append(named)
-            feeds.update({past_names[slot]: array for slot, array in cache_by_slot(named).items()})
+            feeds.update({past_names[slot]: array for slot, array in cache_by_slot(named).items() if slot in past_names})
         if step == len(tokens):
             break
         ids = np.array(tokens[step], np.int64).reshape(-1, 1)

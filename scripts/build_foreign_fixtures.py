@@ -14,10 +14,17 @@ kvexport's: what the tests then rewrite is what a user of that tool really has.
   the query length into transformers' mask code (a graph traced with 3 new tokens fails
   on 5), so it is traced with one: a decode graph, for any past length.
 
+- ``optimum-llama``, ``optimum-qwen3``, ``optimum-phi3``: the same Optimum export of tiny
+  Llama-style checkpoints (6 query heads over 2 cache heads, head size 8; Qwen3 4 over 2
+  with head size 16 and its Q/K norms; Llama 3's rope scaling and tied embeddings; Phi-3's
+  fused QKV and gate/up projections), each from ``checkpoint-<family>``. Optimum loads them
+  with transformers' SDPA attention: the past is concatenated and ``repeat_kv`` widens it
+  before the product, rotary is decomposed.
+
 The checkpoint the graphs come from (3 heads of 8, vocabulary of 2048, seeded random
 weights, the tiny-trained model's tokenizer) is kept beside them in ``checkpoint-l2`` /
-``checkpoint-l3``, so verify can compare against PyTorch. ``FIXTURES.json`` records the
-tool versions that made each graph.
+``checkpoint-l3`` (and ``checkpoint-<family>``), so verify can compare against PyTorch.
+``FIXTURES.json`` records the tool versions that made each graph.
 
 Usage: python scripts/build_foreign_fixtures.py [--work /tmp/fx] [--keep-venvs]
 """
@@ -52,6 +59,25 @@ config = GPT2Config(n_layer=layers, n_head=3, n_embd=24, n_positions=64, vocab_s
                     bos_token_id=0, eos_token_id=0)
 model = GPT2LMHeadModel(config).eval()
 model.save_pretrained(out)
+"""
+
+FAMILIES = ("llama", "qwen3", "phi3")
+FAMILY_CHECKPOINT = """
+import sys, json, torch
+from transformers import AutoConfig, AutoModelForCausalLM
+out, family = sys.argv[1], sys.argv[2]
+common = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+              num_key_value_heads=2, vocab_size=2048, max_position_embeddings=64, bos_token_id=0, eos_token_id=0)
+quirks = {
+    "llama": dict(tie_word_embeddings=True, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 16}),
+    "qwen3": dict(num_attention_heads=4, head_dim=16),
+    "phi3": dict(pad_token_id=0),
+}
+torch.manual_seed(5)
+AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **common, **quirks[family])).save_pretrained(out)
+# a fast tokenizer as it is: without this class Optimum re-saves it with Llama's <s> prepended
+json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, open(f"{out}/tokenizer_config.json", "w"))
 """
 
 TORCHSCRIPT = """
@@ -177,6 +203,23 @@ def main() -> None:
         )
         _single_file(exported, OUT / f"optimum-l{layers}.onnx")
         record[f"optimum-l{layers}.onnx"] = {
+            "tool": "optimum-cli export onnx --task text-generation-with-past",
+            "source": checkpoint.name,
+            "versions": _versions(optimum, ["optimum-onnx", "optimum", "transformers", "torch", "onnx"]),
+        }
+    for family in FAMILIES:
+        checkpoint = OUT / f"checkpoint-{family}"
+        _run([str(optimum), "-c", FAMILY_CHECKPOINT, str(checkpoint), family])
+        shutil.copy(TOKENIZER, checkpoint / "tokenizer.json")
+        exported = work / f"optimum-{family}"
+        shutil.rmtree(exported, ignore_errors=True)
+        _run(
+            [str(optimum.parent / "optimum-cli"), "export", "onnx", "--model", str(checkpoint),
+             "--task", "text-generation-with-past", str(exported)],
+            cwd=work,
+        )
+        _single_file(exported, OUT / f"optimum-{family}.onnx")
+        record[f"optimum-{family}.onnx"] = {
             "tool": "optimum-cli export onnx --task text-generation-with-past",
             "source": checkpoint.name,
             "versions": _versions(optimum, ["optimum-onnx", "optimum", "transformers", "torch", "onnx"]),

@@ -1,0 +1,180 @@
+"""#35: the Llama-style families' graphs other tools made, rewritten and imported with fused attention.
+
+Sources: Optimum's one-graph exports (fixtures built by ``scripts/build_foreign_fixtures.py``
+in an environment of Optimum's own) and plain ``torch.onnx.export(dynamo=True)`` graphs of
+the Hugging Face model with its cache as IO, made here. Each rewritten graph must have one
+GroupQueryAttention per layer, no Softmax left, and the source graph's numbers over a
+prefill and decode steps, batch 1 and a left-padded batch 2; each import must pass verify
+(PyTorch, step by step) and serve.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+from click.testing import CliRunner
+
+from kvexport.cli import main
+from kvexport.testing import export_foreign, run_single_graph
+
+from .conftest import write_config
+from .test_families import FAMILY_CONFIGS
+
+FOREIGN = Path(__file__).parent / "data" / "foreign"
+OPTIMUM_FAMILIES = ("llama", "qwen3", "phi3")
+PROMPTS = [[5, 17, 42, 7, 99], [8, 3, 250]]  # the second row is left-padded
+TOKENS = [[11, 12], [13, 14], [15, 16]]
+
+
+def _ops(path: Path) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in ir.load(path).graph:
+        counts[node.op_type] = counts.get(node.op_type, 0) + 1
+    return counts
+
+
+def _rewrite(source: Path, output: Path, *extra: str) -> None:
+    result = CliRunner().invoke(main, ["rewrite", str(source), str(output), *extra])
+    assert result.exit_code == 0, result.output
+
+
+def _assert_same_steps(source: list[dict[str, np.ndarray]], rewritten: list[dict[str, np.ndarray]], pad: int) -> None:
+    """Each step's logits and presents agree; the padded row's pad positions are no one's business."""
+    assert len(source) == len(rewritten)
+    for before, after in zip(source, rewritten, strict=True):
+        np.testing.assert_allclose(after["logits"][:, -1], before["logits"][:, -1], atol=2e-5, rtol=1e-4)
+        presents = [name for name in before if name != "logits"]
+        assert presents
+        for name in presents:
+            canonical = name.replace("present_key_values", "present")
+            np.testing.assert_allclose(after[canonical][0], before[name][0], atol=2e-5, rtol=1e-4)
+            np.testing.assert_allclose(after[canonical][1, :, pad:], before[name][1, :, pad:], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", OPTIMUM_FAMILIES)
+def test_optimum_graph_rewrites_to_one_gqa_per_layer_with_the_same_numbers(family: str, tmp_path: Path) -> None:
+    source = FOREIGN / f"optimum-{family}.onnx"
+    output = tmp_path / "rewritten.onnx"
+    _rewrite(source, output, "--attention", "ort")
+    ops = _ops(output)
+    layers = json.loads((FOREIGN / f"checkpoint-{family}" / "config.json").read_text())["num_hidden_layers"]
+    assert ops.get("GroupQueryAttention") == layers and "Softmax" not in ops
+    assert ops.get("SkipSimplifiedLayerNormalization") == 2 * layers  # RMSNorm fused, residual Adds folded in
+    cache = ir.load(output).graph.inputs[3]
+    assert cache.name == "past.0.key" and cache.shape is not None and cache.shape[1] == 2  # KV heads unexpanded
+    pad = len(PROMPTS[0]) - len(PROMPTS[1])
+    _assert_same_steps(run_single_graph(source, PROMPTS, TOKENS), run_single_graph(output, PROMPTS, TOKENS), pad)
+
+
+@pytest.mark.parametrize("family", OPTIMUM_FAMILIES)
+def test_optimum_graph_imports_to_a_directory_that_verifies_and_serves(family: str, tmp_path: Path) -> None:
+    source = tmp_path / "optimum"
+    source.mkdir()
+    shutil.copy(FOREIGN / f"optimum-{family}.onnx", source / "model.onnx")
+    checkpoint = FOREIGN / f"checkpoint-{family}"
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(checkpoint / name, source / name)
+    out = tmp_path / "imported"
+    done = CliRunner().invoke(main, ["import", str(source), "--out", str(out), "--model", str(checkpoint), "--attention", "ort"])
+    assert done.exit_code == 0, done.output
+    manifest = json.loads((out / "kvexport.json").read_text())
+    assert manifest["cache"]["layout"] == "shared-buffer"
+    assert manifest["model"]["family"] == {"llama": "llama", "qwen3": "qwen3", "phi3": "phi3"}[family]
+    for graph in ("prefill", "decode"):
+        assert _ops(out / f"{graph}.onnx").get("GroupQueryAttention") == 2
+    verified = CliRunner().invoke(main, ["verify", str(out)])
+    assert verified.exit_code == 0, verified.output
+    assert verified.output.strip().splitlines()[-1].startswith("PASS")
+    if family == "llama":  # served: greedy tokens as PyTorch's from the checkpoint
+        import torch
+        from fastapi.testclient import TestClient
+        from transformers import AutoModelForCausalLM
+
+        from kvexport.serving.app import create_app
+        from kvexport.serving.engine import Engine
+
+        prompt = [5, 17, 42]
+        model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=4, do_sample=False, eos_token_id=None)[0, 3:]
+        with Engine(out, slots=2, max_context=64) as engine:
+            client = TestClient(create_app(engine))
+            body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+            reply = client.post("/v1/completions", json=body)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["token_ids"] == want.tolist()
+
+
+def test_a_sliding_window_from_the_config_reaches_the_fused_op(tmp_path: Path) -> None:
+    """Over the in-place cache the exporter's mask is replaced by padding: the window must move into the op."""
+    source, checkpoint = tmp_path / "optimum", tmp_path / "checkpoint"
+    shutil.copytree(FOREIGN / "checkpoint-phi3", checkpoint)
+    source.mkdir()
+    shutil.copy(FOREIGN / "optimum-phi3.onnx", source / "model.onnx")
+    for directory in (source, checkpoint):
+        config = json.loads((FOREIGN / "checkpoint-phi3" / "config.json").read_text())
+        (directory / "config.json").write_text(json.dumps({**config, "sliding_window": 4}))
+    shutil.copy(checkpoint / "tokenizer.json", source / "tokenizer.json")
+    out = tmp_path / "imported"
+    done = CliRunner().invoke(main, ["import", str(source), "--out", str(out), "--model", str(checkpoint), "--attention", "ort"])
+    assert done.exit_code == 0, done.output
+    windows = [n.attributes.get_int("local_window_size") for n in ir.load(out / "decode.onnx").graph if n.op_type == "GroupQueryAttention"]
+    assert windows == [4, 4]
+    verified = CliRunner().invoke(main, ["verify", str(out)])  # PyTorch windows too; its prompts pass 4 positions
+    assert verified.exit_code == 0, verified.output
+
+
+@pytest.fixture(scope="module", params=[*((name, 18) for name in sorted(FAMILY_CONFIGS)), ("llama", 23)], ids=lambda p: f"{p[0]}-opset{p[1]}")
+def dynamo_export(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path]:
+    name, opset = request.param
+    settings = {**FAMILY_CONFIGS[name], "sliding_window": None} if name == "mistral" else FAMILY_CONFIGS[name]
+    config = write_config(tmp_path_factory.mktemp(f"config-{name}"), settings)
+    out = tmp_path_factory.mktemp(f"dynamo-{name}-{opset}")
+    return name, export_foreign(out, config, seed=3, style="optimum", exporter="dynamo", opset=opset)
+
+
+def test_torch_dynamo_graphs_rewrite_to_one_gqa_per_layer_with_the_same_numbers(
+    dynamo_export: tuple[str, Path], tmp_path: Path
+) -> None:
+    name, graphs = dynamo_export
+    layers = FAMILY_CONFIGS[name]["num_hidden_layers"]
+    pad = len(PROMPTS[0]) - len(PROMPTS[1])
+    rewritten = {}
+    for graph in ("prefill", "decode"):
+        rewritten[graph] = tmp_path / f"{graph}.onnx"
+        _rewrite(graphs / f"{graph}.onnx", rewritten[graph], "--attention", "ort")
+        ops = _ops(rewritten[graph])
+        assert ops.get("GroupQueryAttention") == layers and "Softmax" not in ops, ops
+        assert ops.get("SkipSimplifiedLayerNormalization") == 2 * layers, ops
+    prompt = run_single_graph(graphs / "prefill.onnx", PROMPTS, [])
+    prompt_after = run_single_graph(rewritten["prefill"], PROMPTS, [])
+    _assert_same_steps(prompt, prompt_after, pad)
+    from kvexport.testing import cache_by_slot
+
+    cache = cache_by_slot(prompt[0])
+    _assert_same_steps(
+        run_single_graph(graphs / "decode.onnx", PROMPTS, TOKENS, past=cache),
+        run_single_graph(rewritten["decode"], PROMPTS, TOKENS, past=cache),
+        pad,
+    )
+
+
+def test_an_unknown_family_is_one_line(tmp_path: Path) -> None:
+    source = tmp_path / "optimum"
+    source.mkdir()
+    shutil.copy(FOREIGN / "optimum-llama.onnx", source / "model.onnx")
+    config = json.loads((FOREIGN / "checkpoint-llama" / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "model_type": "gemma"}))
+    out = tmp_path / "imported"
+    done = CliRunner().invoke(main, ["import", str(source), "--out", str(out), "--attention", "ort"])
+    assert done.exit_code == 2
+    assert done.stderr.strip().splitlines() == [
+        f"Error: {source / 'config.json'}: model_type 'gemma' is not a family kvexport exports; "
+        "known: gpt2, llama, mistral, phi3, qwen2, qwen3"
+    ]
+    assert not out.exists()
