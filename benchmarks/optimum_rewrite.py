@@ -1,23 +1,28 @@
-"""Optimum's GPT-2 graph against kvexport's rewrite and import of it, in one run (outside CI).
+"""Optimum's graph against kvexport's rewrite and import of it, in one run (outside CI).
 
-Builds (once, under --work) a random-init GPT-2 checkpoint of the chosen architecture,
+GPT-2 (``--model gpt2``) or a Llama-style preset (``--model smollm2-135m``: SmolLM2-135M's
+architecture, grouped-query attention). Builds (once, under --work) a random-init checkpoint of the chosen architecture,
 exports it with ``optimum-cli export onnx --task text-generation-with-past`` in the venv
 that ``scripts/build_foreign_fixtures.py`` makes (optimum-onnx 0.1.0, transformers
 4.57.6), then measures, side by side and in interleaved rounds:
 
 - ``optimum``: Optimum's graph as it is;
 - ``rewrite``: ``kvexport rewrite --attention ort`` of it (still one graph);
-- ``import``: ``kvexport import --attention ort --cache concat`` of it: its decode.onnx, and the
-  Generator on the directory;
-- ``kvexport``: kvexport's own ``--target ort-cpu --cache concat`` export of the same checkpoint.
+- ``import``: ``kvexport import --attention ort --cache concat`` of it (Llama-style: the
+  in-place cache, the only one their GroupQueryAttention takes): its decode.onnx, and the
+  Generator on the directory; ``import-int8``: the same with ``--quantize int8`` (Llama-style);
+- ``kvexport``: kvexport's own ``--target ort-cpu --cache concat`` export of the same checkpoint
+  (Llama-style: ``kvexport export --target ort-cpu``).
 
 Graph columns: nodes, Shape nodes, fused attention ops, Softmax left, MB on disk
 (graphs, weights, and for the directories the tokenizer and manifest). Timing: decode
 ms/token of a naive ONNX Runtime loop (numpy feeds, a new present each step) after a
-128-token prompt, batch 1, median over the rounds; the Generator (IO binding) beside it.
+128-token prompt, batch 1, median over the rounds, and the one-graph decoders' time for that
+prompt (TTFT, past of length 0); the Generator (IO binding) beside them, TTFT and decode. The
+naive loop can't drive an in-place graph, so Llama-style imports have Generator columns only.
 Ratios are taken within each round (every system timed back to back), then the median.
 
-Usage: python benchmarks/optimum_rewrite.py [--model gpt2] [--work /tmp/optimum-bench] [--rounds 3]
+Usage: python benchmarks/optimum_rewrite.py [--model gpt2|smollm2-135m] [--work /tmp/optimum-bench] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -43,6 +48,18 @@ out, preset = sys.argv[1], sys.argv[2]
 torch.manual_seed(0)
 config = GPT2Config() if preset == "gpt2" else GPT2Config.from_pretrained(preset)
 GPT2LMHeadModel(config).eval().save_pretrained(out)
+"""
+LLAMA_CHECKPOINT = """
+import sys, json, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+out, preset = sys.argv[1], sys.argv[2]
+assert preset == "smollm2-135m", preset
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, hidden_act="silu", max_position_embeddings=8192, rms_norm_eps=1e-5, bos_token_id=0,
+                     eos_token_id=0, tie_word_embeddings=True, rope_theta=100000.0, head_dim=64)
+LlamaForCausalLM(config).eval().save_pretrained(out)
+json.dump({"tokenizer_class": "PreTrainedTokenizerFast"}, open(f"{out}/tokenizer_config.json", "w"))
 """
 
 
@@ -91,8 +108,32 @@ def naive_decode_ms(path: Path, context: int, steps: int) -> float:
     return 1000 * statistics.median(times[2:])
 
 
-def generator_decode_ms(directory: Path, context: int, steps: int) -> float:
-    """The Generator's decode ms/token after a ``context``-token prompt."""
+def naive_prefill_ms(path: Path, context: int) -> float:
+    """A one-graph decoder's time for a ``context``-token prompt with a past of length 0 (the better of two runs)."""
+    import onnxruntime as ort
+
+    from kvexport.testing import past_inputs
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {name: np.zeros((1, h, 0, d), np.float32) for name, h, d in past_inputs(session).values()}
+    feeds.update(
+        {
+            "input_ids": np.random.default_rng(2).integers(0, 1000, (1, context)).astype(np.int64),
+            "attention_mask": np.ones((1, context), np.int64),
+            "position_ids": np.arange(context, dtype=np.int64)[None],
+        }
+    )
+    names = {arg.name for arg in session.get_inputs()}
+    times = []
+    for _ in range(2):
+        started = time.perf_counter()
+        session.run(None, {k: v for k, v in feeds.items() if k in names})
+        times.append(time.perf_counter() - started)
+    return 1000 * min(times)
+
+
+def generator_ms(directory: Path, context: int, steps: int) -> tuple[float, float]:
+    """The Generator's TTFT and decode ms/token after a ``context``-token prompt."""
     from kvexport import Generator
 
     generator = Generator(directory)
@@ -100,7 +141,7 @@ def generator_decode_ms(directory: Path, context: int, steps: int) -> float:
     generator.generate(ids, max_new_tokens=steps, eos_token_id=-1)
     stats = generator.last_stats
     assert stats is not None
-    return 1000 * stats.decode_s / max(1, stats.new_tokens - 1)
+    return 1000 * stats.ttft_s, 1000 * stats.decode_s / max(1, stats.new_tokens - 1)
 
 
 def main() -> None:
@@ -118,9 +159,10 @@ def main() -> None:
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
     optimum_python = fixtures.venv_python(args.venvs, "optimum")
+    llama = args.model != "gpt2" and not args.model.startswith("gpt2")
     checkpoint, exported = work / "checkpoint", work / "optimum"
     if not (checkpoint / "config.json").exists():
-        subprocess.run([str(optimum_python), "-c", CHECKPOINT, str(checkpoint), args.model], check=True)
+        subprocess.run([str(optimum_python), "-c", LLAMA_CHECKPOINT if llama else CHECKPOINT, str(checkpoint), args.model], check=True)
     if not (exported / "model.onnx").exists():
         subprocess.run(
             [str(optimum_python.parent / "optimum-cli"), "export", "onnx", "--model", str(checkpoint),
@@ -129,40 +171,55 @@ def main() -> None:
         )
     rewritten, imported, own = work / "rewrite.onnx", work / "imported", work / "kvexport"
     _kvexport("rewrite", str(exported / "model.onnx"), str(rewritten), "--attention", "ort", "--force")
-    _kvexport("import", str(exported), "--out", str(imported), "--attention", "ort", "--cache", "concat", "--model", str(checkpoint), "--force")
-    _kvexport("gpt2", "--model", str(checkpoint), "--out", str(own), "--target", "ort-cpu", "--cache", "concat", "--force")
-    graphs = {
-        "optimum": exported / "model.onnx",
-        "rewrite": rewritten,
-        "import": imported / "decode.onnx",
-        "kvexport": own / "decode.onnx",
-    }
+    cache = [] if llama else ["--cache", "concat"]
+    _kvexport("import", str(exported), "--out", str(imported), "--attention", "ort", *cache, "--model", str(checkpoint), "--force")
+    directories = {"import": imported, "kvexport": own}
+    if llama:
+        directories["import-int8"] = work / "imported-int8"
+        _kvexport("import", str(exported), "--out", str(directories["import-int8"]), "--attention", "ort", "--quantize", "int8",
+                  "--model", str(checkpoint), "--force")
+        _kvexport("export", "--model", str(checkpoint), "--out", str(own), "--target", "ort-cpu", "--force")
+    else:
+        _kvexport("gpt2", "--model", str(checkpoint), "--out", str(own), "--target", "ort-cpu", "--cache", "concat", "--force")
+    graphs = {"optimum": exported / "model.onnx", "rewrite": rewritten, **{k: d / "decode.onnx" for k, d in directories.items()}}
     table: dict[str, dict[str, object]] = {name: {**graph_counts(path)} for name, path in graphs.items()}
     on_disk = {"optimum": [exported / "model.onnx"], "rewrite": [rewritten, Path(f"{rewritten}.data")],
-               "import": list(imported.iterdir()), "kvexport": list(own.iterdir())}
+               **{k: list(d.iterdir()) for k, d in directories.items()}}
     for name, files in on_disk.items():
         table[name]["disk_mb"] = round(sum(f.stat().st_size for f in files if f.is_file()) / 1e6, 1)
-    naive: dict[str, list[float]] = {name: [] for name in graphs}
-    generator: dict[str, list[float]] = {"import": [], "kvexport": []}
+    naive_graphs = {k: v for k, v in graphs.items() if not (llama and k in directories)}  # in-place graphs need the Generator
+    naive: dict[str, list[float]] = {name: [] for name in naive_graphs}
+    prefill: dict[str, list[float]] = {"optimum": [], "rewrite": []}
+    generator: dict[str, list[tuple[float, float]]] = {name: [] for name in directories}
     for round_ in range(args.rounds):
-        for name, path in graphs.items():
+        for name, path in naive_graphs.items():
             naive[name].append(naive_decode_ms(path, args.context, args.steps))
-        for name, directory in (("import", imported), ("kvexport", own)):
-            generator[name].append(generator_decode_ms(directory, args.context, args.steps))
+        for name in prefill:
+            prefill[name].append(naive_prefill_ms(graphs[name], args.context))
+        for name, directory in directories.items():
+            generator[name].append(generator_ms(directory, args.context, args.steps))
         print(f"round {round_ + 1}: naive {({k: round(v[-1], 2) for k, v in naive.items()})}, "
-              f"generator {({k: round(v[-1], 2) for k, v in generator.items()})}", flush=True)
-    for name in graphs:
+              f"prefill {({k: round(v[-1], 1) for k, v in prefill.items()})}, "
+              f"generator {({k: tuple(round(x, 2) for x in v[-1]) for k, v in generator.items()})}", flush=True)
+    for name in naive:
         table[name]["naive_decode_ms"] = round(statistics.median(naive[name]), 2)
-    for name in generator:
-        table[name]["generator_decode_ms"] = round(statistics.median(generator[name]), 2)
-    # this host drifts within minutes: the ratio of each round, then their median
-    for name in graphs:
+        # this host drifts within minutes: the ratio of each round, then their median
         ratios = [mine / base for mine, base in zip(naive[name], naive["optimum"], strict=True)]
         table[name]["naive_vs_optimum"] = round(statistics.median(ratios), 3)
-    ratios = [mine / base for mine, base in zip(generator["import"], generator["kvexport"], strict=True)]
+    for name in prefill:
+        table[name]["naive_ttft_ms"] = round(statistics.median(prefill[name]), 1)
+        ratios = [mine / base for mine, base in zip(prefill[name], prefill["optimum"], strict=True)]
+        table[name]["ttft_vs_optimum"] = round(statistics.median(ratios), 3)
+    for name in generator:
+        table[name]["generator_ttft_ms"] = round(statistics.median(t for t, _ in generator[name]), 1)
+        table[name]["generator_decode_ms"] = round(statistics.median(d for _, d in generator[name]), 2)
+        for column, index, base in (("decode", 1, naive["optimum"]), ("ttft", 0, prefill["optimum"])):
+            ratios = [mine[index] / other for mine, other in zip(generator[name], base, strict=True)]
+            table[name][f"generator_{column}_vs_optimum_naive"] = round(statistics.median(ratios), 3)
+    ratios = [mine[1] / base[1] for mine, base in zip(generator["import"], generator["kvexport"], strict=True)]
     table["import"]["generator_vs_kvexport"] = round(statistics.median(ratios), 3)
     result = {"model": args.model, "context": args.context, "rounds": args.rounds, "table": table,
-              "naive_rounds": naive, "generator_rounds": generator}
+              "naive_rounds": naive, "prefill_rounds": prefill, "generator_rounds": generator}
     args.results.mkdir(parents=True, exist_ok=True)
     (args.results / f"optimum_rewrite-{args.model}.json").write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(table, indent=2))

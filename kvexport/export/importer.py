@@ -1,7 +1,7 @@
 """``kvexport import``: a decoder graph another tool made becomes a kvexport directory.
 
 Optimum (``optimum-cli export onnx --task text-generation-with-past``) and others leave
-one graph for both phases: the prompt step passes a past of length 0. From it this
+one graph for both phases (GPT-2's, or a Llama-style family's): the prompt step passes a past of length 0. From it this
 makes the two graphs of kvexport's contract (``../shared/DESIGN.md``):
 
 - **prefill**: every past input is replaced by an empty ``[batch, H, 0, D]`` tensor and
@@ -87,7 +87,7 @@ def _check_inputs(model: ir.Model, graph_path: Path) -> None:
     missing = [name for name in _INPUTS if name not in found]
     if missing:
         raise KvexportError(
-            f"{graph_path}: has no {', '.join(missing)} input; import takes a GPT-2 decoder with "
+            f"{graph_path}: has no {', '.join(missing)} input; import takes a decoder with "
             "input_ids, attention_mask and position_ids (Optimum's text-generation-with-past export)"
         )
 
@@ -267,7 +267,11 @@ def import_decoder(
     force: bool = False,
     progress: Progress | None = None,
 ) -> Manifest:
-    """Turn a one-graph GPT-2 decoder (``source``: an .onnx or an Optimum directory) into a kvexport directory ``out``.
+    """Turn a one-graph decoder (``source``: an .onnx or an Optimum directory) into a kvexport directory ``out``.
+
+    GPT-2 or a Llama-style family (the one ``config.json`` names); with ``attention="ort"``
+    a Llama-style graph's grouped-query attention becomes GroupQueryAttention over the
+    in-place cache, each layer's sliding window set from the config.
 
     Args:
         source: the decoder graph, or the directory holding it (``model.onnx``) with its
@@ -291,7 +295,8 @@ def import_decoder(
         The manifest written to ``out/kvexport.json``.
 
     Raises:
-        KvexportError: a missing or unreadable graph, a graph that is not a GPT-2 decoder
+        KvexportError: a missing or unreadable graph, a family kvexport does not know,
+            attention that ``attention`` asked to fuse and no rule could, a graph that is not a decoder
             with a cache, or a config that does not describe it.
 
     """
