@@ -48,6 +48,7 @@ from .fuse_grouped_attention import GQA_MARK
 from .values import initializer
 
 CAPACITY_DIM = "max_sequence"
+PADDING_BIAS = "kvexport.padding_bias"  # the name of padding_bias's value: a bias that needs no replacing
 TOTAL_DIM = "total_sequence"
 _MS = "com.microsoft"
 
@@ -151,7 +152,7 @@ def mask_lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
     return seqlens.outputs[0], total.outputs[0]
 
 
-def _padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dtype: ir.DataType) -> ir.Value:
+def padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dtype: ir.DataType) -> ir.Value:
     """``Where(attention_mask, 0, lowest)`` as [batch, 1, sequence, total] of ``dtype``.
 
     ``queries`` is the ``input_ids`` input: where its length is not statically 1 (prefill)
@@ -177,7 +178,7 @@ def _padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dty
         expanded = ir.node("Expand", [result, shape.outputs[0]])
         nodes += [shape, expanded]
         result = expanded.outputs[0]
-    result.name = "kvexport.padding_bias"
+    result.name = PADDING_BIAS
     result.type = ir.TensorType(dtype)
     graph.extend([*created, *nodes])
     return result
@@ -266,16 +267,17 @@ class SharedBufferCachePass(InPlacePass):
             past: list[ir.Value] = []
             for index, kind in enumerate(("key", "value")):
                 existing = _optional_input(node, _PAST_AT[node.op_type] + index)
-                if existing is None:
+                if existing is None or existing.producer() is not None:  # none, or an empty past made in the graph
                     existing = ir.Value(name=f"past.{slot.layer}.{kind}", shape=shape, type=present_key.type)
                     new_inputs.append(existing)
                 existing.shape = shape
                 past.append(existing)
             bias = _optional_input(node, _BIAS_AT[node.op_type])
-            if bias is not None and is_mask_where(bias.producer()) and node.inputs[0] is not None and node.inputs[0].dtype is not None:
+            mask_bias = bias is not None and is_mask_where(bias.producer()) and bias.name != PADDING_BIAS
+            if bias is not None and mask_bias and node.inputs[0] is not None and node.inputs[0].dtype is not None:
                 dtype = node.inputs[0].dtype
                 if dtype not in padding:
-                    padding[dtype] = _padding_bias(graph, mask, queries, dtype)
+                    padding[dtype] = padding_bias(graph, mask, queries, dtype)
                 bias = padding[dtype]
                 self.counts["bias_replaced"] += 1
             if node.op_type == "GroupQueryAttention":  # fused already: the buffers and the bias are all that change
@@ -315,7 +317,7 @@ class SharedBufferCachePass(InPlacePass):
 
 def _adopt(node: ir.Node, past: list[ir.Value], bias: ir.Value | None, shape: ir.Shape) -> ir.Value:
     """A fused GroupQueryAttention reads and writes the shared buffers ``past`` (and ``bias``); returns its total length."""
-    assert len(node.inputs) == 11  # as fuse_grouped_attention makes it
+    assert len(node.inputs) >= 11  # as fuse_grouped_attention (or genai_graph) leaves it
     node.replace_input_with(3, past[0])
     node.replace_input_with(4, past[1])
     node.replace_input_with(10, bias)

@@ -7,6 +7,11 @@ kvexport's: what the tests then rewrite is what a user of that tool really has.
   text-generation-with-past`` (optimum-onnx 0.1.0, transformers 4.57.6, torch 2.13): one
   graph for both phases, eager attention; the two depths show whether the rewrite's
   result grows with depth.
+- ``genai-llama``, ``genai-qwen3``: onnxruntime-genai's model builder (``python -m
+  onnxruntime_genai.models.builder -p fp32 -e cpu``, onnxruntime-genai 0.18.0) of
+  ``checkpoint-llama`` / ``checkpoint-qwen3``: GQA-fused already, rotary inside the op
+  (``do_rotary``), no ``position_ids``, every key before every value. (Its Phi-3 path fails
+  on a config without longrope: ``KeyError: 'multi_cache'``.)
 - ``ortopt-l3``: ONNX Runtime's transformers optimizer (``onnxruntime.transformers
   .optimizer``, ``--model_type gpt2``) applied to ``optimum-l3``.
 - ``torchscript-decode-l3``: ``torch.onnx.export(dynamo=False)`` of ``GPT2LMHeadModel``
@@ -48,7 +53,9 @@ VENVS = {
     "optimum": [["torch==2.13.0"], ["transformers==4.57.6", "optimum-onnx==0.1.0", "onnxruntime==1.32.0"]],
     "torchscript": [["torch==2.13.0"], ["transformers==4.57.6", "onnx==1.23.2"]],
     "ortopt": [["torch==2.13.0"], ["onnxruntime==1.32.0", "onnx==1.23.2"]],
+    "genai": [["torch==2.13.0"], ["transformers==5.24.0", "onnxruntime-genai==0.18.0", "onnxruntime==1.32.0", "onnx==1.23.2"]],
 }
+GENAI_FAMILIES = ("llama", "qwen3")
 
 CHECKPOINT = """
 import sys, json, torch
@@ -185,7 +192,7 @@ def main() -> None:
     args = parser.parse_args()
     work: Path = args.work
     work.mkdir(parents=True, exist_ok=True)
-    optimum, torchscript, ortopt = (venv_python(work, name) for name in ("optimum", "torchscript", "ortopt"))
+    optimum, torchscript, ortopt, genai = (venv_python(work, name) for name in ("optimum", "torchscript", "ortopt", "genai"))
     if OUT.exists():
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)
@@ -223,6 +230,17 @@ def main() -> None:
             "tool": "optimum-cli export onnx --task text-generation-with-past",
             "source": checkpoint.name,
             "versions": _versions(optimum, ["optimum-onnx", "optimum", "transformers", "torch", "onnx"]),
+        }
+    for family in GENAI_FAMILIES:
+        built = work / f"genai-{family}"
+        shutil.rmtree(built, ignore_errors=True)
+        _run([str(genai), "-m", "onnxruntime_genai.models.builder", "-i", str(OUT / f"checkpoint-{family}"), "-o", str(built),
+              "-p", "fp32", "-e", "cpu", "-c", str(work / "genai-cache")])
+        _single_file(built, OUT / f"genai-{family}.onnx")
+        record[f"genai-{family}.onnx"] = {
+            "tool": "python -m onnxruntime_genai.models.builder -p fp32 -e cpu",
+            "source": f"checkpoint-{family}",
+            "versions": _versions(genai, ["onnxruntime-genai", "onnxruntime", "transformers", "torch", "onnx"]),
         }
     checkpoint = OUT / "checkpoint-l3"
     _run([str(ortopt), "-c", OPTIMIZER, str(OUT / "optimum-l3.onnx"), str(OUT / "ortopt-l3.onnx")])

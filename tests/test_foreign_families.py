@@ -1,8 +1,9 @@
 """#35: the Llama-style families' graphs other tools made, rewritten and imported with fused attention.
 
-Sources: Optimum's one-graph exports (fixtures built by ``scripts/build_foreign_fixtures.py``
-in an environment of Optimum's own) and plain ``torch.onnx.export(dynamo=True)`` graphs of
-the Hugging Face model with its cache as IO, made here. Each rewritten graph must have one
+Sources: Optimum's one-graph exports and onnxruntime-genai's model builder graphs (fixtures
+built by ``scripts/build_foreign_fixtures.py``, each tool in an environment of its own) and
+plain ``torch.onnx.export(dynamo=True)`` graphs of the Hugging Face model with its cache as
+IO, made here. Each rewritten graph must have one
 GroupQueryAttention per layer, no Softmax left, and the source graph's numbers over a
 prefill and decode steps, batch 1 and a left-padded batch 2; each import must pass verify
 (PyTorch, step by step) and serve.
@@ -178,3 +179,34 @@ def test_an_unknown_family_is_one_line(tmp_path: Path) -> None:
         "known: gpt2, llama, mistral, phi3, qwen2, qwen3"
     ]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_genai_builder_graph_imports_with_positions_and_lengths_as_kvexport_computes_them(family: str, tmp_path: Path) -> None:
+    """The builder's GQA rotates by the cache index and counts the mask's ones: import makes it verify left-padded."""
+    source = tmp_path / "genai"
+    source.mkdir()
+    shutil.copy(FOREIGN / f"genai-{family}.onnx", source / "model.onnx")
+    (source / "genai_config.json").write_text(json.dumps({"model": {"type": family}}))
+    out = tmp_path / "imported"
+    refused = CliRunner().invoke(main, ["import", str(source), "--out", str(out), "--attention", "ort"])
+    assert refused.exit_code == 2 and not out.exists()
+    assert refused.stderr.strip().splitlines() == [
+        f"Error: {source}: onnxruntime-genai's export has no config.json; pass --model CHECKPOINT (the checkpoint it was "
+        "built from: its config names the family, and verify compares with it)"
+    ]
+    checkpoint = FOREIGN / f"checkpoint-{family}"
+    done = CliRunner().invoke(main, ["import", str(source), "--out", str(out), "--model", str(checkpoint), "--attention", "ort"])
+    assert done.exit_code == 0, done.output
+    manifest = json.loads((out / "kvexport.json").read_text())
+    assert manifest["export"]["converted"]["attention_converted"] == 2
+    for graph in ("prefill", "decode"):
+        model = ir.load(out / f"{graph}.onnx")
+        names = [value.name for value in model.graph.inputs]
+        assert names[:3] == ["input_ids", "attention_mask", "position_ids"]
+        assert names[3:7] == ["past.0.key", "past.0.value", "past.1.key", "past.1.value"]  # the builder lists keys first
+        attention = [n for n in model.graph if n.op_type == "GroupQueryAttention"]
+        assert len(attention) == 2 and all(n.attributes.get_int("do_rotary") == 0 for n in attention)
+        assert sum(1 for n in model.graph if n.op_type == "RotaryEmbedding") == 4
+    verified = CliRunner().invoke(main, ["verify", str(out)])  # left-padded and ragged rows included
+    assert verified.exit_code == 0, verified.output

@@ -156,7 +156,11 @@ def save_with_shared_weights(graphs: Mapping[str, ir.Model], out_dir: Path) -> W
         for model in graphs.values():
             for value in model.graph.initializers.values():
                 tensor = value.const_value
-                if tensor is None or tensor.nbytes < EXTERNAL_THRESHOLD_BYTES:
+                if tensor is None:
+                    continue
+                if tensor.nbytes < EXTERNAL_THRESHOLD_BYTES:
+                    if isinstance(tensor, ir.ExternalTensor):  # small, but in the source's file: into the graph
+                        value.const_value = ir.Tensor(tensor.numpy(), name=value.name or "")
                     continue
                 data = tensor.tobytes()
                 key = hashlib.sha256(data).hexdigest()

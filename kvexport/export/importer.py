@@ -34,6 +34,7 @@ from kvexport.bundle.model_info import ModelDims, ModelSource
 from kvexport.bundle.storage import atomic_output_dir, check_output_dir, load_graph
 from kvexport.errors import KvexportError
 from kvexport.export.calibration import quantize_cache_step
+from kvexport.export.genai_graph import from_genai, is_genai_graph
 from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.extras import require_export_extra
@@ -94,6 +95,20 @@ def _check_inputs(model: ir.Model, graph_path: Path) -> None:
 
 def _past_inputs(model: ir.Model) -> list[ir.Value]:
     return [value for value in model.graph.inputs if (value.name or "").startswith("past.")]
+
+
+def _cache_in_layer_order(model: ir.Model) -> None:
+    """Cache inputs and outputs in the contract's order (layer by layer, key before value); others keep their places.
+
+    onnxruntime-genai's builder lists every key before every value.
+    """
+    for values in (model.graph.inputs, model.graph.outputs):
+        slots = [(index, canonical_slot(value.name or "")) for index, value in enumerate(values)]
+        cache = [(index, slot) for index, slot in slots if slot is not None]
+        ordered = sorted(cache, key=lambda item: (item[1].layer, item[1].kind != "key"))
+        chosen = [values[index] for index, _ in ordered]
+        for (index, _), value in zip(cache, chosen, strict=True):
+            values[index] = value
 
 
 def _dims(model: ir.Model, config_dir: Path | None, graph_path: Path) -> ModelDims:
@@ -225,18 +240,22 @@ def _source(model_dir: Path | None, graph_path: Path) -> tuple[ModelSource, str]
 
 
 def _specialise(
-    graph_path: Path, name: str, options: ExportOptions, config_dir: Path | None, progress: Progress
+    graph_path: Path, name: str, options: ExportOptions, config_dir: Path | None, progress: Progress, notes: dict[str, Any]
 ) -> tuple[ir.Model, ModelDims, list[dict[str, Any]], bool]:
     """One graph of the pair made from the one-graph decoder, passes run.
 
     Returns the graph, the architecture's numbers, the pass reports and whether the
-    logits are the last position's only.
+    logits are the last position's only. ``notes["converted"]`` says what an
+    onnxruntime-genai graph computed itself and computes now (:mod:`genai_graph`).
     """
     progress(f"specialising {graph_path.name} into {name}")
     graph = load_graph(graph_path)
+    if is_genai_graph(graph):
+        notes["converted"] = from_genai(graph, str(graph_path))
     _check_inputs(graph, graph_path)
     try:
         RenameCachePass()(graph)
+        _cache_in_layer_order(graph)
         dims = _dims(graph, config_dir, graph_path)
         if name == "prefill":
             _empty_past(graph)
@@ -313,6 +332,11 @@ def import_decoder(
     if model_dir is not None:  # its weights are fingerprinted with torch, as an export does
         require_export_extra("kvexport import --model")
     config_dir = source_dir if (source_dir / "config.json").is_file() else model_dir
+    if config_dir is None and (source_dir / "genai_config.json").is_file():
+        raise KvexportError(
+            f"{source_dir}: onnxruntime-genai's export has no config.json; pass --model CHECKPOINT (the checkpoint "
+            "it was built from: its config names the family, and verify compares with it)"
+        )
     family = _family(config_dir)
     options = ExportOptions.resolve(  # again, now that the family decides what --quantize int8 means
         target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache, family=family.name
@@ -322,8 +346,9 @@ def import_decoder(
     graphs: dict[str, ir.Model] = {}
     reports: list[dict[str, Any]] = []
     last_only = True
+    notes: dict[str, Any] = {}
     for name in ("prefill", "decode"):
-        graphs[name], dims, graph_reports, graph_last_only = _specialise(graph_path, name, options, config_dir, progress)
+        graphs[name], dims, graph_reports, graph_last_only = _specialise(graph_path, name, options, config_dir, progress, notes)
         _set_windows(graphs[name], windows)
         reports += graph_reports
         last_only &= graph_last_only
@@ -333,7 +358,7 @@ def import_decoder(
         dims=dims,
         weights_fingerprint=fingerprint,
         options=options,
-        export={"strategy": "import", "imported_from": str(graph_path), "attempts": []},
+        export={"strategy": "import", "imported_from": str(graph_path), "attempts": [], **notes},
         passes=reports,
         tokenizer_dir=source_dir if (source_dir / "tokenizer.json").is_file() else model_dir,
         started=started,
