@@ -345,8 +345,14 @@ class FuseAttentionPass(InPlacePass):
         self.counts = apply_rules(model, [InfiniteMaskToLowest.rule()])
         self.counts.update(apply_rules(model, attention_rules(self.target), explanations))
         if any(node.op_type == "Softmax" for node in model.graph):  # what the multi-head rules left: grouped-query attention
-            from .fuse_grouped_attention import grouped_attention_rules, take_over_presents
+            from .fuse_grouped_attention import (
+                FuseRotary,
+                grouped_attention_rules,
+                take_over_presents,
+            )
 
+            if self.target == "ort":
+                self.counts.update(apply_rules(model, [FuseRotary.rule()], explanations))
             rules, fused = grouped_attention_rules(model, self.target)
             self.counts.update(apply_rules(model, rules, explanations))
             self.counts["presents_taken_over"] = take_over_presents(model.graph, fused)

@@ -30,6 +30,14 @@ back first.
 
 In a graph without a past (prefill) the presents are the new keys and values themselves;
 the fused op's presents take over those graph outputs, so that the op writes the cache.
+
+Before attention is fused (``target="ort"``), :class:`FuseRotary` makes transformers'
+``x * cos + rotate_half(x) * sin`` (about seven ops per query and key: slices, a negation,
+a concat, products and a sum) one ``com.microsoft.RotaryEmbedding``. The angles stay the
+exporter's: the graph computes ``cos`` / ``sin`` [b, s, D] once from ``position_ids`` (with
+whatever rope scaling the model has), and the op reads them as a table of ``b * s`` rows,
+row ``i`` at position ``i``, as kvexport's own export does (``models/grouped_attention.py``),
+so every row keeps its own positions.
 """
 
 from __future__ import annotations
@@ -179,6 +187,90 @@ class FuseGroupedAttention(RewriteRuleClassBase):
         split_heads = op.Constant(value=ir.tensor(np.array([0, 0, heads, head_dim], np.int64)))
         out = op.Reshape(output, split_heads)
         return (out, present_key, present_value) if self.with_past else (out,)
+
+
+class FuseRotary(RewriteRuleClassBase):
+    """``x * cos4 + Concat(-x[..., D/2:], x[..., :D/2]) * sin4`` over ``[b, H, s, D]`` -> ``RotaryEmbedding``.
+
+    ``cos4`` / ``sin4`` are ``Unsqueeze(cos, [1])`` of the ``[b, s, D]`` angles (shared by
+    every layer, so outside the pattern). Where ``x`` is ``Transpose(Reshape(P, [.., H, D]))``
+    of a ``[b, s, H*D]`` projection the op rotates ``P`` itself (the 3-D layout the attention
+    rule then reads without a transpose); otherwise it rotates ``x`` in its 4-D layout.
+    """
+
+    def pattern(self, op: Any, x: ir.Value, cos4: ir.Value, sin4: ir.Value) -> ir.Value:
+        """See the class docstring."""
+        first = op.Slice(x, _Var("first_start"), _Var("first_end"), _Var("first_axis"), _allow_other_inputs=True, _outputs=["first"])
+        second = op.Slice(x, _Var("second_start"), _Var("second_end"), _Var("second_axis"), _allow_other_inputs=True, _outputs=["second"])
+        rotated = op.Concat(op.Neg(second), first, axis=-1)
+        return op.Add(op.Mul(x, cos4), op.Mul(rotated, sin4))
+
+    def check(self, context: Any, x: ir.Value, cos4: ir.Value, sin4: ir.Value, first: ir.Value, second: ir.Value, **_: Any) -> MatchResult:
+        """Halves of a static head size, angles ``Unsqueeze([b, s, D], [1])``."""
+        result = MatchResult()
+        dims = dims_of(x)
+        if dims is None or len(dims) != 4 or not isinstance(dims[3], int) or dims[3] % 2:
+            return result.fail("the rotated tensor has no static even head size", x)
+        half = dims[3] // 2
+        for value, start, end in ((first, 0, half), (second, half, None)):
+            node = value.producer()
+            assert node is not None
+            starts, ends, axes = (const_ints(v) for v in node.inputs[1:4])
+            steps = const_ints(node.inputs[4]) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
+            if starts != [start] or axes not in ([3], [-1]) or steps != [1] or ends is None or len(ends) != 1:
+                return result.fail("not rotate_half's slices of the last axis", value)
+            if (end is not None and ends[0] != end) or (end is None and ends[0] < dims[3]):
+                return result.fail("not rotate_half's slices of the last axis", value)
+        for angles in (cos4, sin4):
+            if _angles(angles, dims[3]) is None:
+                return result.fail("the angles are not Unsqueeze([batch, sequence, head size], [1])", angles)
+        return result
+
+    def rewrite(self, op: Any, x: ir.Value, cos4: ir.Value, sin4: ir.Value, **_: Any) -> ir.Value:
+        """One op over the angles as a per-token table."""
+        dims = dims_of(x)
+        assert dims is not None and isinstance(dims[1], int) and isinstance(dims[3], int)
+        heads, head_dim = dims[1], dims[3]
+        cos, sin = _angles(cos4, head_dim), _angles(sin4, head_dim)
+        assert cos is not None and sin is not None
+        half = op.Constant(value=ir.tensor(np.array([head_dim // 2], np.int64)))
+        zero, last = op.Constant(value=ir.tensor(np.array([0], np.int64))), op.Constant(value=ir.tensor(np.array([-1], np.int64)))
+        rows = op.Constant(value=ir.tensor(np.array([-1, head_dim // 2], np.int64)))
+        tables = [op.Reshape(op.Slice(angles, zero, half, last), rows) for angles in (cos, sin)]
+        tokens = op.Shape(cos, start=0, end=2)
+        count = op.ReduceProd(tokens, keepdims=0)
+        positions = op.Reshape(op.Range(op.Constant(value=ir.tensor(np.array(0, np.int64))), count,
+                                        op.Constant(value=ir.tensor(np.array(1, np.int64)))), tokens)  # fmt: skip
+        projection = _split_projection(x, heads, head_dim)
+        if projection is None:
+            return op.RotaryEmbedding(x, positions, *tables, interleaved=0, _domain=_MS)
+        rotated = op.RotaryEmbedding(projection, positions, *tables, interleaved=0, num_heads=heads, _domain=_MS)
+        split_heads = op.Constant(value=ir.tensor(np.array([0, 0, heads, head_dim], np.int64)))
+        return op.Transpose(op.Reshape(rotated, split_heads), perm=HEADS_FIRST)
+
+
+def _angles(unsqueezed: ir.Value, head_dim: int) -> ir.Value | None:
+    """The ``[b, s, D]`` angles under ``Unsqueeze(angles, [1])``, or None."""
+    node = unsqueezed.producer()
+    if node is None or node.op_type != "Unsqueeze" or const_ints(node.inputs[1]) != [1] or node.inputs[0] is None:
+        return None
+    dims = dims_of(node.inputs[0])
+    return node.inputs[0] if dims is not None and len(dims) == 3 and dims[2] == head_dim else None
+
+
+def _split_projection(x: ir.Value, heads: int, head_dim: int) -> ir.Value | None:
+    """``P`` [b, s, H*D] where ``x`` is ``Transpose(Reshape(P, [.., .., H, D]), [0, 2, 1, 3])``, else None."""
+    transpose = x.producer()
+    if transpose is None or transpose.op_type != "Transpose" or list(transpose.attributes.get_ints("perm", [])) != HEADS_FIRST:
+        return None
+    reshape = transpose.inputs[0].producer() if transpose.inputs[0] is not None else None
+    if reshape is None or reshape.op_type != "Reshape" or reshape.inputs[0] is None:
+        return None
+    target = const_ints(reshape.inputs[1])
+    dims = dims_of(reshape.inputs[0])
+    if target is None or len(target) != 4 or target[2:] != [heads, head_dim] or dims is None or len(dims) != 3 or dims[2] != heads * head_dim:
+        return None
+    return reshape.inputs[0]
 
 
 def _heads(query: ir.Value, key: ir.Value, value: ir.Value) -> tuple[int, int, int] | str:

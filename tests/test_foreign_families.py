@@ -66,6 +66,7 @@ def test_optimum_graph_rewrites_to_one_gqa_per_layer_with_the_same_numbers(famil
     layers = json.loads((FOREIGN / f"checkpoint-{family}" / "config.json").read_text())["num_hidden_layers"]
     assert ops.get("GroupQueryAttention") == layers and "Softmax" not in ops
     assert ops.get("SkipSimplifiedLayerNormalization") == 2 * layers  # RMSNorm fused, residual Adds folded in
+    assert ops.get("RotaryEmbedding") == 2 * layers and "Neg" not in ops  # rotate_half fused, queries and keys
     cache = ir.load(output).graph.inputs[3]
     assert cache.name == "past.0.key" and cache.shape is not None and cache.shape[1] == 2  # KV heads unexpanded
     pad = len(PROMPTS[0]) - len(PROMPTS[1])
@@ -152,6 +153,7 @@ def test_torch_dynamo_graphs_rewrite_to_one_gqa_per_layer_with_the_same_numbers(
         ops = _ops(rewritten[graph])
         assert ops.get("GroupQueryAttention") == layers and "Softmax" not in ops, ops
         assert ops.get("SkipSimplifiedLayerNormalization") == 2 * layers, ops
+        assert ops.get("RotaryEmbedding") == 2 * layers and "Neg" not in ops, ops  # ours at 18, the standard op at 23
     prompt = run_single_graph(graphs / "prefill.onnx", PROMPTS, [])
     prompt_after = run_single_graph(rewritten["prefill"], PROMPTS, [])
     _assert_same_steps(prompt, prompt_after, pad)
