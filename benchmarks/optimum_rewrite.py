@@ -12,7 +12,10 @@ that ``scripts/build_foreign_fixtures.py`` makes (optimum-onnx 0.1.0, transforme
   in-place cache, the only one their GroupQueryAttention takes): its decode.onnx, and the
   Generator on the directory; ``import-int8``: the same with ``--quantize int8`` (Llama-style);
 - ``kvexport``: kvexport's own ``--target ort-cpu --cache concat`` export of the same checkpoint
-  (Llama-style: ``kvexport export --target ort-cpu``).
+  (Llama-style: ``kvexport export --target ort-cpu``);
+- with ``--genai-python`` (a python with onnxruntime-genai's model builder; Llama-style only):
+  ``genai``, the builder's fp32 CPU graph as it is, and ``genai-import``, its
+  ``kvexport import --attention ort``.
 
 Graph columns: nodes, Shape nodes, fused attention ops, Softmax left, MB on disk
 (graphs, weights, and for the directories the tokenizer and manifest). Timing: decode
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +81,24 @@ def graph_counts(path: Path) -> dict[str, int]:
     return {"nodes": len(ops), "shape": ops.count("Shape"), "fused": fused, "softmax": ops.count("Softmax")}
 
 
+HEAD_DIM: list[int] = []  # the checkpoint's, for graphs that leave the cache's head size symbolic (genai's)
+
+
+def _past_inputs(session: Any, read: Any) -> dict[Any, tuple[str, int, int]]:
+    """``kvexport.testing.past_inputs``, with the checkpoint's head size where the graph names it symbolically."""
+    import onnxruntime as ort
+
+    assert isinstance(session, ort.InferenceSession)
+    for arg in session.get_inputs():
+        if arg.name.startswith("past") and not isinstance(arg.shape[3], int):
+            from kvexport.passes.rename_cache import parse_cache_name
+
+            slots = {arg.name: parse_cache_name(arg.name, "past") for arg in session.get_inputs()}
+            return {(s.layer, s.kind): (n, int(a.shape[1]), HEAD_DIM[0]) for a in session.get_inputs()
+                    for n, s in [(a.name, slots[a.name])] if s is not None}  # fmt: skip
+    return dict(read(session))
+
+
 def naive_decode_ms(path: Path, context: int, steps: int) -> float:
     """Median ms per decode step of a plain session.run loop after a ``context``-token prompt."""
     import onnxruntime as ort
@@ -84,7 +106,7 @@ def naive_decode_ms(path: Path, context: int, steps: int) -> float:
     from kvexport.testing import cache_by_slot, past_inputs
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    past_names = past_inputs(session)
+    past_names = _past_inputs(session, past_inputs)
     rng = np.random.default_rng(0)
     # the prompt's cache: random rows of the right shape (timing only)
     feeds = {name: rng.standard_normal((1, h, context, d), dtype=np.float32) for name, h, d in past_names.values()}
@@ -115,7 +137,7 @@ def naive_prefill_ms(path: Path, context: int) -> float:
     from kvexport.testing import past_inputs
 
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    feeds = {name: np.zeros((1, h, 0, d), np.float32) for name, h, d in past_inputs(session).values()}
+    feeds = {name: np.zeros((1, h, 0, d), np.float32) for name, h, d in _past_inputs(session, past_inputs).values()}
     feeds.update(
         {
             "input_ids": np.random.default_rng(2).integers(0, 1000, (1, context)).astype(np.int64),
@@ -150,6 +172,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/optimum-bench"))
     parser.add_argument("--venvs", type=Path, default=Path("/tmp/fx"), help="where build_foreign_fixtures keeps its venvs")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--genai-python", type=Path, help="a python with onnxruntime_genai.models.builder (Llama-style models)")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--results", type=Path, default=ROOT / "benchmarks" / "results")
@@ -181,15 +204,27 @@ def main() -> None:
         _kvexport("export", "--model", str(checkpoint), "--out", str(own), "--target", "ort-cpu", "--force")
     else:
         _kvexport("gpt2", "--model", str(checkpoint), "--out", str(own), "--target", "ort-cpu", "--cache", "concat", "--force")
-    graphs = {"optimum": exported / "model.onnx", "rewrite": rewritten, **{k: d / "decode.onnx" for k, d in directories.items()}}
+    config = json.loads((checkpoint / "config.json").read_text())
+    HEAD_DIM.append(int(config.get("head_dim") or config.get("n_embd", 768) // config.get("n_head", 12)))
+    extra: dict[str, Path] = {}
+    if llama and args.genai_python is not None:
+        built = work / "genai"
+        if not (built / "model.onnx").exists():
+            subprocess.run([str(args.genai_python), "-m", "onnxruntime_genai.models.builder", "-i", str(checkpoint), "-o", str(built),
+                            "-p", "fp32", "-e", "cpu", "-c", str(work / "genai-cache")], check=True, capture_output=True)
+        extra["genai"] = built / "model.onnx"
+        directories["genai-import"] = work / "genai-imported"
+        _kvexport("import", str(built), "--out", str(directories["genai-import"]), "--attention", "ort", "--model", str(checkpoint), "--force")
+    graphs = {"optimum": exported / "model.onnx", "rewrite": rewritten, **extra, **{k: d / "decode.onnx" for k, d in directories.items()}}
     table: dict[str, dict[str, object]] = {name: {**graph_counts(path)} for name, path in graphs.items()}
     on_disk = {"optimum": [exported / "model.onnx"], "rewrite": [rewritten, Path(f"{rewritten}.data")],
+               **{k: list(v.parent.iterdir()) for k, v in extra.items()},
                **{k: list(d.iterdir()) for k, d in directories.items()}}
     for name, files in on_disk.items():
         table[name]["disk_mb"] = round(sum(f.stat().st_size for f in files if f.is_file()) / 1e6, 1)
     naive_graphs = {k: v for k, v in graphs.items() if not (llama and k in directories)}  # in-place graphs need the Generator
     naive: dict[str, list[float]] = {name: [] for name in naive_graphs}
-    prefill: dict[str, list[float]] = {"optimum": [], "rewrite": []}
+    prefill: dict[str, list[float]] = {"optimum": [], "rewrite": [], **{k: [] for k in extra}}
     generator: dict[str, list[tuple[float, float]]] = {name: [] for name in directories}
     for round_ in range(args.rounds):
         for name, path in naive_graphs.items():
