@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import onnx
 import onnx_ir as ir
 
@@ -50,10 +52,17 @@ def annotate_symbolic_shapes(model: ir.Model) -> int:
     from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
     proto = _structure_only(model)
+    # its warnings ("Cannot determine if ... < 0") go to stderr through logging's last
+    # resort: on a refused graph they'd break the one-line error; what it can't tell, it leaves
+    inference_log = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    level = inference_log.level
+    inference_log.setLevel(logging.ERROR)
     try:
         inferred = SymbolicShapeInference.infer_shapes(proto, auto_merge=True)
     except Exception:  # the inference is best effort; the rules then simply don't fire
         return 0
+    finally:
+        inference_log.setLevel(level)
     if inferred is None:
         return 0
     found: dict[str, list[int | str]] = {}

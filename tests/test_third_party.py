@@ -26,6 +26,9 @@ FOREIGN = Path(__file__).parent / "data" / "foreign"
 PROMPTS = [[5, 17, 300, 42, 9, 2047], [88, 1024, 7]]
 TOKENS = [[11, 12], [13, 14], [15, 16], [2000, 1]]
 LAYERS = {"optimum-l2": 2, "optimum-l3": 3, "ortopt-l3": 3, "torchscript-decode-l3": 3}
+# the Llama-style families' fixtures (tests/test_foreign_families.py): Optimum's unfused, the builder's fused
+FAMILY_LAYERS = {"optimum-llama": 2, "optimum-qwen3": 2, "optimum-phi3": 2}
+FUSED_BY_THE_TOOL = {"genai-llama": 2, "genai-qwen3": 2}
 FUSED_OP = {"onnx": "Attention", "ort": "MultiHeadAttention"}
 
 
@@ -64,13 +67,17 @@ def _assert_same_real_outputs(
 
 def test_fixtures_record_the_tools_that_made_them() -> None:
     record = json.loads((FOREIGN / "FIXTURES.json").read_text())
-    assert set(record) == {f"{name}.onnx" for name in LAYERS}
+    assert set(record) == {f"{name}.onnx" for name in [*LAYERS, *FAMILY_LAYERS, *FUSED_BY_THE_TOOL]}
     assert record["optimum-l3.onnx"]["versions"]["transformers"].startswith("4.57.")
     assert record["optimum-l3.onnx"]["versions"]["optimum-onnx"] == "0.1.0"
-    for name, layers in LAYERS.items():
+    assert record["genai-llama.onnx"]["versions"]["onnxruntime-genai"] == "0.18.0"
+    for name, layers in {**LAYERS, **FAMILY_LAYERS}.items():
         model = ir.load(FOREIGN / f"{name}.onnx")
         assert count_attention_ops(model) == 0
         assert count_ops(model, "Softmax") == layers  # nothing fused them
+    for name, layers in FUSED_BY_THE_TOOL.items():
+        model = ir.load(FOREIGN / f"{name}.onnx")
+        assert count_attention_ops(model) == layers and count_ops(model, "Softmax") == 0
 
 
 @pytest.mark.parametrize("target", ["onnx", "ort"])
@@ -130,9 +137,11 @@ def test_a_rule_that_does_not_match_says_why(tmp_path: Path) -> None:
     source = tmp_path / "scaled-by-input.onnx"
     ir.save(model, source)
     result = CliRunner().invoke(main, ["rewrite", str(source), str(tmp_path / "out.onnx"), "--attention", "ort", "--explain"])
-    assert result.exit_code == 0, result.output
-    assert "fuse_attention: OrtAttentionWithPast matched 0 times: check failed" in result.output
-    assert "the attention scale is not a scalar constant" in result.output
+    assert result.exit_code == 2, result.output  # asked to fuse, left unfused: refused, nothing written
+    assert not (tmp_path / "out.onnx").exists()
+    [line] = result.stderr.strip().splitlines()
+    assert "3 attention subgraph(s) left unfused (closest rule OrtAttentionWithPast: check failed" in line
+    assert "the attention scale is not a scalar constant" in line
 
 
 def _rescaled(form: str, path: Path) -> Path:
