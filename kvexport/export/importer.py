@@ -35,7 +35,7 @@ from kvexport.bundle.storage import atomic_output_dir, check_output_dir, load_gr
 from kvexport.errors import KvexportError
 from kvexport.export.calibration import quantize_cache_step
 from kvexport.export.genai_graph import from_genai, is_genai_graph
-from kvexport.export.options import ExportOptions, check_attention
+from kvexport.export.options import ExportOptions, check_attention, refuse_unfused
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.extras import require_export_extra
 from kvexport.models import family_for
@@ -51,7 +51,6 @@ from kvexport.passes.cache_names import canonical_slot
 from kvexport.passes.choices import Attention
 from kvexport.passes.values import ints
 from kvexport.progress import Progress, silent
-from kvexport.tools.rewrite import refuse_unfused
 
 # Optimum's and torch's dim names -> the contract's, per graph.
 _PREFILL_DIMS = {

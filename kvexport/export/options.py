@@ -28,10 +28,14 @@ from kvexport.export.quantization import (
     kv_cache_quantization,
     scheme_knobs,
 )
+from kvexport.passes.choices import Attention
+from kvexport.passes.fuse_attention import unfused_attention
 from kvexport.passes.quantize_cache import CacheQuantization
 from kvexport.passes.quantize_weights import QuantizationConfig
 
 if TYPE_CHECKING:
+    import onnx_ir as ir
+
     from kvexport.models.base import ModelFamily
 
 
@@ -123,4 +127,21 @@ def check_attention(family: ModelFamily, options: ExportOptions) -> None:
         raise KvexportError(
             f"--cache {options.cache.value} with ort attention: {family.name} models take ort attention with "
             "the in-place cache only; drop --cache (or use --cache shared-buffer)"
+        )
+
+
+def refuse_unfused(model: ir.Model, attention: Attention | str, where: str) -> None:
+    """Refuse, in one line, a graph whose attention ``--attention onnx|ort`` asked to fuse but no rule could.
+
+    Raises:
+        KvexportError: Softmax nodes are left; the message has the closest rule's reason.
+
+    """
+    chosen = Attention(attention)
+    if chosen is Attention.UNFUSED:
+        return
+    why = unfused_attention(model, chosen.value)
+    if why:
+        raise KvexportError(
+            f"{where}: --attention {chosen.value}: {why}; nothing written (--attention unfused keeps the attention as it is)"
         )

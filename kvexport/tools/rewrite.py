@@ -25,6 +25,7 @@ from kvexport.bundle.storage import (
     load_graph,
 )
 from kvexport.errors import KvexportError
+from kvexport.export.options import refuse_unfused
 from kvexport.passes import (
     DEFAULT_REWRITE_PASSES,
     PassInputError,
@@ -36,7 +37,6 @@ from kvexport.passes import (
 )
 from kvexport.passes.cache_names import Style
 from kvexport.passes.choices import Attention
-from kvexport.passes.fuse_attention import unfused_attention
 
 
 @dataclass
@@ -102,23 +102,6 @@ def rewrite_graph(
     with created_parents(output):
         data_file = _write_atomically(model, output, data_name)
     return RewriteResult(source, output, data_file, reports)
-
-
-def refuse_unfused(model: ir.Model, attention: Attention | str, where: str) -> None:
-    """Refuse, in one line, a graph whose attention ``--attention onnx|ort`` asked to fuse but no rule could.
-
-    Raises:
-        KvexportError: Softmax nodes are left; the message has the closest rule's reason.
-
-    """
-    chosen = Attention(attention)
-    if chosen is Attention.UNFUSED:
-        return
-    why = unfused_attention(model, chosen.value)
-    if why:
-        raise KvexportError(
-            f"{where}: --attention {chosen.value}: {why}; nothing written (--attention unfused keeps the attention as it is)"
-        )
 
 
 def _write_atomically(model: ir.Model, output: Path, data_name: str) -> Path | None:
