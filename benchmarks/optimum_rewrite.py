@@ -13,6 +13,10 @@ that ``scripts/build_foreign_fixtures.py`` makes (optimum-onnx 0.1.0, transforme
   Generator on the directory; ``import-int8``: the same with ``--quantize int8`` (Llama-style);
 - ``kvexport``: kvexport's own ``--target ort-cpu --cache concat`` export of the same checkpoint
   (Llama-style: ``kvexport export --target ort-cpu``);
+- with ``--dynamo`` (Llama-style only): ``dynamo``, a plain ``torch.onnx.export(dynamo=True)``
+  of the checkpoint (prefill and decode graphs, cache as IO, opset 18: what
+  ``kvexport.testing.export_foreign`` makes), and ``dynamo-rewrite``, both graphs after
+  ``kvexport rewrite --attention ort``; TTFT is the prefill graph's, decode the decode graph's;
 - with ``--genai-python`` (a python with onnxruntime-genai's model builder; Llama-style only):
   ``genai``, the builder's fp32 CPU graph as it is, and ``genai-import``, its
   ``kvexport import --attention ort``.
@@ -172,6 +176,7 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/optimum-bench"))
     parser.add_argument("--venvs", type=Path, default=Path("/tmp/fx"), help="where build_foreign_fixtures keeps its venvs")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dynamo", action="store_true", help="also time torch.onnx.export(dynamo=True) graphs (Llama-style)")
     parser.add_argument("--genai-python", type=Path, help="a python with onnxruntime_genai.models.builder (Llama-style models)")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=24)
@@ -215,10 +220,21 @@ def main() -> None:
         extra["genai"] = built / "model.onnx"
         directories["genai-import"] = work / "genai-imported"
         _kvexport("import", str(built), "--out", str(directories["genai-import"]), "--attention", "ort", "--model", str(checkpoint), "--force")
+    prompt_graphs: dict[str, Path] = {}  # where the TTFT graph is not the decode graph
+    if llama and args.dynamo:
+        dynamo = work / "dynamo"
+        if not (dynamo / "decode.onnx").exists():
+            from kvexport.testing import export_foreign
+
+            export_foreign(dynamo, checkpoint / "config.json", seed=0, style="optimum", exporter="dynamo")
+        for graph in ("prefill", "decode"):
+            _kvexport("rewrite", str(dynamo / f"{graph}.onnx"), str(work / f"dynamo-rewrite-{graph}.onnx"), "--attention", "ort", "--force")
+        extra["dynamo"], extra["dynamo-rewrite"] = dynamo / "decode.onnx", work / "dynamo-rewrite-decode.onnx"
+        prompt_graphs = {"dynamo": dynamo / "prefill.onnx", "dynamo-rewrite": work / "dynamo-rewrite-prefill.onnx"}
     graphs = {"optimum": exported / "model.onnx", "rewrite": rewritten, **extra, **{k: d / "decode.onnx" for k, d in directories.items()}}
     table: dict[str, dict[str, object]] = {name: {**graph_counts(path)} for name, path in graphs.items()}
     on_disk = {"optimum": [exported / "model.onnx"], "rewrite": [rewritten, Path(f"{rewritten}.data")],
-               **{k: list(v.parent.iterdir()) for k, v in extra.items()},
+               **{k: list(v.parent.iterdir()) for k, v in extra.items() if k == "genai"},
                **{k: list(d.iterdir()) for k, d in directories.items()}}
     for name, files in on_disk.items():
         table[name]["disk_mb"] = round(sum(f.stat().st_size for f in files if f.is_file()) / 1e6, 1)
@@ -230,7 +246,7 @@ def main() -> None:
         for name, path in naive_graphs.items():
             naive[name].append(naive_decode_ms(path, args.context, args.steps))
         for name in prefill:
-            prefill[name].append(naive_prefill_ms(graphs[name], args.context))
+            prefill[name].append(naive_prefill_ms(prompt_graphs.get(name, graphs[name]), args.context))
         for name, directory in directories.items():
             generator[name].append(generator_ms(directory, args.context, args.steps))
         print(f"round {round_ + 1}: naive {({k: round(v[-1], 2) for k, v in naive.items()})}, "

@@ -281,6 +281,20 @@ class SharedBufferCachePass(InPlacePass):
                 bias = padding[dtype]
                 self.counts["bias_replaced"] += 1
             if node.op_type == "GroupQueryAttention":  # fused already: the buffers and the bias are all that change
+                # Lengths made here, after the shape folding: in a prefill graph the mask's width and
+                # the tokens' length share a dim name, so a length made before may read the tokens'.
+                # (onnxruntime-genai's count the mask's ones, which a left-padded row gets wrong.)
+                if not lengths:
+                    lengths.append(mask_lengths(graph, mask))
+                node.replace_input_with(5, lengths[0][0])
+                node.replace_input_with(6, lengths[0][1])
+                # The exporter's bias was made for its own cache (its causal part counts the past it
+                # was given, none in a prefill graph); over the buffer the op masks causally itself,
+                # so the padding is all the bias says (a sliding window is the op's local_window_size).
+                dtype = node.inputs[0].dtype if node.inputs[0] is not None and node.inputs[0].dtype else ir.DataType.FLOAT
+                if dtype not in padding:
+                    padding[dtype] = padding_bias(graph, mask, queries, dtype)
+                bias = padding[dtype]
                 total = _adopt(node, past, bias, shape)
                 self.counts["attention_adopted"] += 1
                 continue
@@ -317,7 +331,8 @@ class SharedBufferCachePass(InPlacePass):
 
 def _adopt(node: ir.Node, past: list[ir.Value], bias: ir.Value | None, shape: ir.Shape) -> ir.Value:
     """A fused GroupQueryAttention reads and writes the shared buffers ``past`` (and ``bias``); returns its total length."""
-    assert len(node.inputs) >= 11  # as fuse_grouped_attention (or genai_graph) leaves it
+    if len(node.inputs) < 11:
+        node.resize_inputs(11)
     node.replace_input_with(3, past[0])
     node.replace_input_with(4, past[1])
     node.replace_input_with(10, bias)

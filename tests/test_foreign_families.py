@@ -57,6 +57,24 @@ def _assert_same_steps(source: list[dict[str, np.ndarray]], rewritten: list[dict
             np.testing.assert_allclose(after[canonical][1, :, pad:], before[name][1, :, pad:], atol=2e-5, rtol=1e-4)
 
 
+def _assert_generator_keeps_pytorchs_tokens(directory: Path, checkpoint: Path) -> None:
+    """The Generator (in-place: the prefill graph runs the decode steps too) gives PyTorch's greedy tokens, left-padded."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from kvexport import Generator
+    from kvexport.testing import left_padded_batch
+
+    rows = np.random.default_rng(1).integers(0, 1000, (2, 20)).tolist()
+    ids, mask, _ = left_padded_batch([rows[0], rows[1][:13]])  # prompts longer than a few tokens, one left-padded
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    with torch.no_grad():
+        want = model.generate(torch.tensor(ids), attention_mask=torch.tensor(mask), max_new_tokens=5, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)[:, ids.shape[1]:]  # fmt: skip
+    got = Generator(directory).generate(ids, attention_mask=mask, max_new_tokens=5, eos_token_id=-1)[:, ids.shape[1]:]
+    assert got.tolist() == want.tolist()
+
+
 @pytest.mark.parametrize("family", OPTIMUM_FAMILIES)
 def test_optimum_graph_rewrites_to_one_gqa_per_layer_with_the_same_numbers(family: str, tmp_path: Path) -> None:
     source = FOREIGN / f"optimum-{family}.onnx"
@@ -92,6 +110,7 @@ def test_optimum_graph_imports_to_a_directory_that_verifies_and_serves(family: s
     verified = CliRunner().invoke(main, ["verify", str(out)])
     assert verified.exit_code == 0, verified.output
     assert verified.output.strip().splitlines()[-1].startswith("PASS")
+    _assert_generator_keeps_pytorchs_tokens(out, checkpoint)
     if family == "llama":  # served: greedy tokens as PyTorch's from the checkpoint
         import torch
         from fastapi.testclient import TestClient
@@ -212,3 +231,4 @@ def test_genai_builder_graph_imports_with_positions_and_lengths_as_kvexport_comp
         assert sum(1 for n in model.graph if n.op_type == "RotaryEmbedding") == 4
     verified = CliRunner().invoke(main, ["verify", str(out)])  # left-padded and ragged rows included
     assert verified.exit_code == 0, verified.output
+    _assert_generator_keeps_pytorchs_tokens(out, checkpoint)

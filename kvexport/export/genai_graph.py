@@ -14,10 +14,13 @@ inputs or computes otherwise:
 :func:`from_genai` rewrites each such op so that the graph computes what kvexport's runtime
 expects: a ``position_ids`` input [batch, sequence]; the packed QKV split into query, key
 and value (where they are packed), query and key rotated by ``com.microsoft.RotaryEmbedding`` at ``position_ids``
-with the builder's own tables, and ``do_rotary=0``; ``seqlens_k`` the index of each row's
-last 1 and a padding bias, as ``passes.shared_buffer_cache`` computes them. The op is then
-marked as fused over the exporter's cache, so the in-place cache pass adopts it as it
-adopts the ones ``fuse_attention`` makes. What it changed goes into the manifest.
+with the builder's own tables, and ``do_rotary=0``. The op is then marked as fused over
+the exporter's cache, so the in-place cache pass (``passes.shared_buffer_cache``) adopts it
+as it adopts the ones ``fuse_attention`` makes; the mark also tells that pass to replace the
+builder's lengths by its own (the index of each row's last 1) and to add the padding bias.
+That runs after the shape folding, which would otherwise read the mask's width off
+``input_ids`` in the prefill graph, where both are named ``sequence``. What changed goes
+into the manifest.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import onnx_ir as ir
 
 from kvexport.errors import KvexportError
 from kvexport.passes.fuse_grouped_attention import GQA_MARK
-from kvexport.passes.shared_buffer_cache import mask_lengths, padding_bias
 from kvexport.passes.values import initializer
 
 _MS = "com.microsoft"
@@ -59,8 +61,6 @@ def from_genai(model: ir.Model, where: str) -> dict[str, Any]:
         raise KvexportError(f"{where}: an onnxruntime-genai graph without input_ids or attention_mask; import can't drive it")
     positions = ir.Value(name="position_ids", shape=ir.Shape(ids.shape) if ids.shape else None, type=ir.TensorType(ir.DataType.INT64))
     graph.inputs.insert(list(graph.inputs).index(mask) + 1, positions)
-    seqlens, total = mask_lengths(graph, mask)
-    biases: dict[ir.DataType, ir.Value] = {}
     converted = 0
     for node in [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == _MS]:
         if not node.attributes.get_int("do_rotary", 0):
@@ -93,14 +93,9 @@ def from_genai(model: ir.Model, where: str) -> dict[str, Any]:
             for tensor, count in ((query, heads), (key, kv_heads))
         ]  # fmt: skip
         graph.insert_before(node, [*created, *rotated])
-        dtype = packed.dtype or ir.DataType.FLOAT
-        if dtype not in biases:
-            biases[dtype] = padding_bias(graph, mask, ids, dtype)
-        new_inputs = [rotated[0].outputs[0], rotated[1].outputs[0], value, *node.inputs[3:5], seqlens, total,
-                      None, None, None, biases[dtype]]  # fmt: skip
-        node.resize_inputs(max(len(node.inputs), len(new_inputs)))
-        for index, value in enumerate(new_inputs):
-            node.replace_input_with(index, value)
+        new_inputs = [rotated[0].outputs[0], rotated[1].outputs[0], value, *node.inputs[3:7], None, None]
+        for index, input_value in enumerate(new_inputs):
+            node.replace_input_with(index, input_value)
         node.attributes["do_rotary"] = ir.AttrInt64("do_rotary", 0)
         node.metadata_props[GQA_MARK] = "genai"
         for present in node.outputs[1:3]:

@@ -250,6 +250,11 @@ def _specialise(
     progress(f"specialising {graph_path.name} into {name}")
     graph = load_graph(graph_path)
     if is_genai_graph(graph):
+        if options.attention is not Attention.ORT or not options.in_place_cache:
+            raise KvexportError(
+                f"{graph_path}: onnxruntime-genai's graph is fused already (ONNX Runtime's GroupQueryAttention): "
+                "import it with --attention ort and the in-place cache"
+            )
         notes["converted"] = from_genai(graph, str(graph_path))
     _check_inputs(graph, graph_path)
     try:
