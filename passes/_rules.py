@@ -57,14 +57,19 @@ def explain_miss(model: ir.Model, rule: RewriteRule) -> str:
     a failed ``check`` gives the rule's own reason; a pattern that stops short says so.
     Matching under a tracer changes nothing in the model.
     """
+    return closest_miss(model, rule)[1]
+
+
+def closest_miss(model: ir.Model, rule: RewriteRule) -> tuple[int, str]:
+    """:func:`explain_miss`'s answer with the number of pattern nodes its closest match matched (0: none)."""
     tracer = MatchingTracer()
     RewriteRuleSet([rule]).apply_to_model(model, tracer=tracer)
     matches = tracer.best_matches_map.get(rule) or []
     if not matches:
-        return "no node looks like the pattern's output"
+        return 0, "no node looks like the pattern's output"
     best = matches[0]
     nodes = len(best.match_result.nodes)
     reason = best.match_result.reason or "the pattern did not match"
     stage = "check failed" if best.status.name == "CONDITION_FAILED" else "pattern stopped"
     where = best.root_node.name or best.root_node.op_type
-    return f"{stage} at {where} ({nodes} nodes matched): {reason}"
+    return nodes, f"{stage} at {where} ({nodes} nodes matched): {reason}"

@@ -108,29 +108,11 @@ class _FuseAttention(RewriteRuleClassBase):
         return op.Transpose(out, perm=heads_first), present_key, present_value
 
     def check(
-        self,
-        context: Any,
-        query: ir.Value,
-        query_shape: ir.Value,
-        key_shape: ir.Value,
-        value_shape: ir.Value,
-        query_scale: ir.Value | None = None,
-        key_scale: ir.Value | None = None,
-        divisor: ir.Value | None = None,
-        scale_after: ir.Value | None = None,
-        causal: ir.Value | None = None,
-        causal_fill: ir.Value | None = None,
-        mask_bias: ir.Value | None = None,
-        zero: ir.Value | None = None,
-        **_: Any,
+        self, context: Any, query: ir.Value, query_shape: ir.Value, key_shape: ir.Value, value_shape: ir.Value, **bindings: Any
     ) -> MatchResult:
         """Heads and head dim are constants, the scale is a scalar, the masks are 4-D."""
-        result = MatchResult()
-        numbers = _attention_numbers(query, query_shape, key_shape, value_shape, query_scale, key_scale, divisor, scale_after)
-        if isinstance(numbers, str):
-            return result.fail(numbers)
-        problem = scores_problem(numbers.heads, causal, causal_fill, mask_bias, zero)
-        return result.fail(problem) if problem else result
+        numbers = _attention_numbers(query, query_shape, key_shape, value_shape, Scores.of(bindings))
+        return MatchResult().fail(numbers) if isinstance(numbers, str) else MatchResult()
 
     def rewrite(
         self,
@@ -143,20 +125,14 @@ class _FuseAttention(RewriteRuleClassBase):
         value_shape: ir.Value,
         past_key: ir.Value | None = None,
         past_value: ir.Value | None = None,
-        query_scale: ir.Value | None = None,
-        key_scale: ir.Value | None = None,
-        divisor: ir.Value | None = None,
-        scale_after: ir.Value | None = None,
-        causal: ir.Value | None = None,
-        causal_fill: ir.Value | None = None,
-        mask_bias: ir.Value | None = None,
-        **_: Any,
+        **bindings: Any,
     ) -> tuple[ir.Value, ir.Value, ir.Value]:
         """One fused op; its 3-D output goes back to [b, s, H, D] where the old output was."""
-        numbers = _attention_numbers(query, query_shape, key_shape, value_shape, query_scale, key_scale, divisor, scale_after)
+        scores = Scores.of(bindings)
+        numbers = _attention_numbers(query, query_shape, key_shape, value_shape, scores)
         assert not isinstance(numbers, str)  # check() accepted this match
         past = (past_key, past_value) if self.with_past else (None, None)
-        mask_bias = combined_bias(op, causal, causal_fill, mask_bias)
+        mask_bias = scores.bias(op)
         if self.target == "onnx":
             output, present_key, present_value = op.Attention(
                 query,
@@ -195,8 +171,7 @@ def attention_probs(op: Any, q: Any, key_t: Any) -> Any:
 
     Each choice is between different op types, so onnxscript dispatches on the op it finds
     instead of backtracking (it does not undo a failed alternative's bindings when two
-    alternatives share pattern nodes). Its variables are those :func:`scores_problem`,
-    :func:`combined_bias` and :func:`attention_scale` read.
+    alternatives share pattern nodes). Its variables are :class:`Scores`' fields.
     """
     product = op.MatMul(
         OrValue([op.Mul(q, _Var("query_scale")), q]), OrValue([op.Mul(key_t, _Var("key_scale")), key_t])
@@ -208,42 +183,75 @@ def attention_probs(op: Any, q: Any, key_t: Any) -> Any:
     return OrValue([op.Where(op.IsNaN(probs), _Var("zero"), probs), probs])
 
 
-def scores_problem(
-    heads: int,
-    causal: ir.Value | None,
-    causal_fill: ir.Value | None,
-    mask_bias: ir.Value | None,
-    zero: ir.Value | None,
-) -> str:
-    """Why :func:`attention_probs`' match can't be fused (empty if it can): NaN guard, fills, mask shapes."""
-    if zero is not None and const_float(zero) != 0.0:
-        return "NaNs are not replaced by 0"
-    if causal is not None and not is_lowest(causal_fill):
-        return "the causal Where does not fill with -inf or the lowest float"
-    for bias in (causal, mask_bias):
-        if bias is None:
-            continue
-        bias_dims = dims_of(bias)
-        if bias.shape is None or len(bias.shape) != 4:
-            return "a mask is not 4-D"
-        if bias_dims is not None and bias_dims[1] not in (1, heads):
-            return "a mask has a head dim that is neither 1 nor the heads"
-    return ""
+class Scores(NamedTuple):
+    """The variables :func:`attention_probs` binds (None where the match took another alternative)."""
 
+    query_scale: ir.Value | None = None
+    key_scale: ir.Value | None = None
+    divisor: ir.Value | None = None
+    scale_after: ir.Value | None = None
+    causal: ir.Value | None = None
+    causal_fill: ir.Value | None = None
+    mask_bias: ir.Value | None = None
+    zero: ir.Value | None = None
 
-def combined_bias(op: Any, causal: ir.Value | None, causal_fill: ir.Value | None, mask_bias: ir.Value | None) -> ir.Value | None:
-    """One additive bias for the fused op: the causal Where's bias plus the mask's.
+    @classmethod
+    def of(cls, bindings: dict[str, Any]) -> Scores:
+        """The scores' part of a rule's bindings."""
+        return cls(*(bindings.get(name) for name in cls._fields))
 
-    ``Where(c, s, fill) + m`` equals ``s + (Where(c, 0, fill) + m)`` wherever ``c``
-    holds, and where it does not both are ``fill + m`` (``s`` vanishes next to the
-    lowest float), so the fused op sees the same scores.
-    """
-    if causal is None:
-        return mask_bias
-    assert causal_fill is not None and causal_fill.const_value is not None
-    zero = np.zeros((), dtype=causal_fill.const_value.numpy().dtype)
-    causal_bias = op.Where(causal, op.Constant(value=ir.tensor(zero)), causal_fill)
-    return causal_bias if mask_bias is None else op.Add(causal_bias, mask_bias)
+    def problem(self, heads: int) -> str:
+        """Why the match can't be fused (empty if it can): scale, NaN guard, fills, mask shapes."""
+        if self.scale() is None:
+            return "the attention scale is not a scalar constant"
+        if self.zero is not None and const_float(self.zero) != 0.0:
+            return "NaNs are not replaced by 0"
+        if self.causal is not None and not is_lowest(self.causal_fill):
+            return "the causal Where does not fill with -inf or the lowest float"
+        for bias in (self.causal, self.mask_bias):
+            if bias is None:
+                continue
+            bias_dims = dims_of(bias)
+            if bias.shape is None or len(bias.shape) != 4:
+                return "a mask is not 4-D"
+            if bias_dims is not None and bias_dims[1] not in (1, heads):
+                return "a mask has a head dim that is neither 1 nor the heads"
+        return ""
+
+    def bias(self, op: Any) -> ir.Value | None:
+        """One additive bias for the fused op: the causal Where's bias plus the mask's.
+
+        ``Where(c, s, fill) + m`` equals ``s + (Where(c, 0, fill) + m)`` wherever ``c``
+        holds, and where it does not both are ``fill + m`` (``s`` vanishes next to the
+        lowest float), so the fused op sees the same scores.
+        """
+        if self.causal is None:
+            return self.mask_bias
+        assert self.causal_fill is not None and self.causal_fill.const_value is not None
+        zero = np.zeros((), dtype=self.causal_fill.const_value.numpy().dtype)
+        causal_bias = op.Where(self.causal, op.Constant(value=ir.tensor(zero)), self.causal_fill)
+        return causal_bias if self.mask_bias is None else op.Add(causal_bias, self.mask_bias)
+
+    def scale(self) -> float | None:
+        """The softmax scale of whichever scaling the pattern matched; None if not a constant.
+
+        SDPA scales query and key by ``c`` each (``c * c``); eager attention divides (or
+        multiplies) the scores after the MatMul; some exporters scale only one operand.
+        Each factor that is absent is 1.
+        """
+        scale = 1.0
+        for factor in (self.query_scale, self.key_scale, self.scale_after):
+            if factor is not None:
+                found = const_float(factor)
+                if found is None:
+                    return None
+                scale *= found
+        if self.divisor is not None:
+            found = const_float(self.divisor)
+            if not found:
+                return None
+            scale /= found
+        return scale
 
 
 class _AttentionNumbers(NamedTuple):
@@ -255,14 +263,7 @@ class _AttentionNumbers(NamedTuple):
 
 
 def _attention_numbers(
-    query: ir.Value,
-    query_shape: ir.Value,
-    key_shape: ir.Value,
-    value_shape: ir.Value,
-    query_scale: ir.Value | None,
-    key_scale: ir.Value | None,
-    divisor: ir.Value | None,
-    scale_after: ir.Value | None,
+    query: ir.Value, query_shape: ir.Value, key_shape: ir.Value, value_shape: ir.Value, scores: Scores
 ) -> _AttentionNumbers | str:
     """Heads, head size and scale read off a match, or why they can't be (for ``check``)."""
     shapes = [const_ints(s) for s in (query_shape, key_shape, value_shape)]
@@ -274,37 +275,12 @@ def _attention_numbers(
     query_dims = dims_of(query)
     if query_dims is None or len(query_dims) != 3 or query_dims[2] != heads * head_dim:
         return "the query is not a [batch, sequence, heads * head_dim] tensor"
-    scale = attention_scale(query_scale, key_scale, divisor, scale_after)
-    if scale is None:
-        return "the attention scale is not a scalar constant"
+    problem = scores.problem(heads)
+    if problem:
+        return problem
+    scale = scores.scale()
+    assert scale is not None  # problem() checked it
     return _AttentionNumbers(heads, head_dim, scale)
-
-
-def attention_scale(
-    query_scale: ir.Value | None,
-    key_scale: ir.Value | None,
-    divisor: ir.Value | None,
-    scale_after: ir.Value | None,
-) -> float | None:
-    """The softmax scale of whichever scaling the pattern matched; None if not a constant.
-
-    SDPA scales query and key by ``c`` each (``c * c``); eager attention divides (or
-    multiplies) the scores after the MatMul; some exporters scale only one operand.
-    Each factor that is absent is 1.
-    """
-    scale = 1.0
-    for factor in (query_scale, key_scale, scale_after):
-        if factor is not None:
-            found = const_float(factor)
-            if found is None:
-                return None
-            scale *= found
-    if divisor is not None:
-        found = const_float(divisor)
-        if not found:
-            return None
-        scale /= found
-    return scale
 
 
 def attention_rules(target: AttentionTarget) -> list[RewriteRule]:
@@ -369,7 +345,7 @@ def unfused_attention(model: ir.Model, target: AttentionTarget) -> str:
     that matched the most nodes). Matching under the tracer may add ``attention_mask``'s
     length nodes to the graph; call it on a graph that is refused anyway.
     """
-    from ._rules import explain_miss
+    from ._rules import closest_miss
     from .fuse_grouped_attention import grouped_attention_rules
 
     left = sum(1 for node in model.graph if node.op_type == "Softmax")
@@ -377,8 +353,7 @@ def unfused_attention(model: ir.Model, target: AttentionTarget) -> str:
         return ""
     best, best_nodes = "", -1
     for rule in [*attention_rules(target), *grouped_attention_rules(model, target)[0]]:
-        why = explain_miss(model, rule)
-        nodes = int(why.split(" nodes matched")[0].rsplit("(", 1)[-1]) if " nodes matched" in why else 0
+        nodes, why = closest_miss(model, rule)
         if nodes > best_nodes:
             best, best_nodes = f"{rule.name}: {why}", nodes
     return f"{left} attention subgraph(s) left unfused (closest rule {best})"

@@ -50,14 +50,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 from onnxscript.rewriter.pattern import Var as _Var
 
-from .fuse_attention import (
-    AttentionTarget,
-    attention_probs,
-    attention_scale,
-    combined_bias,
-    scores_problem,
-)
-from .values import const_ints, dims_of
+from .fuse_attention import AttentionTarget, Scores, attention_probs
+from .values import const_ints, dims_of, take_graph_output
 
 GQA_MARK = "kvexport.gqa_cache"  # node metadata: a fused GroupQueryAttention whose cache IO is still the exporter's
 HEADS_FIRST = [0, 2, 1, 3]
@@ -113,15 +107,7 @@ class FuseGroupedAttention(RewriteRuleClassBase):
         value: ir.Value,
         key_axes: ir.Value | None = None,
         value_axes: ir.Value | None = None,
-        query_scale: ir.Value | None = None,
-        key_scale: ir.Value | None = None,
-        divisor: ir.Value | None = None,
-        scale_after: ir.Value | None = None,
-        causal: ir.Value | None = None,
-        causal_fill: ir.Value | None = None,
-        mask_bias: ir.Value | None = None,
-        zero: ir.Value | None = None,
-        **_: Any,
+        **bindings: Any,
     ) -> MatchResult:
         """Static heads that group evenly, a constant scale, 4-D masks, an attention_mask to read lengths from."""
         result = MatchResult()
@@ -132,9 +118,7 @@ class FuseGroupedAttention(RewriteRuleClassBase):
             return result.fail("the cache heads are not repeated along a new axis 2 (transformers' repeat_kv)")
         if not self.repeated and heads[0] != heads[1]:
             return result.fail("fewer cache heads than query heads, but the cache is not repeated")
-        if attention_scale(query_scale, key_scale, divisor, scale_after) is None:
-            return result.fail("the attention scale is not a scalar constant")
-        problem = scores_problem(heads[0], causal, causal_fill, mask_bias, zero)
+        problem = Scores.of(bindings).problem(heads[0])
         if problem:
             return result.fail(problem)
         if self.target == "ort" and self.lengths() is None:
@@ -149,21 +133,14 @@ class FuseGroupedAttention(RewriteRuleClassBase):
         value: ir.Value,
         past_key: ir.Value | None = None,
         past_value: ir.Value | None = None,
-        query_scale: ir.Value | None = None,
-        key_scale: ir.Value | None = None,
-        divisor: ir.Value | None = None,
-        scale_after: ir.Value | None = None,
-        causal: ir.Value | None = None,
-        causal_fill: ir.Value | None = None,
-        mask_bias: ir.Value | None = None,
-        **_: Any,
+        **bindings: Any,
     ) -> tuple[ir.Value, ...]:
         """One fused op; its ``[b, s, H*D]`` output goes back to ``[b, s, H, D]``."""
         found = _heads(query, key, value)
         assert not isinstance(found, str)  # check() accepted this match
         heads, kv_heads, head_dim = found
-        scale = attention_scale(query_scale, key_scale, divisor, scale_after)
-        bias = combined_bias(op, causal, causal_fill, mask_bias)
+        scores = Scores.of(bindings)
+        scale, bias = scores.scale(), scores.bias(op)
         past = (past_key, past_value) if self.with_past else (None, None)
         q, k, v = (_tokens_first(op, x) for x in (query, key, value))
         if self.target == "onnx":
@@ -306,14 +283,9 @@ def take_over_presents(graph: ir.Graph, fused: list[tuple[ir.Node, ir.Value, ir.
     moved = 0
     for node, key, value in fused:
         for source, present in ((key, node.outputs[1]), (value, node.outputs[2])):
-            if not source.is_graph_output():
-                continue
-            position = list(graph.outputs).index(source)
-            name = source.name
-            source.name = f"{name}.exported"
-            present.name, present.shape = name, source.shape
-            graph.outputs[position] = present
-            moved += 1
+            if source.is_graph_output():
+                take_graph_output(graph, source, present, source.shape)
+                moved += 1
     return moved
 
 

@@ -45,7 +45,7 @@ from ._masks import is_mask_where, padding_condition
 from .cache_names import canonical_slot
 from .errors import PassInputError
 from .fuse_grouped_attention import GQA_MARK
-from .values import initializer
+from .values import initializer, take_graph_output
 
 CAPACITY_DIM = "max_sequence"
 PADDING_BIAS = "kvexport.padding_bias"  # the name of padding_bias's value: a bias that needs no replacing
@@ -311,12 +311,7 @@ class SharedBufferCachePass(InPlacePass):
             for old, new in zip(node.outputs[:3], gqa.outputs, strict=True):
                 new.shape, new.type = old.shape, old.type
                 if old.is_graph_output():
-                    position = list(graph.outputs).index(old)
-                    name = old.name
-                    old.name = f"{name}.replaced"
-                    graph.outputs[position] = new
-                    new.name = name
-                    new.shape = shape
+                    take_graph_output(graph, old, new, shape)
                 ir.convenience.replace_all_uses_with(old, new)
             graph.remove(node, safe=True)
             self.counts["attention_converted"] += 1

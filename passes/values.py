@@ -21,6 +21,18 @@ def initializer(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
     graph.register_initializer(constant)
     return constant
 
+def take_graph_output(graph: ir.Graph, old: ir.Value, new: ir.Value, shape: ir.Shape | None) -> None:
+    """``new`` becomes the graph output ``old`` was, in its place and under its name, with ``shape``.
+
+    ``old`` stays in the graph (renamed ``<name>.replaced``) for whatever still reads it.
+    """
+    position = list(graph.outputs).index(old)
+    name = old.name
+    old.name = f"{name}.replaced"
+    graph.outputs[position] = new
+    new.name, new.shape = name, shape
+
+
 def ints(graph: ir.Graph, value: int | list[int]) -> ir.Value:
     """A shared int64 initializer holding ``value`` (a scalar or a 1-D list), named by its values."""
     array = np.array(value, np.int64)

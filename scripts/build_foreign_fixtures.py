@@ -184,6 +184,26 @@ def _single_file(directory: Path, target: Path) -> None:
     onnx.save(model, str(target), save_as_external_data=False)
 
 
+def _optimum_fixture(optimum: Path, work: Path, name: str, script: str, argument: str) -> dict[str, object]:
+    """``checkpoint-<name>`` made by ``script`` (given ``argument``), exported by Optimum to ``optimum-<name>.onnx``; its record."""
+    checkpoint = OUT / f"checkpoint-{name}"
+    _run([str(optimum), "-c", script, str(checkpoint), argument])
+    shutil.copy(TOKENIZER, checkpoint / "tokenizer.json")
+    exported = work / f"optimum-{name}"
+    shutil.rmtree(exported, ignore_errors=True)
+    _run(
+        [str(optimum.parent / "optimum-cli"), "export", "onnx", "--model", str(checkpoint),
+         "--task", "text-generation-with-past", str(exported)],
+        cwd=work,
+    )
+    _single_file(exported, OUT / f"optimum-{name}.onnx")
+    return {
+        "tool": "optimum-cli export onnx --task text-generation-with-past",
+        "source": checkpoint.name,
+        "versions": _versions(optimum, ["optimum-onnx", "optimum", "transformers", "torch", "onnx"]),
+    }
+
+
 def main() -> None:
     """Build every fixture and write FIXTURES.json."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -197,40 +217,9 @@ def main() -> None:
         shutil.rmtree(OUT)
     OUT.mkdir(parents=True)
     record: dict[str, object] = {}
-    for layers in (2, 3):
-        checkpoint = OUT / f"checkpoint-l{layers}"
-        _run([str(optimum), "-c", CHECKPOINT, str(checkpoint), str(layers)])
-        shutil.copy(TOKENIZER, checkpoint / "tokenizer.json")
-        exported = work / f"optimum-l{layers}"
-        shutil.rmtree(exported, ignore_errors=True)
-        _run(
-            [str(optimum.parent / "optimum-cli"), "export", "onnx", "--model", str(checkpoint),
-             "--task", "text-generation-with-past", str(exported)],
-            cwd=work,
-        )
-        _single_file(exported, OUT / f"optimum-l{layers}.onnx")
-        record[f"optimum-l{layers}.onnx"] = {
-            "tool": "optimum-cli export onnx --task text-generation-with-past",
-            "source": checkpoint.name,
-            "versions": _versions(optimum, ["optimum-onnx", "optimum", "transformers", "torch", "onnx"]),
-        }
-    for family in FAMILIES:
-        checkpoint = OUT / f"checkpoint-{family}"
-        _run([str(optimum), "-c", FAMILY_CHECKPOINT, str(checkpoint), family])
-        shutil.copy(TOKENIZER, checkpoint / "tokenizer.json")
-        exported = work / f"optimum-{family}"
-        shutil.rmtree(exported, ignore_errors=True)
-        _run(
-            [str(optimum.parent / "optimum-cli"), "export", "onnx", "--model", str(checkpoint),
-             "--task", "text-generation-with-past", str(exported)],
-            cwd=work,
-        )
-        _single_file(exported, OUT / f"optimum-{family}.onnx")
-        record[f"optimum-{family}.onnx"] = {
-            "tool": "optimum-cli export onnx --task text-generation-with-past",
-            "source": checkpoint.name,
-            "versions": _versions(optimum, ["optimum-onnx", "optimum", "transformers", "torch", "onnx"]),
-        }
+    for name, script, argument in [*((f"l{n}", CHECKPOINT, str(n)) for n in (2, 3)),
+                                   *((family, FAMILY_CHECKPOINT, family) for family in FAMILIES)]:  # fmt: skip
+        record[f"optimum-{name}.onnx"] = _optimum_fixture(optimum, work, name, script, argument)
     for family in GENAI_FAMILIES:
         built = work / f"genai-{family}"
         shutil.rmtree(built, ignore_errors=True)

@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 import onnx_ir as ir
+from onnx_ir.passes.common import TopologicalSortPass
 
 from kvexport.errors import KvexportError
 from kvexport.passes.fuse_grouped_attention import GQA_MARK
@@ -105,8 +106,6 @@ def from_genai(model: ir.Model, where: str) -> dict[str, Any]:
             if past is not None and past.shape is not None and len(past.shape) == 4:
                 past.shape = ir.Shape([*past.shape[:3], head_dim])
         converted += 1
-    from onnx_ir.passes.common import TopologicalSortPass
-
     TopologicalSortPass()(model)
     return {
         "tool": "onnxruntime-genai model builder",
