@@ -116,13 +116,17 @@ class SlotCache:
         self.banks = CacheBanks(len(self.past), slots * int(np.prod(self.row_shape)), self.cache_dtype, device, banks=1)
         self._row_bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (session, row) -> binding
 
-    def bind(self, binding: ort.IOBinding, first: int, rows: int) -> None:
-        """Bind past and present of every layer to rows ``first..first+rows`` of the buffers."""
+    def bind(self, binding: ort.IOBinding, first: int, rows: int, *, prefix: str = "") -> None:
+        """Bind past and present of every layer to rows ``first..first+rows`` of the buffers.
+
+        ``prefix`` names another set of cache inputs and outputs (the mixed step's
+        ``decode.past.*`` / ``decode.present.*``), bound to the same buffers.
+        """
         shape = [rows, *self.row_shape]
         for index, (past, present) in enumerate(zip(self.past, self.present, strict=True)):
             pointer = self.banks.pointers[0][index] + first * self.row_bytes
-            binding.bind_input(past, self.banks.device, 0, self.cache_dtype, shape, pointer)
-            binding.bind_output(present, self.banks.device, 0, self.cache_dtype, shape, pointer)
+            binding.bind_input(prefix + past, self.banks.device, 0, self.cache_dtype, shape, pointer)
+            binding.bind_output(prefix + present, self.banks.device, 0, self.cache_dtype, shape, pointer)
 
     def run_piece(self, session: ort.InferenceSession, row: int, piece: Sequence[int], start: int) -> np.ndarray:
         """Run ``piece`` at batch 1 after the ``start`` tokens cached in ``row`` (the prefill graph).

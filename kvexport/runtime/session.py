@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 
 from kvexport.bundle.storage import check_external_data
@@ -76,13 +77,18 @@ def session_options(intra_op_threads: int | None = None, *, spinning: bool = Fal
     while after every run. With prefill and decode loaded side by side, one session's
     spinning threads then compete with the other's workers for the same cores: measured
     on 2 cores (GPT-2 124M), TTFT went from ~127 to ~165 ms from the second generation
-    on. Threads that sleep between runs cost less than that. ``spinning`` is for a process
-    with one session (the serving engine), where nothing competes with them.
+    on. Threads that sleep between runs cost less than that. ``spinning`` lets them spin
+    between the nodes of a run and stops them at its end (``session.force_spinning_stop``),
+    for the serving engine: its prefill and mixed-step sessions run in turn, and spinning
+    past a run slowed the other session's next call (a 128-token chunk and a 16-row decode
+    1.2x) and, with one session alone, gained nothing measurable (2 cores, AVX2).
     """
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
+    if spinning:  # between its nodes only: threads still spinning after a run slow what runs next
+        options.add_session_config_entry("session.force_spinning_stop", "1")
     if intra_op_threads:
         options.intra_op_num_threads = intra_op_threads
     return options
@@ -112,3 +118,26 @@ def open_session(
         raise ManifestError(
             f"{graph_path}: ONNX Runtime cannot load this graph ({first[:300]})"
         ) from exc
+
+
+def open_mixed_session(
+    graph_path: Path, provider: str = "cpu", options: ort.SessionOptions | None = None
+) -> ort.InferenceSession:
+    """Open the mixed step's graph, derived from an in-place prefill graph (:func:`kvexport.passes.mixed_step.mixed_step`).
+
+    The graph is derived in memory, its weights still read from the export's data file;
+    raises :class:`~kvexport.passes.mixed_step.MixedStepError` for a graph it can't split.
+    """
+    # onnxscript's rewriter loads with it: imported here, for the engine only
+    from kvexport.passes.mixed_step import mixed_step
+
+    check_external_data(graph_path)
+    model = ir.load(graph_path)
+    mixed_step(model)
+    resolved = resolve_provider(provider)
+    options = options or session_options()
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
+    try:
+        return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=session_providers(resolved))
+    except Exception as exc:  # ORT raises its own Fail / InvalidGraph / RuntimeException types
+        raise ManifestError(f"{graph_path}: ONNX Runtime cannot load its mixed step ({first_line(exc)[:300]})") from exc

@@ -60,6 +60,10 @@ class EngineConfig:
             prefills up to
             :data:`~kvexport.serving.scheduler.BURST_TOKENS` tokens (see
             :class:`~kvexport.serving.scheduler.PrefillBudget`).
+        mixed_step: on CPU, run a step's last prompt chunk and its decode call as one call
+            (:mod:`kvexport.passes.mixed_step`), the decode rows' tokens packed into the
+            chunk's GEMMs; the runner opens a second session for it (a second copy of the
+            packed weights). A graph the split can't take runs them as separate calls.
         provider: ``cpu``, ``cuda`` or ``auto``.
         intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
         spinning: let the session's threads spin between runs (faster decode steps on CPU).
@@ -105,6 +109,13 @@ class EngineConfig:
         flag="--step-ms",
         low=1,
         shown="twice the slowest recent decode step, measured",
+    )
+    mixed_step: bool = setting(
+        True,
+        "Run each step's last prompt chunk and its decode call as separate calls instead of one mixed call "
+        "(the mixed call packs the chunk's and the running rows' tokens into the same GEMMs; CPU only, and it "
+        "holds a second copy of the packed weights).",
+        flag="--no-mixed-step",
     )
     provider: str = setting(
         "cpu",

@@ -67,6 +67,7 @@ from kvexport.serving.output import OutputBatch, OutputProcessor, RequestState
 from kvexport.serving.request import Request, SamplingParams, Status
 from kvexport.serving.runner import ModelRunner
 from kvexport.serving.scheduler import (
+    DecodePlan,
     EngineFull,
     PrefillBudget,
     PrefillChunk,
@@ -120,7 +121,8 @@ class EngineStats:
     ``prompt_tokens`` counts the prompt tokens prefilled; ``cached_tokens`` those reused
     from the prefix cache instead, over ``prefix_hits`` requests; ``pinned`` the slots
     kept for registered prefixes; ``drafted_tokens`` / ``accepted_tokens`` the speculative
-    drafts proposed and kept.
+    drafts proposed and kept; ``mixed_steps`` the decode steps that ran in one call with a
+    prompt chunk (``EngineConfig.mixed_step``).
     """
 
     slots: int
@@ -136,10 +138,13 @@ class EngineStats:
     pinned: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
+    mixed_steps: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
-_COUNTERS = ("steps", "prompt_tokens", "generated_tokens", "prefix_hits", "cached_tokens", "drafted_tokens", "accepted_tokens")
+_COUNTERS = (
+    "steps", "prompt_tokens", "generated_tokens", "prefix_hits", "cached_tokens", "drafted_tokens", "accepted_tokens", "mixed_steps"
+)
 
 
 class Engine:
@@ -187,7 +192,12 @@ class Engine:
             require_all_logits(self.directory, self.manifest)
         self.draft_tokens = config.draft_tokens
         self.runner = ModelRunner(
-            opened, config.slots, self.capacity, intra_op_threads=config.intra_op_threads, spinning=config.spinning
+            opened,
+            config.slots,
+            self.capacity,
+            intra_op_threads=config.intra_op_threads,
+            spinning=config.spinning,
+            mixed=config.mixed_step and self.provider == "cpu",
         )
         self.table = SlotTable(config.slots, prefix_cache=config.prefix_cache, can_copy_rows=self.runner.can_copy_rows)
         self.scheduler = Scheduler(
@@ -412,9 +422,17 @@ class Engine:
                 self.scheduler.prefix_cached(job)
                 self._counters["prompt_tokens"] += len(job.tokens)
             job.done.set()
+        mixed = plan.prefill[-1] if plan.prefill and self.runner.mixed_session is not None else None
         for chunk in plan.prefill:
-            if chunk.request.status is Status.PREFILLING and not chunk.request.cancelled:  # a cancel ends it next step
-                self._update(self._prefill(chunk))
+            if chunk.request.status is not Status.PREFILLING or chunk.request.cancelled:  # a cancel ends it next step
+                continue
+            if chunk is mixed:  # the step's last chunk and its decode call, in one call
+                with self._lock:
+                    decode = self.scheduler.decode_plan(beside=chunk)
+                if decode is not None:
+                    self._mixed(chunk, decode)
+                    return
+            self._update(self._prefill(chunk))
         self._update(self._decode())
 
     def _update(self, outputs: OutputBatch) -> None:
@@ -446,10 +464,26 @@ class Engine:
 
     def _prefill(self, chunk: PrefillChunk) -> OutputBatch:
         """One prompt chunk at batch 1 into its slot; the prompt's last chunk gives the first token."""
-        request = chunk.request
         started = time.perf_counter()
-        logits = self.runner.run_piece(request.slot, chunk.tokens, chunk.start)
+        logits = self.runner.run_piece(chunk.request.slot, chunk.tokens, chunk.start)
+        return self._prefilled(chunk, logits, time.perf_counter() - started)
+
+    def _mixed(self, chunk: PrefillChunk, plan: DecodePlan) -> None:
+        """``chunk`` and the decode call over every running row, in one call (the runner's mixed step)."""
+        started = time.perf_counter()
+        prompt_logits, logits = self.runner.mixed(chunk.request.slot, chunk.tokens, chunk.start, plan.tokens, plan.positions)
         seconds = time.perf_counter() - started
+        with self._lock:
+            self._counters["steps"] += 1
+            self._counters["mixed_steps"] += 1
+        # the call's whole time is charged to its prompt tokens: the decode rows ride along at a
+        # small fraction of a decode call's cost, so the budget's per-token cost errs high, not low
+        self._update(self._prefilled(chunk, prompt_logits, seconds))
+        self._update(self.output.decoded([r.id for r in plan.requests], logits, [r.slot for r in plan.requests]))
+
+    def _prefilled(self, chunk: PrefillChunk, logits: Any, seconds: float) -> OutputBatch:
+        """``chunk`` ran in ``seconds`` and gave ``logits``: its rows are recorded, and its last gives the first token."""
+        request = chunk.request
         with self._lock:
             self.scheduler.budget.prefilled(len(chunk.tokens), seconds)
             self.scheduler.prefilled(chunk)

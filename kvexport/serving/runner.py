@@ -7,6 +7,11 @@ its slot's region of the cache (bound by address, no copy). A decode call runs e
 up to the highest running slot, each with its own token, position and mask row, over a
 mask as wide as the capacity; its binding is made once per row count and kept, so shapes
 and addresses stay the same from step to step.
+
+With ``mixed``, a second session runs the mixed step's graph (derived from the prefill
+graph when the runner opens, :mod:`kvexport.passes.mixed_step`): one call that prefills a
+prompt chunk into its slot and decodes the running rows, the chunk's and the rows' tokens
+packed into the same GEMMs. It packs the weights a second time (that session's memory).
 """
 
 from __future__ import annotations
@@ -16,23 +21,40 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
+from kvexport.errors import first_line
+from kvexport.passes.mixed_step import DECODE_PREFIX, MixedStepError
 from kvexport.runtime.cache import SlotCache, numpy_dtype
 from kvexport.runtime.opened import OpenedExport
-from kvexport.runtime.session import open_session, session_options
+from kvexport.runtime.session import open_mixed_session, open_session, session_options
 
 
 class ModelRunner:
     """Runs prompt chunks and decode calls over ``slots`` rows of ``capacity`` tokens."""
 
     def __init__(
-        self, opened: OpenedExport, slots: int, capacity: int, *, intra_op_threads: int | None = None, spinning: bool = True
+        self,
+        opened: OpenedExport,
+        slots: int,
+        capacity: int,
+        *,
+        intra_op_threads: int | None = None,
+        spinning: bool = True,
+        mixed: bool = False,
     ) -> None:
         manifest = opened.manifest
         self.dtype = numpy_dtype(manifest.dtype)
         self.vocab_size = manifest.dims.vocab_size
         self.all_logits = manifest.all_logits
+        graph = opened.directory / manifest.graphs["prefill"].file
         options = session_options(intra_op_threads, spinning=spinning)
-        self.session = open_session(opened.directory / manifest.graphs["prefill"].file, opened.provider, options)
+        self.session = open_session(graph, opened.provider, options)
+        self.mixed_session: ort.InferenceSession | None = None
+        self.unmixed_because = "" if mixed else "not asked for"  # why there is no mixed session
+        if mixed:
+            try:
+                self.mixed_session = open_mixed_session(graph, opened.provider, options)
+            except MixedStepError as exc:  # an imported graph the split can't take: separate calls, as before
+                self.unmixed_because = first_line(exc)
         self.cache = SlotCache(manifest, opened.provider, slots, capacity)
         # decode-step inputs and logits, one row per slot; a binding views their first rows
         self._ids = np.zeros((slots, 1), np.int64)
@@ -40,6 +62,7 @@ class ModelRunner:
         self._mask = np.zeros((slots, capacity), np.int64)
         self._logits = np.zeros((slots, 1, self.vocab_size), self.dtype)
         self._bindings: dict[int, ort.IOBinding] = {}
+        self._mixed_bindings: dict[tuple[int, int], ort.IOBinding] = {}
 
     @property
     def can_copy_rows(self) -> bool:
@@ -60,13 +83,50 @@ class ModelRunner:
         Returns the logits [rows, V] in the session's dtype: a view, valid until the next call.
         """
         rows = len(tokens)
+        self._set_decode_rows(tokens, positions)
+        self.session.run_with_iobinding(self._decode_binding(rows))
+        return self._logits[:rows, 0, :]
+
+    def mixed(
+        self, slot: int, piece: Sequence[int], start: int, tokens: Sequence[int], positions: Sequence[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """One call: ``piece`` into ``slot`` after its ``start`` cached tokens, and a decode step over slots ``0..len(tokens)-1``.
+
+        The decode rows are as :meth:`decode`'s; a row that is not running (``slot`` among
+        them) must be fed a position that ``piece`` does not write. Returns the piece's
+        logits ([n or 1, V], fp32, as :meth:`run_piece`) and the decode rows' ([rows, V],
+        the session's dtype).
+        """
+        if self.mixed_session is None:
+            raise RuntimeError(f"this runner has no mixed step ({self.unmixed_because})")
+        rows = len(tokens)
+        if not rows:  # GroupQueryAttention at batch 0 kills the process (ONNX Runtime 1.31)
+            raise ValueError("a mixed call needs at least one decode row; run the piece alone")
+        self._set_decode_rows(tokens, positions)
+        binding = self._mixed_bindings.get((slot, rows))
+        if binding is None:  # the caches and the decode mask stay bound; each call rebinds the packed inputs and the logits
+            binding = self._mixed_bindings[(slot, rows)] = self.mixed_session.io_binding()
+            self.cache.bind(binding, slot, 1)
+            self.cache.bind(binding, 0, rows, prefix=DECODE_PREFIX)
+            binding.bind_input(f"{DECODE_PREFIX}attention_mask", "cpu", 0, np.int64, [rows, self._mask.shape[1]], self._mask.ctypes.data)
+        end = start + len(piece)
+        binding.bind_cpu_input("input_ids", np.array([[*piece, *tokens]], np.int64))
+        binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
+        binding.bind_cpu_input("position_ids", np.array([[*range(start, end), *positions]], np.int64))
+        count = len(piece) + rows if self.all_logits else 1 + rows
+        shape = [1, count, self.vocab_size] if self.all_logits else [count, 1, self.vocab_size]  # see mixed_step
+        logits = np.empty((count, self.vocab_size), self.dtype)
+        binding.bind_output("logits", "cpu", 0, self.dtype, shape, logits.ctypes.data)
+        self.mixed_session.run_with_iobinding(binding)
+        return logits[: count - rows].astype(np.float32), logits[count - rows :]
+
+    def _set_decode_rows(self, tokens: Sequence[int], positions: Sequence[int]) -> None:
+        rows = len(tokens)
         self._ids[:rows, 0] = tokens
         self._positions[:rows, 0] = positions
         self._mask[:rows] = 0
         for row, position in enumerate(positions):
             self._mask[row, : position + 1] = 1
-        self.session.run_with_iobinding(self._decode_binding(rows))
-        return self._logits[:rows, 0, :]
 
     def _decode_binding(self, rows: int) -> ort.IOBinding:
         """The binding of the first ``rows`` slots, made once per row count and kept."""

@@ -312,11 +312,12 @@ class Scheduler:
         if chunk.last:
             request.status = Status.RUNNING
 
-    def decode_plan(self, *, speculate: bool = False) -> DecodePlan | None:
+    def decode_plan(self, *, speculate: bool = False, beside: PrefillChunk | None = None) -> DecodePlan | None:
         """The decode call for every running row (None: none runs); the rows it writes are recorded.
 
         A speculative round instead when ``speculate`` and one plain request runs alone with
-        nothing waiting.
+        nothing waiting. ``beside``: the prompt chunk that runs in the same call (the mixed
+        step); its slot's decode row writes just past the chunk's rows, not among them.
         """
         running = [r for r in self.active.values() if r.status is Status.RUNNING]
         if not running:
@@ -335,7 +336,10 @@ class Scheduler:
             else:  # a free or prefilling slot writes one row just past the rows it keeps
                 self.table.keep(slot, self.capacity - 1)
                 plan.tokens.append(0)
-                plan.positions.append(self.table.length(slot))
+                if beside is not None and beside.request.slot == slot:
+                    plan.positions.append(min(beside.start + len(beside.tokens), self.capacity - 1))
+                else:
+                    plan.positions.append(self.table.length(slot))
         return plan
 
     def _speculative_plan(self, request: Request) -> SpeculativePlan:

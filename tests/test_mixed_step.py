@@ -1,0 +1,140 @@
+"""The mixed step (``passes/mixed_step.py``): a prompt chunk and a decode call in one call.
+
+Its reference is the two calls it replaces, run by the same runner on the same cache: the
+chunk at batch 1 (``run_piece``), then the decode call over the running rows. Both are
+checked against PyTorch elsewhere (test_runtime, test_serving). The engine's tests
+(test_serving, test_families) run with the mixed step on, as served; here the engine is
+also checked with it off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from kvexport.passes.mixed_step import MixedStepError, mixed_step
+from kvexport.runtime.opened import open_export
+from kvexport.serving import Engine, SamplingParams
+from kvexport.serving.runner import ModelRunner
+from tests.conftest import write_config
+from tests.test_families import FAMILY_CONFIGS
+
+CAPACITY = 48
+
+
+@pytest.fixture(scope="module")
+def qwen3_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen3 (grouped-query attention, Q/K norms, rotary outside the op) as an ort-cpu export."""
+    from kvexport import export_model
+
+    config = write_config(tmp_path_factory.mktemp("config-qwen3"), FAMILY_CONFIGS["qwen3"])
+    out = tmp_path_factory.mktemp("mixed-qwen3") / "out"
+    export_model(out, str(config), random_init=True, seed=5, target="ort-cpu")
+    return out
+
+
+def _exports(request: pytest.FixtureRequest, which: str) -> Path:
+    if which == "qwen3":
+        return Path(request.getfixturevalue("qwen3_export"))
+    if which == "all-logits":
+        return Path(request.getfixturevalue("trained_all_logits"))
+    return Path(request.getfixturevalue("trained_exports")[which])
+
+
+def _cache(runner: ModelRunner) -> list[np.ndarray]:
+    shape = (runner.cache.slots, *runner.cache.row_shape)
+    return [runner.cache.banks.host_view(0, index, shape).copy() for index in range(len(runner.cache.past))]
+
+
+def _restore(runner: ModelRunner, saved: list[np.ndarray]) -> None:
+    shape = (runner.cache.slots, *runner.cache.row_shape)
+    for index, array in enumerate(saved):
+        runner.cache.banks.host_view(0, index, shape)[...] = array
+
+
+@pytest.mark.parametrize("which", ["none", "int8-pc", "int8", "kv-int8", "all-logits", "qwen3"])
+def test_a_mixed_call_gives_what_a_chunk_then_a_decode_call_give(request: pytest.FixtureRequest, which: str) -> None:
+    """Slots 0 and 2 decode; slot 1, between them, takes its prompt's second chunk in the same call."""
+    export = _exports(request, which)
+    opened = open_export(export, "cpu")
+    runner = ModelRunner(opened, 4, CAPACITY, mixed=True)
+    assert runner.mixed_session is not None, runner.unmixed_because
+    vocab = opened.manifest.dims.vocab_size
+    rng = np.random.default_rng(11)
+    running = {0: rng.integers(0, vocab, 9).tolist(), 2: rng.integers(0, vocab, 14).tolist()}
+    prompt = rng.integers(0, vocab, 11).tolist()
+    for slot, tokens in running.items():
+        runner.run_piece(slot, tokens, 0)
+    runner.run_piece(1, prompt[:6], 0)
+    chunk = prompt[6:]
+    # slot 1's decode row is not running: it writes one harmless row just past the chunk's rows
+    tokens, positions = [7, 0, 3], [9, len(prompt), 14]
+    before = _cache(runner)
+
+    want_prompt = runner.run_piece(1, chunk, 6)
+    want_decode = runner.decode(tokens, positions).astype(np.float32)
+    want_cache = _cache(runner)
+    _restore(runner, before)
+    got_prompt, got_decode = runner.mixed(1, chunk, 6, tokens, positions)
+
+    assert got_prompt.shape == want_prompt.shape == ((len(chunk) if which == "all-logits" else 1), vocab)
+    np.testing.assert_allclose(got_prompt, want_prompt, rtol=1e-4, atol=1e-4)
+    # row 1's logits are the harmless row's: not compared
+    np.testing.assert_allclose(got_decode[[0, 2]].astype(np.float32), want_decode[[0, 2]], rtol=1e-4, atol=1e-4)
+    assert got_decode[[0, 2]].argmax(-1).tolist() == want_decode[[0, 2]].argmax(-1).tolist()
+    got_cache = _cache(runner)
+    for got, want in zip(got_cache, want_cache, strict=True):  # every real row: the chunk's and the decoded tokens'
+        tolerance = 1 if got.dtype == np.int8 else 1e-4  # an int8 cache may round one step apart
+        for slot, length in ((0, 10), (1, len(prompt)), (2, 15)):
+            np.testing.assert_allclose(got[slot, :, :length].astype(np.float32), want[slot, :, :length].astype(np.float32), atol=tolerance, rtol=1e-4)
+
+
+def test_the_mixed_graph_splits_each_layers_attention_and_nothing_else(trained_exports: dict[str, Path]) -> None:
+    model = ir.load(trained_exports["int8-pc"] / "prefill.onnx")
+    layers = sum(n.op_type == "GroupQueryAttention" for n in model.graph)
+    matmuls = sum(n.op_type == "MatMulIntegerToFloat" for n in model.graph)
+    mixed_step(model)
+    names = {value.name for value in model.graph.inputs}
+    outputs = {value.name for value in model.graph.outputs}
+    assert sum(n.op_type == "GroupQueryAttention" for n in model.graph) == 2 * layers
+    assert sum(n.op_type == "MatMulIntegerToFloat" for n in model.graph) == matmuls  # one set of GEMMs for both
+    assert "decode.attention_mask" in names
+    assert {f"decode.past.{layer}.{kind}" for layer in range(layers) for kind in ("key", "value")} <= names
+    assert {f"decode.present.{layer}.{kind}" for layer in range(layers) for kind in ("key", "value")} <= outputs
+
+
+def test_a_graph_without_in_place_attention_is_refused_in_one_line() -> None:
+    x = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch", "sequence"]))
+    node = ir.node("Identity", [x])
+    node.outputs[0].name = "logits"
+    graph = ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18})
+    with pytest.raises(MixedStepError, match=r"^the graph has no GroupQueryAttention; .*--target ort-cpu") as caught:
+        mixed_step(ir.Model(graph, ir_version=10))
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+def test_the_engine_gives_the_same_tokens_with_and_without_the_mixed_step(trained_exports: dict[str, Path], mixed: bool) -> None:
+    """Three streams decode while a 90-token prompt arrives in 16-token chunks."""
+    rng = np.random.default_rng(2)
+    export = trained_exports["int8-pc"]
+    short = [rng.integers(0, 2048, n).tolist() for n in (5, 8, 12)]
+    long = rng.integers(0, 2048, 90).tolist()
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    with Engine(export, slots=4, max_context=128, chunk=16, step_ms=1, mixed_step=mixed, warm_up=0) as alone_engine:
+        want = [alone_engine.submit(p, greedy).result()[0] for p in [*short, long]]  # one at a time
+    with Engine(export, slots=4, max_context=128, chunk=16, step_ms=1, mixed_step=mixed, warm_up=0) as engine:
+        streams = [iter(engine.submit(p, greedy)) for p in short]
+        heads = [[next(stream).token_id] for stream in streams]  # all three decoding now
+        late = engine.submit(long, greedy)
+        got = [head + [event.token_id for event in stream] for head, stream in zip(heads, streams, strict=True)]
+        got.append(late.result()[0])
+        stats = engine.stats()
+    assert got == want
+    if mixed:  # the long prompt's chunks carried the others' decode rows
+        assert stats.mixed_steps >= 3
+    else:
+        assert stats.mixed_steps == 0
