@@ -36,6 +36,8 @@ from .values import initializer
 
 DECODE_PREFIX = "decode."  # the decode half's inputs and outputs: decode.attention_mask, decode.past.*, decode.present.*
 _INT64_MAX = np.iinfo(np.int64).max
+# what a padding condition may be made of: per-element tests of the mask's values
+_ELEMENTWISE = {"Cast", "Unsqueeze", "Equal", "Not", "Greater", "Less", "GreaterOrEqual", "LessOrEqual", "And", "Or", "Identity"}
 
 
 class MixedStepError(PassInputError):
@@ -62,12 +64,14 @@ def _op(graph: ir.Graph, op_type: str, inputs: list[ir.Value | None], **attribut
     return node.outputs[0]
 
 
-def mixed_step(model: ir.Model) -> ir.Model:
+def mixed_step(model: ir.Model, *, all_logits: bool = False) -> ir.Model:
     """Turn an in-place prefill graph into the mixed step's graph (see the module docstring), in place.
 
-    Raises :class:`MixedStepError` when the graph has no in-place GroupQueryAttention, or an
+    ``all_logits``: the graph gives every position's logits (an ``--all-logits`` export);
+    else its last position must be the one ``GatherElements`` kvexport's exporter writes.
+    Raises :class:`MixedStepError` when the graph has no in-place GroupQueryAttention, an
     attention the split would change (rotary inside the op, a bias other than the padding
-    bias).
+    bias) or a last position it can't widen; the model may then be half changed.
     """
     graph = model.graph
     attention = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
@@ -93,7 +97,7 @@ def mixed_step(model: ir.Model) -> ir.Model:
 
     for node in attention:
         _split_attention(graph, node, prompt_tokens, rows, seqlens, total, biases, (zero, axis1, axis2, end))
-    _last_positions(graph, rows, axis1, end)
+    _last_positions(graph, rows, axis1, end, all_logits)
     graph.sort()
     return model
 
@@ -168,10 +172,10 @@ def _split_attention(
 def _is_padding_bias(graph: ir.Graph, bias: ir.Value) -> bool:
     """Whether ``bias`` is the mask's padding as a bias, the same for every query: ``[Expand](Where(f(attention_mask), 0, lowest))``.
 
-    Such a bias is split by slicing its query rows. One that also depends on the query's
-    position (a causal or windowed mask, as other exporters build) would be wrong for the
-    packed tokens, so only a ``Where`` computed from ``attention_mask``'s values alone
-    qualifies.
+    Such a bias is split by slicing its query rows, and the twin's is rebuilt from
+    ``decode.attention_mask``. One that also depends on the query's position (a causal or
+    windowed mask, as other exporters build) would be wrong for the packed tokens, so only
+    a ``Where`` of per-element tests of ``attention_mask``'s values qualifies.
     """
     if bias.name == PADDING_BIAS:
         return True
@@ -183,16 +187,19 @@ def _is_padding_bias(graph: ir.Graph, bias: ir.Value) -> bool:
     assert producer is not None
     mask = _input(graph, "attention_mask")
     pending, seen = [producer.inputs[0]], set()
-    while pending:  # every graph input the condition reads, values or shapes
+    while pending:  # every value the condition reads: elementwise tests of the mask's values alone
         value = pending.pop()
         if value is None or value in seen or value.const_value is not None:
             continue
         seen.add(value)
-        if value.producer() is None:
+        node = value.producer()
+        if node is None:
             if value is not mask:
                 return False
             continue
-        pending.extend(value.producer().inputs)  # type: ignore[union-attr]
+        if node.op_type not in _ELEMENTWISE or node.domain not in ("", "ai.onnx"):
+            return False  # a CumSum, Range or Shape: a window or a causal mask, not padding
+        pending.extend(node.inputs)
     return True
 
 
@@ -205,7 +212,7 @@ def _decode_bias(graph: ir.Graph, dtype: ir.DataType) -> ir.Value:
     return bias
 
 
-def _last_positions(graph: ir.Graph, rows: ir.Value, axis1: ir.Value, end: ir.Value) -> None:
+def _last_positions(graph: ir.Graph, rows: ir.Value, axis1: ir.Value, end: ir.Value, all_logits: bool) -> None:
     """Logits for the last ``R + 1`` positions: the chunk's last token, then each decode row.
 
     The prefill graph gathers each row's last real token (one ``GatherElements`` on axis 1
@@ -217,8 +224,15 @@ def _last_positions(graph: ir.Graph, rows: ir.Value, axis1: ir.Value, end: ir.Va
     gathers = [n for n in graph if n.op_type == "GatherElements" and n.attributes.get_int("axis", 0) == 1]
     if len(gathers) > 1:
         raise MixedStepError(f"the graph gathers along the sequence {len(gathers)} times; the mixed step expects one last-position gather")
-    if not gathers:
+    if all_logits:
+        if gathers:
+            raise MixedStepError("the graph gathers a last position, but its manifest says it gives every position's logits")
         return
+    if not gathers:
+        raise MixedStepError(
+            "the graph's last position is not the GatherElements kvexport's exporter writes (an imported graph?); "
+            "the mixed step can't widen it"
+        )
     for graph_output in graph.outputs:  # the LM head keeps one row per batch entry: the positions become the batch
         if graph_output.name == "logits" and graph_output.shape is not None and len(graph_output.shape) == 3:
             graph_output.shape = ir.Shape(["positions", 1, graph_output.shape[2]])

@@ -1,6 +1,6 @@
 """The mixed step (``passes/mixed_step.py``): a prompt chunk and a decode call in one call.
 
-Its reference is the two calls it replaces, run by the same runner on the same cache: the
+The graph itself is checked in tests/passes/test_mixed_step.py. Its reference here is the two calls it replaces, run by the same runner on the same cache: the
 chunk at batch 1 (``run_piece``), then the decode call over the running rows. Both are
 checked against PyTorch elsewhere (test_runtime, test_serving). The engine's tests
 (test_serving, test_families) run with the mixed step on, as served; here the engine is
@@ -12,10 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import onnx_ir as ir
 import pytest
 
-from kvexport.passes.mixed_step import MixedStepError, mixed_step
 from kvexport.runtime.opened import open_export
 from kvexport.serving import Engine, SamplingParams
 from kvexport.serving.runner import ModelRunner
@@ -90,30 +88,6 @@ def test_a_mixed_call_gives_what_a_chunk_then_a_decode_call_give(request: pytest
         tolerance = 1 if got.dtype == np.int8 else 1e-4  # an int8 cache may round one step apart
         for slot, length in ((0, 10), (1, len(prompt)), (2, 15)):
             np.testing.assert_allclose(got[slot, :, :length].astype(np.float32), want[slot, :, :length].astype(np.float32), atol=tolerance, rtol=1e-4)
-
-
-def test_the_mixed_graph_splits_each_layers_attention_and_nothing_else(trained_exports: dict[str, Path]) -> None:
-    model = ir.load(trained_exports["int8-pc"] / "prefill.onnx")
-    layers = sum(n.op_type == "GroupQueryAttention" for n in model.graph)
-    matmuls = sum(n.op_type == "MatMulIntegerToFloat" for n in model.graph)
-    mixed_step(model)
-    names = {value.name for value in model.graph.inputs}
-    outputs = {value.name for value in model.graph.outputs}
-    assert sum(n.op_type == "GroupQueryAttention" for n in model.graph) == 2 * layers
-    assert sum(n.op_type == "MatMulIntegerToFloat" for n in model.graph) == matmuls  # one set of GEMMs for both
-    assert "decode.attention_mask" in names
-    assert {f"decode.past.{layer}.{kind}" for layer in range(layers) for kind in ("key", "value")} <= names
-    assert {f"decode.present.{layer}.{kind}" for layer in range(layers) for kind in ("key", "value")} <= outputs
-
-
-def test_a_graph_without_in_place_attention_is_refused_in_one_line() -> None:
-    x = ir.Value(name="input_ids", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["batch", "sequence"]))
-    node = ir.node("Identity", [x])
-    node.outputs[0].name = "logits"
-    graph = ir.Graph([x], node.outputs, nodes=[node], opset_imports={"": 18})
-    with pytest.raises(MixedStepError, match=r"^the graph has no GroupQueryAttention; .*--target ort-cpu") as caught:
-        mixed_step(ir.Model(graph, ir_version=10))
-    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.parametrize("mixed", [True, False])

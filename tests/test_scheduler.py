@@ -202,3 +202,33 @@ def test_while_more_streams_run_than_prompts_wait_a_step_stays_within_twice_a_fu
     scheduler.add(Request("c", list(range(300, 500)), GREEDY))  # nothing in common with b (no cached prefix)
     plan = scheduler.schedule()  # two running, two prompts waiting: the prompts go first, whole
     assert [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill] == [("b", share, 200 - share), ("c", 0, 200)]
+
+
+def test_a_mixed_call_charges_its_prompt_tokens_what_is_left_after_a_decode_call() -> None:
+    budget = PrefillBudget(256)
+    budget.mixed(64, 0.100)  # no decode call measured yet: nothing to split the time by
+    assert budget.seconds_per_token is None
+    budget.decoded(0.040)
+    budget.mixed(60, 0.100)  # 100 ms for 60 prompt tokens and the rows: 60 ms is the prompt's, at most
+    assert budget.seconds_per_token == pytest.approx(0.001)
+    budget.mixed(60, 0.030)  # quicker than a decode call alone: no share to learn from
+    assert budget.seconds_per_token == pytest.approx(0.001)
+    assert budget.decode_seconds == pytest.approx(0.040)  # the decode rows' own cost is not measured in a mixed call
+
+
+def test_beside_a_chunk_its_slots_decode_row_writes_just_past_the_chunk() -> None:
+    scheduler = _scheduler(slots=3, chunk=4)
+    a, x, c = (Request(name, [5, 6, 7], GREEDY) for name in "axc")
+    b = Request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], GREEDY)
+    for request in (a, x, c):
+        scheduler.add(request)
+    _run_prefill(scheduler)
+    a.next_token, c.next_token = 11, 13
+    scheduler.finish(x)
+    scheduler.add(b)
+    first = scheduler.schedule().prefill[0]  # b's first 4 tokens, in slot 1, between two streams
+    scheduler.prefilled(first)
+    chunk = scheduler.schedule().prefill[0]  # tokens 4..7
+    plan = scheduler.decode_plan(beside=chunk)
+    assert plan is not None and b.slot == 1 and (chunk.start, len(chunk.tokens)) == (4, 4)
+    assert plan.tokens == [11, 0, 13] and plan.positions == [3, 8, 3]  # not row 4, which the chunk writes in the same call

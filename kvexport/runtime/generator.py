@@ -222,8 +222,8 @@ class Generator:
         # the in-place layout: past and present are one buffer, bound once for every step
         self._in_place = self.manifest.cache_layout == "shared-buffer"
         # An in-place prefill graph also takes a past, so it serves the decode steps too:
-        # one session (the weights once), whose threads may spin between runs since no
-        # second session's pool competes with them for the cores.
+        # one session (the weights once), whose threads may spin between a run's nodes since
+        # no second session's pool competes with them for the cores.
         graphs = ("prefill",) if self._in_place and not decode_graph else GRAPH_NAMES
         self.sessions: dict[str, ort.InferenceSession] = {}
         for graph in graphs:

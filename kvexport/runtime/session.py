@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import onnx
-import onnx_ir as ir
 import onnxruntime as ort
 
 from kvexport.bundle.storage import check_external_data
@@ -121,19 +120,23 @@ def open_session(
 
 
 def open_mixed_session(
-    graph_path: Path, provider: str = "cpu", options: ort.SessionOptions | None = None
+    graph_path: Path, provider: str = "cpu", options: ort.SessionOptions | None = None, *, all_logits: bool = False
 ) -> ort.InferenceSession:
     """Open the mixed step's graph, derived from an in-place prefill graph (:func:`kvexport.passes.mixed_step.mixed_step`).
 
-    The graph is derived in memory, its weights still read from the export's data file;
-    raises :class:`~kvexport.passes.mixed_step.MixedStepError` for a graph it can't split.
+    The graph is derived in memory, its weights still read from the export's data file
+    (``options`` gets the data file's folder: pass options of its own). Raises
+    :class:`~kvexport.passes.mixed_step.MixedStepError` for a graph it can't split, and
+    ``ImportError`` where onnx_ir is not installed (a serving image).
     """
-    # onnxscript's rewriter loads with it: imported here, for the engine only
+    # onnx_ir (and onnxscript's rewriter, with the passes) load here: for the engine only
+    import onnx_ir as ir
+
     from kvexport.passes.mixed_step import mixed_step
 
     check_external_data(graph_path)
     model = ir.load(graph_path)
-    mixed_step(model)
+    mixed_step(model, all_logits=all_logits)
     resolved = resolve_provider(provider)
     options = options or session_options()
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))

@@ -251,8 +251,8 @@ class SpeculativeGenerator:
         drafter: :class:`PromptLookup` (the default) or :class:`DraftModel`.
         draft_tokens: drafts per round.
         provider: ``cpu``, ``cuda`` or ``auto``.
-        spinning: let the target's threads spin between runs (off by default beside a draft
-            model, whose own session would compete with them).
+        spinning: let the target's threads spin between a run's nodes (off by default beside
+            a draft model, whose own session would compete with them).
         intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
 
     """

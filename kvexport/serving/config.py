@@ -66,7 +66,8 @@ class EngineConfig:
             packed weights). A graph the split can't take runs them as separate calls.
         provider: ``cpu``, ``cuda`` or ``auto``.
         intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
-        spinning: let the session's threads spin between runs (faster decode steps on CPU).
+        spinning: let the sessions' threads spin between a run's nodes (faster decode steps
+            on CPU); they stop at the end of each run.
         check: compare every file's size and sha256 with the manifest before loading (on by
             default: a damaged or different copy is refused with the file named).
         prefix_cache: reuse the cached rows of a prompt's prefix.
@@ -124,7 +125,7 @@ class EngineConfig:
         choices=("cpu", "cuda", "auto"),
     )
     intra_op_threads: int | None = setting(None, "ONNX Runtime threads.")
-    spinning: bool = setting(True, "Let the session's threads spin between runs.")
+    spinning: bool = setting(True, "Let the sessions' threads spin between a run's nodes.")
     check: bool = setting(True, "Skip comparing every file's sha256 with the manifest before loading.", flag="--no-check")
     prefix_cache: bool = setting(
         True, "Prefill every prompt whole instead of reusing the cached rows of a shared prefix.", flag="--no-prefix-cache"

@@ -474,18 +474,18 @@ class Engine:
         prompt_logits, logits = self.runner.mixed(chunk.request.slot, chunk.tokens, chunk.start, plan.tokens, plan.positions)
         seconds = time.perf_counter() - started
         with self._lock:
+            self.scheduler.budget.mixed(len(chunk.tokens), seconds)
             self._counters["steps"] += 1
             self._counters["mixed_steps"] += 1
-        # the call's whole time is charged to its prompt tokens: the decode rows ride along at a
-        # small fraction of a decode call's cost, so the budget's per-token cost errs high, not low
-        self._update(self._prefilled(chunk, prompt_logits, seconds))
+        self._update(self._prefilled(chunk, prompt_logits))
         self._update(self.output.decoded([r.id for r in plan.requests], logits, [r.slot for r in plan.requests]))
 
-    def _prefilled(self, chunk: PrefillChunk, logits: Any, seconds: float) -> OutputBatch:
-        """``chunk`` ran in ``seconds`` and gave ``logits``: its rows are recorded, and its last gives the first token."""
+    def _prefilled(self, chunk: PrefillChunk, logits: Any, seconds: float | None = None) -> OutputBatch:
+        """``chunk`` gave ``logits`` (its call alone took ``seconds``): its rows are recorded, and its last gives the first token."""
         request = chunk.request
         with self._lock:
-            self.scheduler.budget.prefilled(len(chunk.tokens), seconds)
+            if seconds is not None:
+                self.scheduler.budget.prefilled(len(chunk.tokens), seconds)
             self.scheduler.prefilled(chunk)
             self._counters["prompt_tokens"] += len(chunk.tokens)
         if self.runner.all_logits:

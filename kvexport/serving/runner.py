@@ -21,11 +21,12 @@ from collections.abc import Sequence
 import numpy as np
 import onnxruntime as ort
 
-from kvexport.errors import first_line
-from kvexport.passes.mixed_step import DECODE_PREFIX, MixedStepError
+from kvexport.errors import KvexportError, first_line
 from kvexport.runtime.cache import SlotCache, numpy_dtype
 from kvexport.runtime.opened import OpenedExport
 from kvexport.runtime.session import open_mixed_session, open_session, session_options
+
+DECODE_PREFIX = "decode."  # the mixed graph's decode half: decode.attention_mask, decode.past.*, decode.present.* (passes/mixed_step.py)
 
 
 class ModelRunner:
@@ -51,10 +52,12 @@ class ModelRunner:
         self.mixed_session: ort.InferenceSession | None = None
         self.unmixed_because = "" if mixed else "not asked for"  # why there is no mixed session
         if mixed:
-            try:
-                self.mixed_session = open_mixed_session(graph, opened.provider, options)
-            except MixedStepError as exc:  # an imported graph the split can't take: separate calls, as before
-                self.unmixed_because = first_line(exc)
+            try:  # a graph the split can't take (MixedStepError), or no onnx_ir here: separate calls, as before
+                self.mixed_session = open_mixed_session(
+                    graph, opened.provider, session_options(intra_op_threads, spinning=spinning), all_logits=self.all_logits
+                )
+            except (KvexportError, ValueError, ImportError) as exc:
+                self.unmixed_because = f"{type(exc).__name__}: {first_line(exc)}"
         self.cache = SlotCache(manifest, opened.provider, slots, capacity)
         # decode-step inputs and logits, one row per slot; a binding views their first rows
         self._ids = np.zeros((slots, 1), np.int64)

@@ -69,6 +69,16 @@ class PrefillBudget:
         if tokens >= self.floor:  # a short piece's cost is mostly the call's, not its tokens'
             self.seconds_per_token = _smoothed(self.seconds_per_token, seconds / tokens)
 
+    def mixed(self, tokens: int, seconds: float) -> None:
+        """One mixed call of ``tokens`` prompt tokens and the decode rows took ``seconds``.
+
+        The rows' share is taken as the last decode call's time, an upper bound (inside the
+        chunk's GEMMs they cost less), so the prompt tokens' cost errs low and the next
+        steps' chunks long, never short; nothing is learnt before a decode call is measured.
+        """
+        if self.decode_seconds is not None and seconds > self.decode_seconds:
+            self.prefilled(tokens, seconds - self.decode_seconds)
+
     def decoded(self, seconds: float) -> None:
         """One decode call over the running rows took ``seconds``."""
         self.decode_seconds = _smoothed(self.decode_seconds, seconds)
