@@ -242,7 +242,7 @@ def test_the_engine_batches_a_family_as_each_prompt_runs_alone(family_export: tu
     alone = Generator(out)
     want = [alone.generate([p], 10)[0, len(p):].tolist() for p in prompts]
     greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    with Engine(out, slots=4, max_context=48, chunk=8) as engine:  # more prompts than slots: some wait
+    with Engine(out, slots=4, max_context=48, chunk=8, mixed_step=True) as engine:  # more prompts than slots: some wait
         got = [handle.result()[0] for handle in [engine.submit(p, greedy) for p in prompts]]
     assert got == want, name
 

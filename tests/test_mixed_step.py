@@ -2,9 +2,9 @@
 
 The graph itself is checked in tests/passes/test_mixed_step.py. Its reference here is the two calls it replaces, run by the same runner on the same cache: the
 chunk at batch 1 (``run_piece``), then the decode call over the running rows. Both are
-checked against PyTorch elsewhere (test_runtime, test_serving). The engine's tests
-(test_serving, test_families) run with the mixed step on, as served; here the engine is
-also checked with it off.
+checked against PyTorch elsewhere (test_runtime, test_serving). The engine is checked
+here with it on and off (it is off by default; test_families turns it on for every
+family).
 """
 
 from __future__ import annotations
@@ -90,11 +90,13 @@ def test_a_mixed_call_gives_what_a_chunk_then_a_decode_call_give(request: pytest
             np.testing.assert_allclose(got[slot, :, :length].astype(np.float32), want[slot, :, :length].astype(np.float32), atol=tolerance, rtol=1e-4)
 
 
-@pytest.mark.parametrize("mixed", [True, False])
-def test_the_engine_gives_the_same_tokens_with_and_without_the_mixed_step(trained_exports: dict[str, Path], mixed: bool) -> None:
-    """Three streams decode while a 90-token prompt arrives in 16-token chunks."""
+@pytest.mark.parametrize(("scheme", "mixed"), [("int8-pc", True), ("int8-pc", False), ("none", True), ("int8", True), ("kv-int8", True)])
+def test_the_engine_gives_the_same_tokens_with_and_without_the_mixed_step(
+    trained_exports: dict[str, Path], scheme: str, mixed: bool
+) -> None:
+    """Three streams decode while a 90-token prompt arrives in 16-token chunks, each as it runs alone."""
     rng = np.random.default_rng(2)
-    export = trained_exports["int8-pc"]
+    export = trained_exports[scheme]
     short = [rng.integers(0, 2048, n).tolist() for n in (5, 8, 12)]
     long = rng.integers(0, 2048, 90).tolist()
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
