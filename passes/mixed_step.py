@@ -32,7 +32,7 @@ import onnx_ir as ir
 from ._masks import is_mask_where
 from .errors import PassInputError
 from .shared_buffer_cache import PADDING_BIAS, mask_lengths, padding_bias
-from .values import initializer
+from .values import ints
 
 DECODE_PREFIX = "decode."  # the decode half's inputs and outputs: decode.attention_mask, decode.past.*, decode.present.*
 _INT64_MAX = np.iinfo(np.int64).max
@@ -83,10 +83,6 @@ def mixed_step(model: ir.Model, *, all_logits: bool = False) -> ir.Model:
     )
     graph.inputs.append(decode_mask)
 
-    zero = initializer(graph, "kvexport.mixed.zero", np.array([0], np.int64))
-    axis1 = initializer(graph, "kvexport.mixed.axis_1", np.array([1], np.int64))
-    axis2 = initializer(graph, "kvexport.mixed.axis_2", np.array([2], np.int64))
-    end = initializer(graph, "kvexport.mixed.end", np.array([_INT64_MAX], np.int64))
     total_tokens = _dim(graph, input_ids, 1)  # P + R
     rows = _dim(graph, decode_mask, 0)  # R
     prompt_tokens = _op(graph, "Sub", [total_tokens, rows])  # P
@@ -96,8 +92,8 @@ def mixed_step(model: ir.Model, *, all_logits: bool = False) -> ir.Model:
     biases: dict[ir.DataType, ir.Value] = {}
 
     for node in attention:
-        _split_attention(graph, node, prompt_tokens, rows, seqlens, total, biases, (zero, axis1, axis2, end))
-    _last_positions(graph, rows, axis1, end, all_logits)
+        _split_attention(graph, node, prompt_tokens, seqlens, total, biases)
+    _last_positions(graph, rows, all_logits)
     graph.sort()
     return model
 
@@ -106,14 +102,12 @@ def _split_attention(
     graph: ir.Graph,
     node: ir.Node,
     prompt_tokens: ir.Value,
-    rows: ir.Value,
     seqlens: ir.Value,
     total: ir.Value,
     biases: dict[ir.DataType, ir.Value],
-    constants: tuple[ir.Value, ir.Value, ir.Value, ir.Value],
 ) -> None:
     """The layer's attention on the first ``P`` tokens, and a twin over the decode rows on the rest."""
-    zero, axis1, axis2, end = constants
+    zero, axis1, axis2, end = ints(graph, [0]), ints(graph, [1]), ints(graph, [2]), ints(graph, [_INT64_MAX])
     inputs = list(node.inputs) + [None] * max(0, 11 - len(node.inputs))
     attributes = {name: attr.value for name, attr in node.attributes.items()}
     if attributes.get("do_rotary", 0):
@@ -212,7 +206,7 @@ def _decode_bias(graph: ir.Graph, dtype: ir.DataType) -> ir.Value:
     return bias
 
 
-def _last_positions(graph: ir.Graph, rows: ir.Value, axis1: ir.Value, end: ir.Value, all_logits: bool) -> None:
+def _last_positions(graph: ir.Graph, rows: ir.Value, all_logits: bool) -> None:
     """Logits for the last ``R + 1`` positions: the chunk's last token, then each decode row.
 
     The prefill graph gathers each row's last real token (one ``GatherElements`` on axis 1
@@ -237,12 +231,11 @@ def _last_positions(graph: ir.Graph, rows: ir.Value, axis1: ir.Value, end: ir.Va
         if graph_output.name == "logits" and graph_output.shape is not None and len(graph_output.shape) == 3:
             graph_output.shape = ir.Shape(["positions", 1, graph_output.shape[2]])
     gather = gathers[0]
-    one = initializer(graph, "kvexport.mixed.one", np.array([1], np.int64))
-    count = _op(graph, "Add", [rows, one])
+    count = _op(graph, "Add", [rows, ints(graph, [1])])
     start = _op(graph, "Neg", [count])
     data = gather.inputs[0]
     assert data is not None
-    last = ir.node("Slice", [data, start, end, axis1])
+    last = ir.node("Slice", [data, start, ints(graph, [_INT64_MAX]), ints(graph, [1])])
     rows_first = ir.node("Transpose", [last.outputs[0]], attributes={"perm": [1, 0, 2]})  # [1, R+1, h] -> [R+1, 1, h]
     graph.insert_before(gather, [last, rows_first])
     output = gather.outputs[0]

@@ -108,15 +108,18 @@ def open_session(
     ``options`` defaults to :func:`session_options`; CPU backs CUDA for the ops it lacks.
     """
     check_external_data(graph_path)
+    return _inference_session(str(graph_path), graph_path, provider, options or session_options(), "this graph")
+
+
+def _inference_session(
+    model: str | bytes, graph_path: Path, provider: str, options: ort.SessionOptions, what: str
+) -> ort.InferenceSession:
+    """A session of ``model`` (a path or serialized bytes) on the resolved provider; ORT's failure as one ManifestError line."""
     resolved = resolve_provider(provider)
-    options = options or session_options()
     try:
-        return ort.InferenceSession(str(graph_path), options, providers=session_providers(resolved))
+        return ort.InferenceSession(model, options, providers=session_providers(resolved))
     except Exception as exc:  # ORT raises its own Fail / InvalidGraph / RuntimeException types
-        first = first_line(exc)
-        raise ManifestError(
-            f"{graph_path}: ONNX Runtime cannot load this graph ({first[:300]})"
-        ) from exc
+        raise ManifestError(f"{graph_path}: ONNX Runtime cannot load {what} ({first_line(exc)[:300]})") from exc
 
 
 def open_mixed_session(
@@ -137,10 +140,6 @@ def open_mixed_session(
     check_external_data(graph_path)
     model = ir.load(graph_path)
     mixed_step(model, all_logits=all_logits)
-    resolved = resolve_provider(provider)
     options = options or session_options()
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
-    try:
-        return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=session_providers(resolved))
-    except Exception as exc:  # ORT raises its own Fail / InvalidGraph / RuntimeException types
-        raise ManifestError(f"{graph_path}: ONNX Runtime cannot load its mixed step ({first_line(exc)[:300]})") from exc
+    return _inference_session(ir.to_proto(model).SerializeToString(), graph_path, provider, options, "its mixed step")

@@ -61,10 +61,10 @@ class EngineConfig:
             :data:`~kvexport.serving.scheduler.BURST_TOKENS` tokens (see
             :class:`~kvexport.serving.scheduler.PrefillBudget`).
         mixed_step: on CPU, run a step's last prompt chunk and its decode call as one call
-            (off by default: on an AVX2 host it saved nothing served)
             (:mod:`kvexport.passes.mixed_step`), the decode rows' tokens packed into the
             chunk's GEMMs; the runner opens a second session for it (a second copy of the
-            packed weights). A graph the split can't take runs them as separate calls.
+            packed weights). A graph the split can't take runs them as separate calls. Off
+            by default: on an AVX2 host it saved nothing served.
         provider: ``cpu``, ``cuda`` or ``auto``.
         intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
         spinning: let the sessions' threads spin between a run's nodes (faster decode steps
