@@ -415,6 +415,10 @@ def test_metrics_count_what_was_served(served: tuple[str, Engine]) -> None:
     assert values[f"kvexport_prefix_cache_tokens_total{model}"] == before.cached_tokens + cached
     assert values[f"kvexport_prefix_cache_hits_total{model}"] >= before.prefix_hits + 1
     assert values[f"kvexport_generation_tokens_total{model}"] == before.generated_tokens + 12
+    after = engine.stats()
+    assert values[f"kvexport_decode_steps_total{model}"] == after.steps
+    for counter, field in (("mixed_steps", "mixed_steps"), ("spec_draft_tokens", "drafted_tokens"), ("spec_accepted_tokens", "accepted_tokens")):
+        assert values[f"kvexport_{counter}_total{model}"] == getattr(after, field)
     assert values[f"kvexport_slots{model}"] == 4 and values[f"kvexport_slots_in_use{model}"] == 0
     assert values[f"kvexport_requests_running{model}"] == 0 and values[f"kvexport_requests_waiting{model}"] == 0
     assert values['kvexport_requests_total{finish_reason="length",model="trained"}'] >= 1

@@ -84,6 +84,9 @@ class ServerMetrics:
             ("kvexport_prefix_cache_tokens", "Prompt tokens reused from the prefix cache, not prefilled.", stats.cached_tokens),
             ("kvexport_generation_tokens", "Tokens generated.", stats.generated_tokens),
             ("kvexport_decode_steps", "Batched decode calls.", stats.steps),
+            ("kvexport_mixed_steps", "Decode steps run in one call with a prompt chunk (--mixed-step).", stats.mixed_steps),
+            ("kvexport_spec_draft_tokens", "Speculative tokens proposed by the drafter.", stats.drafted_tokens),
+            ("kvexport_spec_accepted_tokens", "Speculative tokens the model kept.", stats.accepted_tokens),
         ):
             counter = CounterMetricFamily(name, help_text, labels=["model"])
             counter.add_metric([self.model], value)
