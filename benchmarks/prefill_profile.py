@@ -2,9 +2,10 @@
 """Where prefill time goes: ONNX Runtime's profile by op type, per scheme and prompt length, against the CPU's peak.
 
 Outside CI. For each in-place export of GPT-2 124M (fp32, int8 blocks, int8 per-channel,
-int4; the exports ``benchmarks/llama_cpp_compare.py`` makes, reused when present) and
-each case, the prompt runs as the engine runs it today, at batch 1 into a slot of the
-in-place cache (``SlotCache.run_piece``):
+int4; the exports ``benchmarks/llama_cpp_compare.py`` makes, reused when present), or for
+the exports named by ``--export LABEL=DIR`` (any family), and each case, the prompt runs
+as the engine runs it today, at batch 1 into a slot of the in-place cache
+(``SlotCache.run_piece``):
 
 - ``128`` and ``512``: one prompt of that many tokens;
 - ``16x128``: sixteen 128-token prompts one after the other into sixteen slots (2048
@@ -13,12 +14,15 @@ in-place cache (``SlotCache.run_piece``):
 Each case is timed best of ``--repeats`` on a session without profiling, then run again on
 a profiled session, whose node events are summed by op type (the first run is dropped).
 The peak is measured by a tight kernel on the same threads: ONNX Runtime's fp32 ``MatMul``
-and uint8 x int8 ``MatMulInteger`` at [512, 768] x [768, 3072]. Throughput counts 2 x the
-non-embedding weights x tokens (the LM head runs on the last position only).
+and its uint8 x int8, uint8 x uint8 and int8 x int8 ``MatMulInteger`` at [512, 768] x [768, 3072].
+Throughput counts 2 x the non-embedding weights x tokens (the LM head runs on the last
+position only; ``--non-embedding``, GPT-2 124M's by default).
 
     .venv/bin/python benchmarks/prefill_profile.py --work /tmp/llama --results benchmarks/results
+    .venv/bin/python benchmarks/prefill_profile.py --name smollm2-135m --non-embedding 106168320 \
+        --export "int8 blocks=/tmp/smol-blocks" --export "int8 pc=/tmp/smol-pc"
 
-Writes ``prefill_profile-gpt2.json``; prints one table per export.
+Writes ``prefill_profile-<name>.json`` (``gpt2`` by default); prints one table per export.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def _run_case(session: ort.InferenceSession, cache: SlotCache, prompts: int, len
         cache.run_piece(session, slot, rng.integers(0, vocab, length).tolist(), 0)
 
 
-def profile_export(export: Path, repeats: int) -> dict[str, Any]:
+def profile_export(export: Path, repeats: int, non_embedding: int = NON_EMBEDDING) -> dict[str, Any]:
     manifest = read_manifest(export)
     vocab = manifest.dims.vocab_size
     rows: dict[str, Any] = {}
@@ -90,7 +94,7 @@ def profile_export(export: Path, repeats: int) -> dict[str, Any]:
             "tokens": tokens,
             "ms": round(1000 * best, 2),
             "ms_per_token": round(1000 * best / tokens, 4),
-            "gflop_s": round(2 * NON_EMBEDDING * tokens / best / 1e9, 1),
+            "gflop_s": round(2 * non_embedding * tokens / best / 1e9, 1),
             "by_op_ms": {op: round(ms, 2) for op, ms in sorted(by_op.items(), key=lambda item: -item[1])},
             "by_op_share": {op: round(ms / profiled_ms, 3) for op, ms in sorted(by_op.items(), key=lambda item: -item[1])},
         }
@@ -113,12 +117,14 @@ def _by_op(events: list[dict[str, Any]], runs_to_skip: int) -> dict[str, float]:
 
 
 def peak_gflops(repeats: int = 20) -> dict[str, float]:
-    """ONNX Runtime's fp32 MatMul and uint8 x int8 MatMulInteger at [512, 768] x [768, 3072], on this session's threads."""
+    """ONNX Runtime's fp32 MatMul and uint8 / int8 x int8 and uint8 x uint8 MatMulInteger at [512, 768] x [768, 3072], on this session's threads."""
     m, k, n = 512, 768, 3072
     rng = np.random.default_rng(0)
     graphs = {
         "fp32 MatMul": (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT, "MatMul", rng.standard_normal((k, n)).astype(np.float32), rng.standard_normal((m, k)).astype(np.float32)),
         "u8 x s8 MatMulInteger": (onnx.TensorProto.UINT8, onnx.TensorProto.INT32, "MatMulInteger", rng.integers(-127, 127, (k, n)).astype(np.int8), rng.integers(0, 255, (m, k)).astype(np.uint8)),
+        "u8 x u8 MatMulInteger": (onnx.TensorProto.UINT8, onnx.TensorProto.INT32, "MatMulInteger", rng.integers(0, 255, (k, n)).astype(np.uint8), rng.integers(0, 255, (m, k)).astype(np.uint8)),
+        "s8 x s8 MatMulInteger": (onnx.TensorProto.INT8, onnx.TensorProto.INT32, "MatMulInteger", rng.integers(-127, 127, (k, n)).astype(np.int8), rng.integers(-127, 127, (m, k)).astype(np.int8)),
     }
     peaks = {}
     for name, (in_type, out_type, op, weight, activations) in graphs.items():
@@ -147,9 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/llama"))
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--export", action="append", default=[], metavar="LABEL=DIR", help="Profile this export (repeatable) instead of GPT-2's.")
+    parser.add_argument("--name", default="gpt2", help="The results file's suffix [default: gpt2].")
+    parser.add_argument("--non-embedding", type=int, default=NON_EMBEDDING, help="Weights outside the embeddings and the head, for GFLOP/s.")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    exports = llama.kvexport_exports("gpt2", True, args.work / "hf-gpt2", [], int8_per_channel=True)
+    if args.export:
+        exports = {label: Path(folder) for label, _, folder in (item.partition("=") for item in args.export)}
+    else:
+        exports = llama.kvexport_exports("gpt2", True, args.work / "hf-gpt2", [], int8_per_channel=True)
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     report: dict[str, Any] = {
         "machine": {
@@ -165,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(f"peak: {report['peak_gflop_s']}")
     for label, export in exports.items():
-        rows = profile_export(export, args.repeats)
+        rows = profile_export(export, args.repeats, args.non_embedding)
         report["exports"][label] = rows
         print(f"\n{label}")
         print(f"{'case':<8} {'ms':>8} {'ms/token':>9} {'GFLOP/s':>8}  top ops (share of node time)")
@@ -173,8 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             top = ", ".join(f"{op} {100 * share:.0f}%" for op, share in list(row["by_op_share"].items())[:4])
             print(f"{case:<8} {row['ms']:>8.1f} {row['ms_per_token']:>9.3f} {row['gflop_s']:>8.1f}  {top}")
     args.results.mkdir(parents=True, exist_ok=True)
-    (args.results / "prefill_profile-gpt2.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.results / 'prefill_profile-gpt2.json'}", file=sys.stderr)
+    written = args.results / f"prefill_profile-{args.name}.json"
+    written.write_text(json.dumps(report, indent=2))
+    print(f"wrote {written}", file=sys.stderr)
     return 0
 
 

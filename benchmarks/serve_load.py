@@ -31,7 +31,8 @@ so a drifting host treats them alike.
     .venv/bin/python benchmarks/serve_load.py --checkpoint /tmp/family/smollm2-135m/checkpoint --work /tmp/llama
 
 (``--checkpoint``: any family's Hugging Face directory with its tokenizer, as
-``benchmarks/family_compare.py`` writes one; vLLM serves that directory as it is.)
+``benchmarks/family_compare.py`` writes one; vLLM serves that directory as it is.
+``--export LABEL=DIR``, repeatable: serve these exports of it instead of exporting.)
 
 Writes ``serve_load.json`` and ``serve_load.png`` (output tokens/s and p99 TTFT against
 concurrency, one line per system) under ``--work``. Servers listen on 127.0.0.1 only, every
@@ -331,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
         help="Also serve each kvexport export with these extra kvexport serve arguments, as '... LABEL' "
         "(e.g. 'step80=--step-ms 80'); repeatable.",
     )
+    parser.add_argument(
+        "--export", action="append", default=[], metavar="LABEL=DIR",
+        help="Serve these kvexport exports instead of exporting (repeatable); LABEL's first word is its scheme "
+        "(e.g. 'int8 blocks=/tmp/smol-blocks').",
+    )
     parser.add_argument("--vllm-dtype", default=VLLM_DTYPE, help=f"vLLM's --dtype [default: {VLLM_DTYPE}; float32 where the CPU has no bf16 kernels].")
     parser.add_argument("--vllm", default="auto", help=f"The vLLM venv's Python, 'auto' ({VLLM_PYTHON} if it exists) or 'none' [default: auto].")
     args = parser.parse_args(argv)
@@ -353,11 +359,13 @@ def main(argv: list[str] | None = None) -> int:
                 ggufs.update(family.gguf_files(source, hf_dir, args.work / f"hf-{name}", family.tokenizer_kind(hf_dir)))
     if vllm is not None:
         checkpoint = vllm_checkpoint(vllm, hf_dir, args.work / f"vllm-{name}") if args.checkpoint is None else hf_dir
-    if args.checkpoint is None:
+    if args.export:
+        exports = {label: Path(folder) for label, _, folder in (item.partition("=") for item in args.export)}
+    elif args.checkpoint is None:
         exports = llama.kvexport_exports(args.model, args.random_init, args.work / f"hf-{name}", [], args.int8_per_channel)
     else:
         exports = {k: v for k, v in family.kvexport_exports(hf_dir, args.work / f"hf-{name}").items() if k != "fp32"}
-    vocab = json.loads((exports["int8"] / "kvexport.json").read_text())["model"]["dims"]["vocab_size"]
+    vocab = json.loads((next(iter(exports.values())) / "kvexport.json").read_text())["model"]["dims"]["vocab_size"]
     schemes = args.schemes.split(",")
     servers: dict[str, tuple[str, subprocess.Popen[Any], str]] = {}
     levels: dict[str, list[dict[str, Any]]] = {}

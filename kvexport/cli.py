@@ -952,12 +952,12 @@ def _cache_line(manifest: Any) -> str:
 def _quantization_line(q: dict[str, Any]) -> str:
     """The manifest's ``quantization`` as one line (export summary and ``inspect``)."""
     if q.get("per_channel"):
-        kernel = (
-            "MatMulIntegerToFloat, activations quantized per row"
-            if q.get("activation_scale") == "row"
-            else "DynamicQuantizeMatMul, activations quantized per call"
-        )
-        return f"quantized {q['scheme']}: 7-bit weights per output channel, head included ({kernel})"
+        if q.get("activation_scale") != "row":
+            kernel, weights = "DynamicQuantizeMatMul, activations quantized per call", "7-bit"
+        else:
+            kernel, weights = "MatMulIntegerToFloat, activations quantized per row", f"{q.get('channel_bits', 7)}-bit"
+        gated = f"; the gated MLP's down projection in 8-bit blocks of {q['block_size']}" if q.get("gated_blocks") else ""
+        return f"quantized {q['scheme']}: {weights} weights per output channel, head included ({kernel}){gated}"
     return (
         f"quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings "
         f"{q['head_bits']}-bit, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']}"

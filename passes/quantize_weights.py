@@ -20,22 +20,35 @@ once). The head and every embedding table use ``head_bits`` (8 by default in an 
 export: the head is the quantization error that shows, measured on a trained model).
 
 ``per_channel`` (8-bit only, fp32 weights) stores each projection and the LM head instead
-as int8 with one scale per output column, and quantizes each activation row on its own
-(its own scale, one shared zero point) for ONNX Runtime's uint8 x int8 GEMM::
+with one scale per output column, and quantizes each activation row on its own (its own
+scale, one shared zero point) for ONNX Runtime's uint8 GEMMs::
 
     MatMul(X, W[K, N])                ->  Abs, ReduceMax, Mul, Max, Div, QuantizeLinear (X's rows)
-                                          -> MatMulIntegerToFloat(Xq, Wq int8[K, N], 1, scales[N], 128)
+                                          -> MatMulIntegerToFloat(Xq, Wq[K, N], 1, scales[N], 128[, 128])
                                           -> Mul(row scales)
     Gemm(X, W[N, K], transB=1[, C])   ->  the same, C as the product's bias
     Gather(E[V, K], ids), E tied      ->  Gather(Wq, ids, axis=1) -> Transpose -> Cast -> Mul(scales[ids])
 
 On CPU that beats ``MatMulNBits``' 8-bit blocks at every row count (GPT-2 124M, 2 AVX2
-cores: a 128-token prompt 0.41x the time, a 16-row decode step 0.57x, one row 0.9x), at
-some cost in accuracy (on the trained test model, mean KL against fp32 8.6e-4 against
-2.3e-4, perplexity +0.07% against -0.02%). A row's result depends only on that row, as
-with the blocks, so a request's tokens do not depend on the requests batched with it or on
-how its prompt was chunked. (Until December 2026 this was ``DynamicQuantizeMatMul``, one
-activation scale per call, which did depend on them; such exports still load.)
+cores: a 128-token prompt 0.41x the time, a 16-row decode step 0.57x, one row 0.9x). A
+row's result depends only on that row, as with the blocks, so a request's tokens do not
+depend on the requests batched with it or on how its prompt was chunked. (Until December
+2026 this was ``DynamicQuantizeMatMul``, one activation scale per call, which did depend on
+them; such exports still load.)
+
+``channel_bits`` picks the weights' range and so the kernel. 7 (GPT-2's): int8 in [-63, 63],
+the uint8 x int8 kernel, the fastest at one row. 8: the full range, stored as uint8 around
+128, the uint8 x uint8 kernel. The uint8 x int8 kernel sums pairs of products in int16
+(``vpmaddubsw``) on x86 without VNNI and saturates with full-range int8 weights; uint8 x
+uint8 widens to int16 first and is exact on every host (GPT-2 124M's [576, 1536] on 2 AVX2
+cores: 1.6x the time of uint8 x int8 at one row, the same at 16, 1.24x at 128; the 8-bit
+blocks 1.7x, 2.2x, 2.8x).
+
+``gated_blocks`` (with ``per_channel``) keeps the 8-bit blocks for a product whose input is
+a gated unit's ``Mul``: the down projection of a Llama-style MLP, ``(silu(gate) * up) @ W``.
+That input spreads too far for one scale per row: on the trained test Llama (8-bit weights)
+it alone took the per-channel export's mean KL against fp32 from 0.0016 to 0.0037, and
+scales per 32 values (the blocks' int8 activations) bring it back.
 
 Rows whose length is not a multiple of the block size get the largest power-of-two block
 under it that divides them; a ``Gather`` whose rows no block of 16 or more divides stays
@@ -55,7 +68,6 @@ from onnx_ir.passes import InPlacePass, PassResult
 from .values import initializer
 
 MS_DOMAIN = "com.microsoft"
-_CHANNEL_MAX = 63  # per-channel weights' range: 7 bits (see QuantizeWeightsPass._pack_channels)
 _SHAPE_ONLY = {"Reshape", "Identity", "Squeeze", "Unsqueeze", "Cast", "Add"}
 
 
@@ -74,7 +86,13 @@ class QuantizationConfig:
             ``MatMulIntegerToFloat`` with each activation row quantized to uint8 on its own.
             Its kernel is fp32 and CPU only: fp16 weights keep 8-bit blocks. The blocks and the
             LM head are per-channel; an embedding tied to the head reads the head's bytes;
-            ``block_size`` applies only to an embedding of its own, ``accuracy_level`` not at all.
+            ``block_size`` applies only to an embedding of its own, ``accuracy_level`` only to
+            the products ``gated_blocks`` keeps in blocks.
+        channel_bits: per-channel weights' range: 7 (int8 in [-63, 63], the uint8 x int8
+            kernel) or 8 (uint8 around 128, the uint8 x uint8 kernel; see the module docstring).
+        gated_blocks: with ``per_channel``, a product whose input is a gated unit's ``Mul`` (a
+            Llama-style MLP's down projection) stays in 8-bit blocks of ``block_size``, whose
+            int8 activations have a scale per block rather than one per row.
 
     """
 
@@ -84,6 +102,8 @@ class QuantizationConfig:
     accuracy_level: int = 4
     head_bits: int | None = 8
     per_channel: bool = False
+    channel_bits: int = 7
+    gated_blocks: bool = False
 
     def __post_init__(self) -> None:
         for name, bits in (("bits", self.bits), ("head_bits", self.head_bits)):
@@ -97,6 +117,10 @@ class QuantizationConfig:
             raise ValueError(
                 "per-channel weights are symmetric 8-bit, the head included; other knobs need block weights"
             )
+        if self.channel_bits not in (7, 8):
+            raise ValueError(f"channel bits {self.channel_bits}: choose 7 or 8")
+        if self.gated_blocks and not self.per_channel:
+            raise ValueError("gated blocks go with per-channel weights; the blocks already cover every product")
 
     @property
     def embedding_bits(self) -> int:
@@ -128,8 +152,9 @@ class _Packed:
 class _Channels:
     """One weight as int8 with a scale per output column, in ``MatMulIntegerToFloat``'s layout."""
 
-    data: ir.Value  # int8 [K, N]
+    data: ir.Value  # int8 [K, N] (7 bits), or uint8 around 128 (8 bits)
     scales: ir.Value  # float [N]
+    zero_point: ir.Value | None  # the uint8 weights' 128
     k: int
     n: int
 
@@ -219,7 +244,8 @@ class QuantizeWeightsPass(InPlacePass):
         bias: ir.Value | None,
     ) -> None:
         """Replace a MatMul / Gemm by its quantized form: per channel (fp32 weights) or in blocks."""
-        if self.config.per_channel and array.dtype == np.float32:
+        gated = self.config.gated_blocks and _is_gated(activation)
+        if self.config.per_channel and array.dtype == np.float32 and not gated:
             channels = self._pack_channels(graph, weight, array, transposed=transposed, cache=packs.channels)
             self._replace_with_rows(graph, node, activation, channels, bias=bias)
         else:
@@ -330,22 +356,28 @@ class QuantizeWeightsPass(InPlacePass):
     ) -> _Channels:
         """Symmetric int8 of ``array`` ([K, N], or [N, K] if ``transposed``), one scale per column.
 
-        The weights use 7 bits ([-63, 63], scale = max |w| / 63, zero point 0, so none is
-        stored): ONNX Runtime's ``reduce_range``. On x86 without VNNI its u8 x s8 kernel
-        sums pairs of products in int16 (``vpmaddubsw``), which saturates with full-range
-        weights: on the trained test model that multiplied the mean KL against fp32 by 23.
+        With ``channel_bits`` 7 the weights use [-63, 63] (scale = max |w| / 63, zero point 0,
+        so none is stored): ONNX Runtime's ``reduce_range``, so that the uint8 x int8 kernel's
+        int16 pair sums cannot saturate; with full-range weights that multiplied the trained
+        GPT-2's mean KL against fp32 by 23. With 8 they use [-127, 127] stored as uint8 around
+        128 for the exact uint8 x uint8 kernel: on the trained test Llama 7 bits cost +0.8%
+        perplexity, 8 bits +0.02%.
         """
         known = cache.get(id(weight))
         if known is not None:
             return known
         k_by_n = np.ascontiguousarray(array.T if transposed else array, dtype=np.float32)
         peak = np.abs(k_by_n).max(axis=0)
-        scales = np.where(peak > 0, peak / _CHANNEL_MAX, 1.0).astype(np.float32)
-        data = np.clip(np.rint(k_by_n / scales), -_CHANNEL_MAX, _CHANNEL_MAX).astype(np.int8)
+        top = 2 ** (self.config.channel_bits - 1) - 1
+        scales = np.where(peak > 0, peak / top, 1.0).astype(np.float32)
+        codes = np.clip(np.rint(k_by_n / scales), -top, top)
+        unsigned = self.config.channel_bits == 8
+        data = (codes + 128).astype(np.uint8) if unsigned else codes.astype(np.int8)
         name = weight.name or "weight"
         channels = _Channels(
-            data=initializer(graph, f"{name}_q8c", data),
+            data=initializer(graph, f"{name}_q8c" if not unsigned else f"{name}_q8u", data),
             scales=initializer(graph, f"{name}_q8c_scales", scales),
+            zero_point=initializer(graph, "kvexport.q8r_zero_point", np.array(128, np.uint8)) if unsigned else None,
             k=k_by_n.shape[0],
             n=k_by_n.shape[1],
         )
@@ -464,16 +496,15 @@ def _row_quantized_product(
 
     Each row's scale is ``max |x_row| / 127``; the row becomes uint8 around one zero point,
     128, shared by every row (ONNX Runtime's CPU ``MatMulInteger`` takes only a scalar zero
-    point). ``MatMulIntegerToFloat`` runs the uint8 x int8 GEMM and applies the column
-    scales; a last ``Mul`` applies the row scales::
+    point). ``MatMulIntegerToFloat`` runs the uint8 x int8 (or uint8 x uint8) GEMM and
+    applies the column scales; a last ``Mul`` applies the row scales::
 
         r = max(ReduceMax(|X|, -1) / 127, tiny)     [..., 1]
-        Y = MatMulIntegerToFloat(QuantizeLinear(X / r, 1, 128), Wq, 1, scales, 128[, bias]) * r
+        Y = MatMulIntegerToFloat(QuantizeLinear(X / r, 1, 128), Wq, 1, scales, 128[, 128][, bias]) * r
 
     Unlike ``DynamicQuantizeMatMul`` (one activation scale per call), a row's result does
     not depend on the other rows of the call: on the rows batched beside it, or on how its
-    prompt was cut into chunks. On GPT-2 124M (2 AVX2 cores) the 128-token prompt took 0.41-0.45x
-    the time of the 8-bit blocks, a 16-row decode step 0.57x and a 1-row step 0.9x.
+    prompt was cut into chunks.
     """
     base = _derived_name(node, "q8r")
 
@@ -491,7 +522,7 @@ def _row_quantized_product(
     row_scale = ir.node("Max", [scaled.outputs[0], tiny], name=name("row_scale"))
     unit = ir.node("Div", [activation, row_scale.outputs[0]], name=name("unit"))
     codes = ir.node("QuantizeLinear", [unit.outputs[0], one, center], name=name("codes"))
-    inputs: list[ir.Value | None] = [codes.outputs[0], channels.data, one, channels.scales, center, None]
+    inputs: list[ir.Value | None] = [codes.outputs[0], channels.data, one, channels.scales, center, channels.zero_point]
     if bias is not None:
         inputs.append(bias)
     product = ir.node("MatMulIntegerToFloat", inputs, domain=MS_DOMAIN, name=name("matmul"))
@@ -503,23 +534,38 @@ def _gather_columns(channels: _Channels, indices: ir.Value, rank: int) -> list[i
     """Rows of a tied embedding read from its LM head's per-channel int8 ``[K, V]``.
 
     ``Gather(axis=1)`` takes the ids' columns (``[K, *ids]``), a ``Transpose`` puts ``K``
-    last, and each row is scaled by its column's scale: the embedding's bytes stay the
-    head's, as in the block layout.
+    last, uint8 weights lose their 128, and each row is scaled by its column's scale: the
+    embedding's bytes stay the head's, as in the block layout.
     """
     columns = ir.node("Gather", [channels.data, indices], attributes={"axis": 1})
     rows = ir.node("Transpose", columns.outputs, attributes={"perm": [*range(1, rank + 1), 0]})
     floats = ir.node("Cast", rows.outputs, attributes={"to": ir.DataType.FLOAT})
+    nodes = [columns, rows, floats]
+    if channels.zero_point is not None:
+        center = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(128, dtype=np.float32))})
+        nodes += [center, ir.node("Sub", [floats.outputs[0], center.outputs[0]])]
     scales = ir.node("Gather", [channels.scales, indices], attributes={"axis": 0})
     axes = ir.node("Constant", [], attributes={"value": ir.tensor(np.array([-1], dtype=np.int64))})
     column_scales = ir.node("Unsqueeze", [scales.outputs[0], axes.outputs[0]])
-    scaled = ir.node("Mul", [floats.outputs[0], column_scales.outputs[0]])
-    return [columns, rows, floats, scales, axes, column_scales, scaled]
+    scaled = ir.node("Mul", [nodes[-1].outputs[0], column_scales.outputs[0]])
+    return [*nodes, scales, axes, column_scales, scaled]
 
 
 def _swap_subgraph(graph: ir.Graph, old: ir.Node, nodes: list[ir.Node]) -> None:
     """Put ``nodes`` (the last one making the result) where ``old`` was."""
     graph.insert_before(old, nodes[:-1])
     _swap(graph, old, nodes[-1])
+
+
+def _is_gated(activation: ir.Value) -> bool:
+    """Whether ``activation`` is a gated unit's product (``Mul`` of two computed tensors)."""
+    producer = activation.producer()
+    return (
+        producer is not None
+        and producer.op_type == "Mul"
+        and producer.domain in ("", "ai.onnx")
+        and all(value is not None and value.const_value is None for value in producer.inputs)
+    )
 
 
 def _head_nodes(graph: ir.Graph) -> set[ir.Node]:

@@ -2,26 +2,32 @@
 
 The trained Llama (``scripts/train_tiny_gpt2.py --family llama``: 4 layers, 4 query heads
 sharing 2 KV heads, rotary positions, RMSNorm, trained on the same text as the GPT-2 test
-model) is exported for ort-cpu with int8 weights and with an int8 cache; each must keep its
-scheme's tolerances against PyTorch fp32 on the held-out text. int4 weights, per-channel
-int8 and an int4 cache exceed them on this model (docs/quantization.md, "Llama-style
-families": measured, not yet within the tolerances), so they are not asserted here.
+model) is exported for ort-cpu with int8 weights (the default: per channel, the down
+projection in blocks; and all in blocks) and with an int8 cache; each must keep its
+scheme's tolerances against PyTorch fp32 on the held-out text. int4 weights and an int4
+cache exceed them on this model (docs/quantization.md, "Llama-style families": measured,
+not yet within the tolerances), so they are not asserted here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import onnx
 import pytest
 
 from kvexport import export_model, verify
 from kvexport.bundle.manifest import read_manifest
-from kvexport.export.quantization import QUANTIZATION_TOLERANCES
+from kvexport.export.quantization import QUANTIZATION_SCHEMES, QUANTIZATION_TOLERANCES
 
 TRAINED_LLAMA = Path(__file__).parent / "data" / "tiny-trained-llama"
 HELDOUT = TRAINED_LLAMA / "heldout.txt"
 
-VARIANTS: dict[str, dict[str, object]] = {"int8": {"quantize": "int8"}, "kv-int8": {"kv_cache": "int8"}}
+VARIANTS: dict[str, dict[str, object]] = {
+    "int8": {"quantize": "int8"},
+    "int8-blocks": {"quantize": "int8", "quantization": QUANTIZATION_SCHEMES["int8"]},
+    "kv-int8": {"kv_cache": "int8"},
+}
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -30,11 +36,17 @@ def test_quantized_llama_keeps_its_schemes_tolerances(variant: str, tmp_path: Pa
     export_model(out, str(TRAINED_LLAMA), target="ort-cpu", **VARIANTS[variant])  # type: ignore[arg-type]
     manifest = read_manifest(out)
     assert manifest.family == "llama" and manifest.dims.num_kv_heads == 2
-    kind = variant.removeprefix("kv-")
+    kind = variant.removeprefix("kv-").removesuffix("-blocks")
     if variant.startswith("kv-"):
         assert manifest.cache_dtype == kind
     else:
         assert manifest.quantization is not None and manifest.quantization["scheme"] == kind
+        # int8 without knobs: per channel, the MLP's down projections (one a layer) in blocks
+        assert manifest.quantization["per_channel"] is manifest.quantization["gated_blocks"] is (variant == "int8")
+        assert manifest.quantization.get("channel_bits") == (8 if variant == "int8" else 7)
+        ops = [node.op_type for node in onnx.load(str(out / "prefill.onnx"), load_external_data=False).graph.node]
+        layers = manifest.dims.num_layers
+        assert ops.count("MatMulNBits") == (layers if variant == "int8" else 7 * layers + 1)
     report = verify(out, steps=6, text=HELDOUT, text_tokens=100_000, record=False)
     assert report.ok, report.failures()
     tolerances = QUANTIZATION_TOLERANCES[kind]

@@ -169,19 +169,25 @@ def test_bad_quantization_options_get_one_line(tmp_path: Path, args: list[str], 
     assert not (tmp_path / "o").exists()
 
 
-def test_int8_means_per_channel_for_gpt2_on_cpu_and_blocks_elsewhere() -> None:
+def test_int8_means_per_channel_on_cpu_with_gated_blocks_for_gated_mlps() -> None:
+    import dataclasses
+
     from kvexport.export.options import ExportOptions
     from kvexport.export.quantization import QUANTIZATION_SCHEMES
 
-    def per_channel(target: str, family: str, **given: object) -> bool:
+    def kernel(target: str, family: str, **given: object) -> tuple[bool, int, bool]:
         options = ExportOptions.resolve(target, quantize="int8", family=family, **given)  # type: ignore[arg-type]
-        assert options.quantization is not None
-        return options.quantization.per_channel
+        knobs = options.quantization
+        assert knobs is not None
+        return knobs.per_channel, knobs.channel_bits, knobs.gated_blocks
 
-    assert per_channel("ort-cpu", "gpt2")
-    assert not per_channel("ort-cpu", "llama")  # outside the int8 tolerances on the trained Llama
-    assert not per_channel("ort-cuda", "gpt2")  # fp16, and MatMulIntegerToFloat is a CPU kernel
-    assert not per_channel("ort-cpu", "gpt2", quantization=QUANTIZATION_SCHEMES["int8"])  # knobs given: the blocks
+    assert kernel("ort-cpu", "gpt2") == (True, 7, False)
+    for family in ("llama", "qwen2", "qwen3", "mistral", "phi3"):  # 8 bits, the down projection in blocks
+        assert kernel("ort-cpu", family) == (True, 8, True)
+    asked = dataclasses.replace(QUANTIZATION_SCHEMES["int8"], per_channel=True)
+    assert kernel("ort-cpu", "llama", quantization=asked) == (True, 8, True)  # --per-channel: the same
+    assert kernel("ort-cuda", "gpt2")[0] is False  # fp16, and MatMulIntegerToFloat is a CPU kernel
+    assert kernel("ort-cpu", "gpt2", quantization=QUANTIZATION_SCHEMES["int8"])[0] is False  # knobs: blocks
 
 
 def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: dict[str, Path], tmp_path: Path) -> None:
@@ -198,6 +204,7 @@ def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: 
     assert "MatMulNBits" not in ops and "MatMul" not in ops and "Gemm" not in ops
     recorded = json.loads((out / "kvexport.json").read_text())["quantization"]
     assert recorded["per_channel"] is True and recorded["activation_scale"] == "row"
+    assert recorded["channel_bits"] == 7 and recorded["gated_blocks"] is False
     # the tied embedding reads the head's int8 bytes: smaller than the block export
     assert _export_bytes(out) < _export_bytes(trained_exports["int8"])
     report = verify(out, steps=4, text=HELDOUT, text_tokens=100_000, record=False)

@@ -93,10 +93,11 @@ def test_weights_become_nbits_ops_with_the_head_and_embedding_sharing_bytes(bits
     assert relative < (0.02 if min(bits, head_bits) == 8 else 0.4)
 
 
-def _channel_dequantized(weight_k_by_n: np.ndarray) -> np.ndarray:
-    """Symmetric 7-bit weights with one scale per column, in numpy: the reference."""
-    scale = np.abs(weight_k_by_n).max(axis=0) / 63
-    return np.clip(np.round(weight_k_by_n / scale), -63, 63) * scale
+def _channel_dequantized(weight_k_by_n: np.ndarray, bits: int) -> np.ndarray:
+    """Symmetric weights of ``bits`` with one scale per column, in numpy: the reference."""
+    top = 2 ** (bits - 1) - 1
+    scale = np.abs(weight_k_by_n).max(axis=0) / top
+    return np.clip(np.round(weight_k_by_n / scale), -top, top) * scale
 
 
 def _row_quantized(x: np.ndarray) -> np.ndarray:
@@ -105,32 +106,38 @@ def _row_quantized(x: np.ndarray) -> np.ndarray:
     return np.clip(np.rint(x / scale), -128, 127) * scale
 
 
-def test_per_channel_weights_become_row_quantized_products_with_the_tied_table_reading_the_head() -> None:
+@pytest.mark.parametrize("channel_bits", [7, 8])
+def test_per_channel_weights_become_row_quantized_products_with_the_tied_table_reading_the_head(channel_bits: int) -> None:
     proto, weights = _tied_decoder()
     ids = np.array([0, 5, V - 1], dtype=np.int64)
     model = ir.from_proto(proto)
-    graph_pass = QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True))
+    config = QuantizationConfig(bits=8, per_channel=True, channel_bits=channel_bits)
+    graph_pass = QuantizeWeightsPass(config)
     assert graph_pass(model).modified
     assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0}
     matmuls = [node for node in model.graph if node.op_type == "MatMulIntegerToFloat"]
     assert len(matmuls) == 3
     assert not [node for node in model.graph if node.op_type in ("MatMul", "Gemm", "MatMulNBits", "DynamicQuantizeMatMul")]
-    for matmul in matmuls:  # uint8 activations around 128 (a scalar, as ORT's CPU kernel needs), int8 weights
+    for matmul in matmuls:  # uint8 activations around 128 (a scalar, as ORT's CPU kernel needs)
         assert matmul.inputs[0].producer().op_type == "QuantizeLinear"
         assert matmul.inputs[4].const_value.numpy().tolist() == 128
+        # 7 bits: int8 weights, no zero point; 8 bits: uint8 weights around 128 (u8 x u8, exact)
+        weight_zero = matmul.inputs[5]
+        assert (weight_zero is None) if channel_bits == 7 else (weight_zero.const_value.numpy().tolist() == 128)
     head = matmuls[-1]
     gathers = [node for node in model.graph if node.op_type == "Gather"]
     # the embedding gathers columns of the head's int8 [C, V] and scales them by the head's scales
     assert {node.inputs[0] for node in gathers} == {head.inputs[1], head.inputs[3]}
-    assert head.inputs[1].const_value.dtype == ir.DataType.INT8
-    assert head.inputs[1].const_value.shape == (C, V)
-    assert np.abs(head.inputs[1].const_value.numpy()).max() == 63
+    codes = head.inputs[1].const_value
+    assert codes.dtype == (ir.DataType.INT8 if channel_bits == 7 else ir.DataType.UINT8)
+    assert codes.shape == (C, V)
+    assert np.abs(codes.numpy().astype(np.int32) - (0 if channel_bits == 7 else 128)).max() == 2 ** (channel_bits - 1) - 1
     assert set(model.graph.initializers) == {
         v.name for node in model.graph for v in node.inputs if v is not None and v.const_value is not None
     }  # the float weights are gone
 
-    table = _channel_dequantized(weights["E"].T).T  # [V, C]
-    w1, w2 = _channel_dequantized(weights["W1"]), _channel_dequantized(weights["W2"])
+    table = _channel_dequantized(weights["E"].T, channel_bits).T  # [V, C]
+    w1, w2 = _channel_dequantized(weights["W1"], channel_bits), _channel_dequantized(weights["W2"], channel_bits)
     # numpy's product with each activation row quantized on its own: the same function
     expected = _row_quantized(_row_quantized(_row_quantized(table[ids]) @ w1) @ w2) @ table.T
     got = _run(model, ids)
@@ -143,9 +150,76 @@ def test_per_channel_weights_become_row_quantized_products_with_the_tied_table_r
     np.testing.assert_array_equal(_run(model, ids[::-1]), got[::-1])
     # the embedding alone is exact: ids straight to the dequantized rows
     embedded = ir.from_proto(proto)
-    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True))(embedded)
+    QuantizeWeightsPass(config)(embedded)
     embedded.graph.outputs[0] = next(n for n in embedded.graph if n.op_type == "Mul").outputs[0]
     np.testing.assert_allclose(_run(embedded, ids), table[ids], rtol=1e-6, atol=1e-6)
+
+
+def _product(weight: np.ndarray, rows: int) -> tuple[ir.Model, str]:
+    """``x @ weight`` as a one-MatMul model."""
+    k, n = weight.shape
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("MatMul", ["x", "W"], ["y"])],
+        "product",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [rows, k])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [rows, n])],
+        [onnx.numpy_helper.from_array(weight, "W")],
+    )
+    return ir.from_proto(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)), "x"
+
+
+def test_8_bit_channels_are_exact_with_full_range_codes() -> None:
+    """Integer weights and activations in [-127, 127] whose rows and columns reach 127: every scale
+    is 1, so the product must be numpy's integer product. Same-signed extremes are the case where a
+    uint8 x int8 kernel's int16 pair sums (vpmaddubsw, x86 without VNNI) saturate; the 8-bit
+    channels run uint8 x uint8, which does not."""
+    rng = np.random.default_rng(0)
+    k, n = 256, 48
+    weight = rng.integers(-127, 128, (k, n)).astype(np.float32)
+    weight[0] = 127  # every column reaches 127
+    weight[:, 0], weight[:, 1] = 127, -127  # whole columns at the extremes
+    x = rng.integers(-127, 128, (4, k)).astype(np.float32)
+    x[:, 0] = 127
+    x[0], x[1] = 127, -127  # whole rows at the extremes, against them
+    model, name = _product(weight, len(x))
+    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8))(model)
+    assert [node.op_type for node in model.graph].count("MatMulIntegerToFloat") == 1
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    got = session.run(None, {name: x})[0]
+    np.testing.assert_array_equal(got, (x.astype(np.int64) @ weight.astype(np.int64)).astype(np.float32))
+
+
+def test_gated_blocks_keep_a_gated_units_product_in_blocks() -> None:
+    """``(silu(x @ G) * (x @ U)) @ D``: with ``gated_blocks`` D (its input a Mul of two computed
+    tensors) becomes MatMulNBits, G and U stay per channel; without it, all three are per channel."""
+    rng = np.random.default_rng(1)
+    weights = {name: (rng.standard_normal(shape) / 8).astype(np.float32) for name, shape in (("G", (C, HIDDEN)), ("U", (C, HIDDEN)), ("D", (HIDDEN, C)))}
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("MatMul", ["x", "G"], ["gate"]),
+            onnx.helper.make_node("Sigmoid", ["gate"], ["sigmoid"]),
+            onnx.helper.make_node("Mul", ["gate", "sigmoid"], ["silu"]),
+            onnx.helper.make_node("MatMul", ["x", "U"], ["up"]),
+            onnx.helper.make_node("Mul", ["silu", "up"], ["gated"]),
+            onnx.helper.make_node("MatMul", ["gated", "D"], ["y"]),
+        ],
+        "mlp",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [3, C])],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [3, C])],
+        [onnx.numpy_helper.from_array(a, n) for n, a in weights.items()],
+    )
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    x = rng.standard_normal((3, C)).astype(np.float32)
+    reference = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    for gated, kinds in ((True, ["MatMulIntegerToFloat", "MatMulIntegerToFloat", "MatMulNBits"]), (False, ["MatMulIntegerToFloat"] * 3)):
+        model = ir.from_proto(proto)
+        QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8, gated_blocks=gated))(model)
+        assert [node.op_type for node in model.graph if node.op_type.startswith("MatMul")] == kinds
+        down = [node for node in model.graph if node.op_type.startswith("MatMul")][-1]
+        assert down.inputs[0].producer().op_type == ("Mul" if gated else "QuantizeLinear")
+        session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+        got = session.run(None, {"x": x})[0]
+        assert np.abs(got - reference).max() < 0.02 * np.abs(reference).max()
 
 
 def test_per_channel_keeps_blocks_for_fp16_weights() -> None:
@@ -232,6 +306,8 @@ def test_graph_without_weights_is_left_alone() -> None:
         ({"accuracy_level": 7}, "accuracy level 7: choose 0-4"),
         ({"bits": 4, "per_channel": True}, "per-channel weights are symmetric 8-bit"),
         ({"bits": 8, "head_bits": 4, "per_channel": True}, "per-channel weights are symmetric 8-bit"),
+        ({"bits": 8, "gated_blocks": True}, "gated blocks go with per-channel weights"),
+        ({"bits": 8, "per_channel": True, "channel_bits": 6}, "channel bits 6: choose 7 or 8"),
     ],
 )
 def test_bad_knobs_are_refused(knobs: dict[str, int], message: str) -> None:
