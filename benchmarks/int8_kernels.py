@@ -1,17 +1,20 @@
 #!/usr/bin/env python
-"""ONNX Runtime's two int8 matmul kernels at GPT-2 124M's shapes: MatMulNBits blocks vs DynamicQuantizeMatMul.
+"""ONNX Runtime's int8 matmul kernels at GPT-2 124M's and SmolLM2-135M's shapes, as the quantize_weights pass writes them.
 
 Outside CI. One ``MatMul`` per shape (the block projections and the LM head), quantized by
-the ``quantize_weights`` pass both ways (8-bit blocks of 32 with int8 activations, as
-``--quantize int8``; per channel, as ``--quantize int8 --per-channel``), each timed at 1,
-16 and 128 rows (a decode step, a 16-row engine step, a prompt) on 2 threads, interleaved,
-with each one's error against the float product:
+the ``quantize_weights`` pass three ways: 8-bit blocks of 32 with int8 activations
+(``MatMulNBits``, ``--blocks``); per channel with 7-bit int8 weights (the uint8 x int8
+``MatMulIntegerToFloat``, GPT-2's ``--quantize int8``); per channel with full 8-bit weights
+stored as uint8 (uint8 x uint8, the Llama families'). Each is timed at 1, 16 and 128 rows
+(a decode step, a 16-row engine step, a prompt) on 2 threads, interleaved, with its error
+against the float product; the times are relative to the blocks':
 
-    .venv/bin/python benchmarks/int8_kernels.py
+    .venv/bin/python benchmarks/int8_kernels.py [--model gpt2|smollm2]
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import sys
 import time
@@ -23,10 +26,14 @@ import onnxruntime as ort
 
 from kvexport.passes import QuantizationConfig, QuantizeWeightsPass
 
-SHAPES = (("qkv", 768, 2304), ("proj", 768, 768), ("fc", 768, 3072), ("fc-proj", 3072, 768), ("head", 768, 50257))
+SHAPES = {
+    "gpt2": (("qkv", 768, 2304), ("proj", 768, 768), ("fc", 768, 3072), ("fc-proj", 3072, 768), ("head", 768, 50257)),
+    "smollm2": (("q", 576, 576), ("kv", 576, 192), ("gate", 576, 1536), ("down", 1536, 576), ("head", 576, 49152)),
+}
 KINDS = {
     "blocks": QuantizationConfig(bits=8, block_size=32, accuracy_level=4, head_bits=8),
-    "per-channel": QuantizationConfig(bits=8, head_bits=8, per_channel=True),
+    "pc7 u8s8": QuantizationConfig(bits=8, head_bits=8, per_channel=True, channel_bits=7),
+    "pc8 u8u8": QuantizationConfig(bits=8, head_bits=8, per_channel=True, channel_bits=8),
 }
 
 
@@ -48,10 +55,14 @@ def session(weight: np.ndarray, config: QuantizationConfig) -> ort.InferenceSess
     return ort.InferenceSession(ir.to_proto(model).SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(SHAPES), default="gpt2")
+    args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
-    print(f"{'shape':<8} {'rows':>4} {'blocks us':>10} {'per-channel us':>15} {'ratio':>6} {'rel err blocks':>15} {'per-channel':>12}")
-    for name, k, n in SHAPES:
+    others = [kind for kind in KINDS if kind != "blocks"]
+    print(f"{'shape':<8} {'rows':>4} {'blocks us':>10} " + " ".join(f"{kind + ' x':>10}" for kind in others) + "  rel err " + " / ".join(KINDS))
+    for name, k, n in SHAPES[args.model]:
         weight = (rng.standard_normal((k, n)) * 0.02).astype(np.float32)
         sessions = {kind: session(weight, config) for kind, config in KINDS.items()}
         for rows in (1, 16, 128):
@@ -69,10 +80,10 @@ def main() -> int:
                     for _ in range(repeats):
                         sess.run(None, {"A": a})
                     times[kind].append(1e6 * (time.perf_counter() - started) / repeats)
-            blocks, channels = (statistics.median(times[kind]) for kind in KINDS)
+            medians = {kind: statistics.median(values) for kind, values in times.items()}
+            ratios = " ".join(f"{medians[kind] / medians['blocks']:>10.2f}" for kind in others)
             print(
-                f"{name:<8} {rows:>4} {blocks:>10.1f} {channels:>15.1f} {channels / blocks:>6.2f} "
-                f"{errors['blocks']:>15.4f} {errors['per-channel']:>12.4f}",
+                f"{name:<8} {rows:>4} {medians['blocks']:>10.1f} {ratios}  " + " / ".join(f"{errors[kind]:.4f}" for kind in KINDS),
                 flush=True,
             )
     return 0

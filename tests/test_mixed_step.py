@@ -25,12 +25,13 @@ CAPACITY = 48
 
 @pytest.fixture(scope="module")
 def qwen3_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3 (grouped-query attention, Q/K norms, rotary outside the op) as an ort-cpu export."""
+    """A tiny Qwen3 (grouped-query attention, Q/K norms, rotary outside the op) as an ort-cpu int8 export
+    (per channel, the down projections in blocks: both kernels in one mixed call)."""
     from kvexport import export_model
 
     config = write_config(tmp_path_factory.mktemp("config-qwen3"), FAMILY_CONFIGS["qwen3"])
     out = tmp_path_factory.mktemp("mixed-qwen3") / "out"
-    export_model(out, str(config), random_init=True, seed=5, target="ort-cpu")
+    export_model(out, str(config), random_init=True, seed=5, target="ort-cpu", quantize="int8")
     return out
 
 
