@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
@@ -129,6 +130,32 @@ def test_optimum_graph_imports_to_a_directory_that_verifies_and_serves(family: s
             reply = client.post("/v1/completions", json=body)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["token_ids"] == want.tolist()
+
+
+def test_an_int8_import_keeps_the_last_position_head_and_verifies(tmp_path: Path) -> None:
+    """``--quantize int8`` on an ort import is per channel (the Llama's down projections in blocks):
+    the prefill still runs its head on the last position only, logits [batch, 1, V]."""
+    source = tmp_path / "optimum"
+    source.mkdir()
+    shutil.copy(FOREIGN / "optimum-llama.onnx", source / "model.onnx")
+    checkpoint = FOREIGN / "checkpoint-llama"
+    for name in ("config.json", "tokenizer.json"):
+        shutil.copy(checkpoint / name, source / name)
+    out = tmp_path / "imported"
+    done = CliRunner().invoke(
+        main, ["import", str(source), "--out", str(out), "--model", str(checkpoint), "--attention", "ort", "--quantize", "int8"]
+    )
+    assert done.exit_code == 0, done.output
+    manifest = json.loads((out / "kvexport.json").read_text())
+    assert manifest["quantization"]["per_channel"] is manifest["quantization"]["gated_blocks"] is True
+    assert manifest["all_logits"] is False
+    prefill = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
+    logits = next(o for o in prefill.graph.output if o.name == "logits")
+    assert [d.dim_value or d.dim_param for d in logits.type.tensor_type.shape.dim][1] == 1
+    ops = _ops(out / "prefill.onnx")
+    assert ops.get("MatMulNBits") == 2 and ops.get("MatMulIntegerToFloat", 0) > 0  # 2 layers' down projections
+    verified = CliRunner().invoke(main, ["verify", str(out)])
+    assert verified.exit_code == 0, verified.output
 
 
 def test_a_sliding_window_from_the_config_reaches_the_fused_op(tmp_path: Path) -> None:

@@ -173,15 +173,20 @@ def _last_position_logits(model: ir.Model) -> bool:
     """Prefill: the LM head reads the last position only; False if the head is not found.
 
     The head is the MatMul / Gemm / MatMulNBits that makes ``logits`` (through Reshapes, as
-    when a Gemm is flattened around); the [batch, sequence, E] activation it reads is
-    sliced to its last row for every node of the head that reads it.
+    when a Gemm is flattened around), or a per-channel int8 head, ``Mul(MatMulIntegerToFloat(
+    QuantizeLinear(Div(x, r))), r)``; the [batch, sequence, E] activation it reads is sliced
+    to its last row for every node of the head that reads it (the row scale's too).
     """
     graph = model.graph
     logits = next((v for v in graph.outputs if v.name == "logits"), None)
     head = logits.producer() if logits is not None else None
     while head is not None and head.op_type == "Reshape" and head.inputs[0] is not None:
         head = head.inputs[0].producer()
-    if logits is None or head is None or head.op_type not in ("MatMul", "MatMulNBits", "Gemm"):
+    if logits is None or head is None:
+        return False
+    if head.op_type == "Mul":
+        head = _row_quantized_input(head)
+    if head is None or head.op_type not in ("MatMul", "MatMulNBits", "Gemm", "Div"):
         return False
     hidden = head.inputs[0]
     flatten = hidden.producer() if hidden is not None else None
@@ -201,6 +206,20 @@ def _last_position_logits(model: ir.Model) -> bool:
     if logits.shape is not None:
         logits.shape = ir.Shape([logits.shape[0], 1, logits.shape[2]])
     return True
+
+
+def _row_quantized_input(scaled: ir.Node) -> ir.Node | None:
+    """The ``Div`` that scales a per-channel head's activation rows, from the head's last ``Mul``.
+
+    ``quantize_weights`` writes ``Mul(MatMulIntegerToFloat(QuantizeLinear(Div(x, r), ...)), r)``;
+    the ``Div`` reads ``x`` first, as the other heads do. None when the ``Mul`` is not that.
+    """
+    node: ir.Node | None = scaled
+    for op_type in ("Mul", "MatMulIntegerToFloat", "QuantizeLinear"):
+        if node is None or node.op_type != op_type or not node.inputs or node.inputs[0] is None:
+            return None
+        node = node.inputs[0].producer()
+    return node if node is not None and node.op_type == "Div" else None
 
 
 def _windows(family: ModelFamily, config_dir: Path | None) -> list[int]:
