@@ -40,9 +40,9 @@ them; such exports still load.)
 the uint8 x int8 kernel, the fastest at one row. 8: the full range, stored as uint8 around
 128, the uint8 x uint8 kernel. The uint8 x int8 kernel sums pairs of products in int16
 (``vpmaddubsw``) on x86 without VNNI and saturates with full-range int8 weights; uint8 x
-uint8 widens to int16 first and is exact on every host (GPT-2 124M's [576, 1536] on 2 AVX2
-cores: 1.6x the time of uint8 x int8 at one row, the same at 16, 1.24x at 128; the 8-bit
-blocks 1.7x, 2.2x, 2.8x).
+uint8 widens to int16 first and is exact on every host (the bare kernels at SmolLM2-135M's
+[576, 1536] on 2 AVX2 cores: 1.6x the time of uint8 x int8 at one row, the same at 16,
+1.24x at 128; ``MatMulNBits``' 8-bit blocks 1.7x, 2.2x, 2.8x).
 
 ``gated_blocks`` (with ``per_channel``) keeps the 8-bit blocks for a product whose input is
 a gated unit's ``Mul``: the down projection of a Llama-style MLP, ``(silu(gate) * up) @ W``.

@@ -76,7 +76,8 @@ def scheme_knobs(
     the :data:`PER_CHANNEL_FAMILIES`, and blocks otherwise. Per-channel int8 needs fp32 weights
     (``MatMulIntegerToFloat`` here is an fp32 CPU kernel). Per channel, a family with a gated
     MLP (all but the :data:`UNGATED_FAMILIES`) gets 8-bit weights (``channel_bits``) and keeps
-    its down projection in blocks (``gated_blocks``).
+    its down projection in blocks (``gated_blocks``), given knobs included: 7 bits or every
+    product per channel are outside the int8 tolerances there.
     """
     if knobs is None and default_per_channel(quantize, dtype, target, family):
         knobs = dataclasses.replace(QUANTIZATION_SCHEMES["int8"], per_channel=True)
