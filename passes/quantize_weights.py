@@ -150,11 +150,11 @@ class _Packed:
 
 @dataclass(frozen=True)
 class _Channels:
-    """One weight as int8 with a scale per output column, in ``MatMulIntegerToFloat``'s layout."""
+    """One weight with a scale per output column, in ``MatMulIntegerToFloat``'s layout."""
 
     data: ir.Value  # int8 [K, N] (7 bits), or uint8 around 128 (8 bits)
     scales: ir.Value  # float [N]
-    zero_point: ir.Value | None  # the uint8 weights' 128
+    unsigned: bool  # uint8 around 128: the activations' zero point is the weights' too
     k: int
     n: int
 
@@ -375,9 +375,9 @@ class QuantizeWeightsPass(InPlacePass):
         data = (codes + 128).astype(np.uint8) if unsigned else codes.astype(np.int8)
         name = weight.name or "weight"
         channels = _Channels(
-            data=initializer(graph, f"{name}_q8c" if not unsigned else f"{name}_q8u", data),
+            data=initializer(graph, f"{name}_q8u" if unsigned else f"{name}_q8c", data),
             scales=initializer(graph, f"{name}_q8c_scales", scales),
-            zero_point=initializer(graph, "kvexport.q8r_zero_point", np.array(128, np.uint8)) if unsigned else None,
+            unsigned=unsigned,
             k=k_by_n.shape[0],
             n=k_by_n.shape[1],
         )
@@ -522,7 +522,8 @@ def _row_quantized_product(
     row_scale = ir.node("Max", [scaled.outputs[0], tiny], name=name("row_scale"))
     unit = ir.node("Div", [activation, row_scale.outputs[0]], name=name("unit"))
     codes = ir.node("QuantizeLinear", [unit.outputs[0], one, center], name=name("codes"))
-    inputs: list[ir.Value | None] = [codes.outputs[0], channels.data, one, channels.scales, center, channels.zero_point]
+    weight_zero = center if channels.unsigned else None
+    inputs: list[ir.Value | None] = [codes.outputs[0], channels.data, one, channels.scales, center, weight_zero]
     if bias is not None:
         inputs.append(bias)
     product = ir.node("MatMulIntegerToFloat", inputs, domain=MS_DOMAIN, name=name("matmul"))
@@ -541,7 +542,7 @@ def _gather_columns(channels: _Channels, indices: ir.Value, rank: int) -> list[i
     rows = ir.node("Transpose", columns.outputs, attributes={"perm": [*range(1, rank + 1), 0]})
     floats = ir.node("Cast", rows.outputs, attributes={"to": ir.DataType.FLOAT})
     nodes = [columns, rows, floats]
-    if channels.zero_point is not None:
+    if channels.unsigned:
         center = ir.node("Constant", [], attributes={"value": ir.tensor(np.array(128, dtype=np.float32))})
         nodes += [center, ir.node("Sub", [floats.outputs[0], center.outputs[0]])]
     scales = ir.node("Gather", [channels.scales, indices], attributes={"axis": 0})
