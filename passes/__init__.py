@@ -33,7 +33,7 @@ if TYPE_CHECKING:
         run_pipeline,
     )
     from .quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
-    from .quantize_weights import QuantizationConfig, QuantizeWeightsPass
+    from .quantize_weights import QuantizationConfig, QuantizeWeightsPass, SignedChannelsPass
     from .rename_cache import CacheNamingError, NoCacheError, RenameCachePass
     from .transposed_weight_gemm import TransposedWeightGemmPass
 
@@ -56,6 +56,7 @@ _LAZY = {
     "QuantizeCachePass": ".quantize_cache",
     "QuantizationConfig": ".quantize_weights",
     "QuantizeWeightsPass": ".quantize_weights",
+    "SignedChannelsPass": ".quantize_weights",
     "CacheNamingError": ".rename_cache",
     "NoCacheError": ".rename_cache",
     "RenameCachePass": ".rename_cache",
@@ -90,6 +91,7 @@ __all__ = [
     "QuantizeCachePass",
     "QuantizeWeightsPass",
     "RenameCachePass",
+    "SignedChannelsPass",
     "TransposedWeightGemmPass",
     "build_pipeline",
     "run_pipeline",

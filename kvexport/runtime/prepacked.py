@@ -46,7 +46,7 @@ import onnxruntime as ort
 
 from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError, first_line
-from kvexport.runtime.session import session_options
+from kvexport.runtime.session import cpu_graph, session_options, signed_int8_weights
 
 CACHE_DIR = ".ort-prepacked"
 DATA_FILE = "weights.prepacked.data"
@@ -67,7 +67,8 @@ def _cpu_signature() -> str:
 def cache_key(directory: Path, manifest: Manifest) -> str:
     """A key that changes with ONNX Runtime's version, the CPU, the graphs and the weights."""
     digest = hashlib.sha256()
-    digest.update(f"ort {ort.__version__}\n{_cpu_signature()}\n{manifest.weights_sha256}\n".encode())
+    kernel = "u8s8" if signed_int8_weights() else "u8u8"  # how 8-bit per-channel weights are packed
+    digest.update(f"ort {ort.__version__}\n{_cpu_signature()}\n{kernel}\n{manifest.weights_sha256}\n".encode())
     for graph in GRAPH_NAMES:
         digest.update((directory / manifest.graphs[graph].file).read_bytes())
     return f"ort{ort.__version__}-{digest.hexdigest()[:16]}"
@@ -125,9 +126,8 @@ def build(directory: Path, target: Path) -> None:
             )
             options.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
             options.log_severity_level = 3  # the "hardware specific" warning is why the cache is keyed
-            ort.InferenceSession(
-                str(directory / manifest.graphs[graph].file), options, providers=["CPUExecutionProvider"]
-            )
+            path = directory / manifest.graphs[graph].file
+            ort.InferenceSession(cpu_graph(path, options), options, providers=["CPUExecutionProvider"])
         final = work / "final"
         final.mkdir()
         _merge(work, final)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import onnx
 import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from kvexport.passes import QuantizationConfig, QuantizeWeightsPass
+from kvexport.errors import ProviderError
+from kvexport.passes import QuantizationConfig, QuantizeWeightsPass, SignedChannelsPass
+from kvexport.runtime.session import cpu_flags, open_session, signed_int8_weights
 
 V, C, HIDDEN = 67, 64, 128  # odd vocab; K = 64 and 128 are multiples of the block sizes
 
@@ -168,11 +172,51 @@ def _product(weight: np.ndarray, rows: int) -> tuple[ir.Model, str]:
     return ir.from_proto(onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)), "x"
 
 
-def test_8_bit_channels_are_exact_with_full_range_codes() -> None:
+VNNI = "avx512_vnni" in cpu_flags()
+
+
+def _alternating_decoder() -> onnx.ModelProto:
+    """The tied toy with every weight's signs alternating along its K axis."""
+    proto, _ = _tied_decoder()
+    for initializer in proto.graph.initializer:
+        array = onnx.numpy_helper.to_array(initializer)
+        flipped = _alternating(array.T).T if initializer.name == "E" else _alternating(array)  # E: the head's [V, C]
+        initializer.CopyFrom(onnx.numpy_helper.from_array(flipped, initializer.name))
+    return proto
+
+
+def test_cpu_sessions_read_8_bit_channels_as_int8_where_asked(tmp_path, monkeypatch) -> None:
+    """``open_session`` on CPU: KVEXPORT_INT8_KERNEL picks the kernel (auto: by the CPU's VNNI), the
+    weights stay in the export's data file, and both kernels give the same floats on codes neither
+    saturates; a value it does not know is one line."""
+    model = ir.from_proto(_alternating_decoder())
+    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8))(model)
+    path = tmp_path / "model.onnx"
+    ir.save(model, path, external_data="model.onnx.data", size_threshold_bytes=1024)
+    ids = np.array([0, 5, V - 1], dtype=np.int64)
+    results = {}
+    for kernel in ("u8u8", "u8s8"):
+        monkeypatch.setenv("KVEXPORT_INT8_KERNEL", kernel)
+        assert signed_int8_weights() is (kernel == "u8s8")
+        results[kernel] = open_session(path, "cpu").run(None, {"ids": ids})[0]
+    np.testing.assert_allclose(results["u8s8"], results["u8u8"], rtol=1e-6, atol=1e-6 * np.abs(results["u8u8"]).max())
+    monkeypatch.setenv("KVEXPORT_INT8_KERNEL", "auto")
+    assert signed_int8_weights() is (VNNI and platform.machine() == "x86_64")
+    monkeypatch.setenv("KVEXPORT_INT8_KERNEL", "s8s8")
+    with pytest.raises(ProviderError, match=r"^KVEXPORT_INT8_KERNEL=s8s8: choose auto, u8s8, u8u8$"):
+        open_session(path, "cpu")
+
+
+@pytest.mark.parametrize(
+    "signed",
+    [False, pytest.param(True, marks=pytest.mark.skipif(not VNNI, reason="uint8 x int8 sums in int32 only on VNNI hosts"))],
+)
+def test_8_bit_channels_are_exact_with_full_range_codes(signed: bool) -> None:
     """Integer weights and activations in [-127, 127] whose rows and columns reach 127: every scale
     is 1, so the product must be numpy's integer product. Same-signed extremes are the case where a
     uint8 x int8 kernel's int16 pair sums (vpmaddubsw, x86 without VNNI) saturate; the 8-bit
-    channels run uint8 x uint8, which does not."""
+    channels run uint8 x uint8, which does not. On AVX-512 VNNI hosts the runtime reads them as
+    int8 (``signed``) for uint8 x int8, which sums in int32 there: exact too."""
     rng = np.random.default_rng(0)
     k, n = 256, 48
     weight = rng.integers(-127, 128, (k, n)).astype(np.float32)
@@ -184,9 +228,49 @@ def test_8_bit_channels_are_exact_with_full_range_codes() -> None:
     model, name = _product(weight, len(x))
     QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8))(model)
     assert [node.op_type for node in model.graph].count("MatMulIntegerToFloat") == 1
+    if signed:
+        assert SignedChannelsPass()(model).modified
     session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
     got = session.run(None, {name: x})[0]
     np.testing.assert_array_equal(got, (x.astype(np.int64) @ weight.astype(np.int64)).astype(np.float32))
+
+
+def _alternating(weight: np.ndarray) -> np.ndarray:
+    """``weight`` with its signs alternating along K (axis 0): any two neighbours' products with uint8
+    activations then sum to at most 255 * 127, so even a uint8 x int8 kernel's int16 pair sums (x86
+    without VNNI) hold them exactly."""
+    signs = np.where(np.arange(weight.shape[0]) % 2 == 0, 1.0, -1.0).astype(np.float32)[:, None]
+    return (np.abs(weight) * signs).astype(np.float32)
+
+
+def test_signed_channels_read_the_same_codes_as_int8() -> None:
+    """The runtime's rewrite for VNNI hosts: uint8 codes around 128 become int8 codes for uint8 x int8,
+    with the tied table's gather reading them too; on codes that no kernel saturates, the same floats."""
+    proto = _alternating_decoder()
+    ids = np.array([0, 5, 9, V - 1], dtype=np.int64)
+    unsigned = ir.from_proto(proto)
+    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8))(unsigned)
+    signed = ir.from_proto(ir.to_proto(unsigned))
+    graph_pass = SignedChannelsPass()
+    assert graph_pass(signed).modified
+    assert graph_pass.counts == {"weights": 3}  # W1, W2 and the tied head
+    products = [node for node in signed.graph if node.op_type == "MatMulIntegerToFloat"]
+    assert len(products) == 3
+    for node in products:  # int8 codes folded from the uint8 bytes, no weight zero point
+        assert len(node.inputs) < 6 or node.inputs[5] is None
+        codes = node.inputs[1].producer()
+        assert (codes.op_type, codes.attributes.get_int("to")) == ("Cast", ir.DataType.INT8)
+    head = products[-1]
+    gather = next(node for node in signed.graph if node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 1)
+    assert gather.inputs[0] is head.inputs[1]  # the table still reads the head's codes
+    assert not [node for node in signed.graph if node.op_type == "Sub" and node.inputs[0].producer().op_type == "Cast"
+                and node.inputs[0].producer().attributes.get_int("to") == ir.DataType.FLOAT]  # and lost its - 128
+    expected = _run(unsigned, ids)
+    np.testing.assert_allclose(_run(signed, ids), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
+    assert not SignedChannelsPass()(signed).modified  # nothing left to rewrite
+    seven = ir.from_proto(proto)  # 7-bit int8 weights are not the pass's
+    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=7))(seven)
+    assert not SignedChannelsPass()(seven).modified
 
 
 def test_gated_blocks_keep_a_gated_units_product_in_blocks() -> None:
