@@ -20,7 +20,7 @@ position only; ``--non-embedding``, GPT-2 124M's by default).
 
     .venv/bin/python benchmarks/prefill_profile.py --work /tmp/llama --results benchmarks/results
     .venv/bin/python benchmarks/prefill_profile.py --name smollm2-135m --non-embedding 106168320 \
-        --export "int8 blocks=/tmp/smol-blocks" --export "int8 pc=/tmp/smol-pc"
+        --export "int8 blocks=/tmp/smol-blocks" --export "int8 pc=/tmp/smol-pc" [--int8-kernels u8u8,u8s8]
 
 Writes ``prefill_profile-<name>.json`` (``gpt2`` by default); prints one table per export.
 """
@@ -155,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--export", action="append", default=[], metavar="LABEL=DIR", help="Profile this export (repeatable) instead of GPT-2's.")
     parser.add_argument("--name", default="gpt2", help="The results file's suffix [default: gpt2].")
+    parser.add_argument(
+        "--int8-kernels", default="",
+        help="Profile each export once per KVEXPORT_INT8_KERNEL value in this comma list (e.g. u8u8,u8s8), "
+        "labelled 'LABEL (VALUE)' [default: once, as the environment says].",
+    )
     parser.add_argument("--non-embedding", type=int, default=NON_EMBEDDING, help="Weights outside the embeddings and the head, for GFLOP/s.")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -176,7 +181,11 @@ def main(argv: list[str] | None = None) -> int:
         "exports": {},
     }
     print(f"peak: {report['peak_gflop_s']}")
-    for label, export in exports.items():
+    kernels = [kernel for kernel in args.int8_kernels.split(",") if kernel] or [None]
+    runs = [(label if kernel is None else f"{label} ({kernel})", export, kernel) for label, export in exports.items() for kernel in kernels]
+    for label, export, kernel in runs:
+        if kernel is not None:  # read by open_session: how 8-bit per-channel weights run
+            os.environ["KVEXPORT_INT8_KERNEL"] = kernel
         rows = profile_export(export, args.repeats, args.non_embedding)
         report["exports"][label] = rows
         print(f"\n{label}")

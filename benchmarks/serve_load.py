@@ -46,6 +46,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -185,10 +186,16 @@ def wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 120)
 def start_kvexport(
     export: Path, slots: int, context: int, log: Path, extra: tuple[str, ...] = (), checkout: Path | None = None
 ) -> tuple[str, subprocess.Popen[Any]]:
-    """``kvexport serve`` of this tree, or of another ``checkout`` of the repository (its code first on the path)."""
+    """``kvexport serve`` of this tree, or of another ``checkout`` of the repository (its code first on the path).
+
+    Items of ``extra`` written ``NAME=VALUE`` with an upper-case name set that environment
+    variable for the server (``KVEXPORT_INT8_KERNEL=u8u8``); the rest are serve arguments.
+    """
     port = free_port()
-    command = [sys.executable, "-m", "kvexport.cli", "serve", str(export), "--port", str(port), "--slots", str(slots), "--max-context", str(context), *extra]
-    env = {**os.environ, "PYTHONPATH": str(checkout)} if checkout is not None else None
+    settings = dict(item.split("=", 1) for item in extra if re.match(r"^[A-Z][A-Z0-9_]*=", item))
+    arguments = [item for item in extra if not re.match(r"^[A-Z][A-Z0-9_]*=", item)]
+    command = [sys.executable, "-m", "kvexport.cli", "serve", str(export), "--port", str(port), "--slots", str(slots), "--max-context", str(context), *arguments]
+    env = {**os.environ, **settings, **({"PYTHONPATH": str(checkout)} if checkout is not None else {})}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env, cwd=checkout)
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url, process)
@@ -330,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--serve-variant", action="append", default=[], metavar="LABEL=ARGS",
         help="Also serve each kvexport export with these extra kvexport serve arguments, as '... LABEL' "
-        "(e.g. 'step80=--step-ms 80'); repeatable.",
+        "(e.g. 'step80=--step-ms 80'; an upper-case NAME=VALUE sets an environment variable: "
+        "'u8u8=KVEXPORT_INT8_KERNEL=u8u8'); repeatable.",
     )
     parser.add_argument(
         "--export", action="append", default=[], metavar="LABEL=DIR",
