@@ -131,10 +131,12 @@ class QuantizationConfig:
         return self.head_bits or self.bits
 
     def to_json(self) -> dict[str, Any]:
-        """The knobs as a plain dict (per channel, with how activations are quantized: per row)."""
+        """The knobs as a plain dict: per channel, with how activations are quantized (per row); blocks, without the per-channel knobs."""
         knobs = {**asdict(self), "head_bits": self.embedding_bits}
         if self.per_channel:
             knobs["activation_scale"] = "row"
+        else:  # meaningless for blocks: a manifest should not say "7-bit" of an int4 export
+            del knobs["channel_bits"], knobs["gated_blocks"]
         return knobs
 
 

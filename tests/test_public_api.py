@@ -53,6 +53,7 @@ def test_passes_public_names() -> None:
         "QuantizeCachePass",
         "QuantizeWeightsPass",
         "RenameCachePass",
+        "SignedChannelsPass",
         "TransposedWeightGemmPass",
         "build_pipeline",
         "run_pipeline",
