@@ -563,6 +563,23 @@ def _swap_subgraph(graph: ir.Graph, old: ir.Node, nodes: list[ir.Node]) -> None:
     _swap(graph, old, nodes[-1])
 
 
+def has_gated_products(model: ir.Model) -> bool:
+    """Whether a product of ``model`` with a constant weight reads a gated unit's ``Mul`` (a Llama-style MLP).
+
+    The products ``gated_blocks`` keeps in blocks: where there are any, per-channel int8 wants
+    the gated families' recipe (8-bit weights, those products in blocks).
+    """
+    for node in model.graph:
+        if node.op_type in ("MatMul", "Gemm") and len(node.inputs) >= 2 and node.inputs[0] is not None:
+            weight = node.inputs[1]
+            producer = weight.producer() if weight is not None else None
+            if producer is not None and producer.op_type == "Transpose" and producer.inputs:  # a weight not yet folded
+                weight = producer.inputs[0]
+            if weight is not None and weight.const_value is not None and _is_gated(node.inputs[0]):
+                return True
+    return False
+
+
 def _is_gated(activation: ir.Value) -> bool:
     """Whether ``activation`` is a gated unit's product (``Mul`` of two computed tensors)."""
     producer = activation.producer()

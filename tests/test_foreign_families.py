@@ -132,6 +132,23 @@ def test_optimum_graph_imports_to_a_directory_that_verifies_and_serves(family: s
         assert reply.json()["choices"][0]["token_ids"] == want.tolist()
 
 
+@pytest.mark.parametrize(("graph", "gated"), [("optimum-llama.onnx", True), ("optimum-l2.onnx", False)])
+def test_rewrite_per_channel_picks_the_recipe_by_the_graphs_mlp(tmp_path: Path, graph: str, gated: bool) -> None:
+    """``kvexport rewrite --per-channel`` has no family to go by: a graph with a gated MLP (the Llama's) gets
+    the gated families' recipe, 8-bit uint8 weights with the down projections in blocks, as its export would;
+    GPT-2's gets its own, 7-bit int8 weights and every product per channel."""
+    output = tmp_path / "rewritten.onnx"
+    _rewrite(FOREIGN / graph, output, "--attention", "ort", "--quantize", "int8", "--per-channel")
+    model = ir.load(output)
+    products = [node for node in model.graph if node.op_type == "MatMulIntegerToFloat"]
+    assert products
+    weights = {node.inputs[1].const_value.dtype for node in products}
+    assert weights == ({ir.DataType.UINT8} if gated else {ir.DataType.INT8})
+    blocks = [node for node in model.graph if node.op_type == "MatMulNBits"]
+    layers = json.loads((FOREIGN / f"checkpoint-{graph.removeprefix('optimum-').removesuffix('.onnx')}" / "config.json").read_text())
+    assert len(blocks) == (layers.get("num_hidden_layers", layers.get("n_layer")) if gated else 0)  # one down projection a layer
+
+
 def test_an_int8_import_keeps_the_last_position_head_and_verifies(tmp_path: Path) -> None:
     """``--quantize int8`` on an ort import is per channel (the Llama's down projections in blocks):
     the prefill still runs its head on the last position only, logits [batch, 1, V]."""

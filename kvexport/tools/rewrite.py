@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import onnx_ir as ir
@@ -37,6 +37,7 @@ from kvexport.passes import (
 )
 from kvexport.passes.cache_names import Style
 from kvexport.passes.choices import Attention
+from kvexport.passes.quantize_weights import has_gated_products
 
 
 @dataclass
@@ -68,7 +69,9 @@ def rewrite_graph(
         passes: passes to run (default: rename_cache, fold_shapes, cleanup; see
             :data:`passes.PASS_NAMES`).
         attention: ``onnx`` / ``ort`` adds attention fusion for that target.
-        quantization: add ``quantize_weights`` with these knobs (needs ``ort``).
+        quantization: add ``quantize_weights`` with these knobs (needs ``ort``). Per channel,
+            a graph with a gated MLP gets the gated families' recipe, as their exports do
+            (8-bit weights, the down projections in blocks; :func:`has_gated_products`).
         names: ``canonical`` (``past.<l>.key``) or ``optimum`` (``past_key_values.<l>.key``).
         force: replace an existing ``output``.
         explain: each report says why a fusion rule that fired 0 times did not match.
@@ -85,12 +88,16 @@ def rewrite_graph(
     if output.is_dir():
         raise KvexportError(f"{output}: is a directory; give a file name such as decode.onnx")
     check_parent_path(output)
+    chosen = DEFAULT_REWRITE_PASSES if passes is None else passes
     try:
-        chosen = DEFAULT_REWRITE_PASSES if passes is None else passes
-        pipeline = build_pipeline(attention, chosen, quantization=quantization, explain=explain)
+        build_pipeline(attention, chosen, quantization=quantization, explain=explain)  # bad names fail before loading
     except ValueError as exc:
         raise KvexportError(f"--passes: {exc}") from exc
     model = load_graph(source)
+    if quantization is not None and quantization.per_channel and has_gated_products(model):
+        # no family here: a gated MLP in the graph asks for the gated families' recipe, as export gives them
+        quantization = replace(quantization, channel_bits=8, gated_blocks=True)
+    pipeline = build_pipeline(attention, chosen, quantization=quantization, explain=explain)
     try:
         reports = run_pipeline(model, pipeline)
         refuse_unfused(model, attention, str(source))
