@@ -612,7 +612,6 @@ def _drop_unused_initializers(graph: ir.Graph) -> None:
             del graph.initializers[name]
 
 
-
 class SignedChannelsPass(InPlacePass):
     """Per-channel uint8 weights (8 bits around 128) as int8, for ONNX Runtime's uint8 x int8 kernel on VNNI hosts.
 

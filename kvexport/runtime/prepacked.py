@@ -46,7 +46,7 @@ import onnxruntime as ort
 
 from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError, first_line
-from kvexport.runtime.session import cpu_graph, session_options, signed_int8_weights
+from kvexport.runtime.session import cpu_flags_line, cpu_graph, session_options, signed_int8_weights
 
 CACHE_DIR = ".ort-prepacked"
 DATA_FILE = "weights.prepacked.data"
@@ -55,13 +55,8 @@ _ALIGN = 4096  # mmap granularity; MLAS also reads packed blobs with aligned loa
 
 def _cpu_signature() -> str:
     """What the packed layout depends on besides ONNX Runtime: machine and ISA flags."""
-    flags = ""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            flags = next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
-    except OSError:
-        flags = platform.processor()
-    return f"{platform.machine()} {flags.strip()}"
+    flags = cpu_flags_line()
+    return f"{platform.machine()} {platform.processor().strip() if flags is None else flags}"
 
 
 def cache_key(directory: Path, manifest: Manifest) -> str:

@@ -100,14 +100,18 @@ def session_options(intra_op_threads: int | None = None, *, spinning: bool = Fal
 
 
 @functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+def cpu_flags_line() -> str | None:
+    """The CPU's feature line of ``/proc/cpuinfo`` (``flags`` on x86, ``Features`` on Arm), stripped; None where it can't be read."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            line = next((line for line in cpuinfo if line.startswith("flags")), "")
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "").strip()
     except OSError:
-        return frozenset()
-    return frozenset(line.partition(":")[2].split())
+        return None
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux lists them (empty elsewhere)."""
+    return frozenset((cpu_flags_line() or "").partition(":")[2].split())
 
 
 def signed_int8_weights() -> bool:

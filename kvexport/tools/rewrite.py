@@ -89,15 +89,15 @@ def rewrite_graph(
         raise KvexportError(f"{output}: is a directory; give a file name such as decode.onnx")
     check_parent_path(output)
     chosen = DEFAULT_REWRITE_PASSES if passes is None else passes
-    try:
-        build_pipeline(attention, chosen, quantization=quantization, explain=explain)  # bad names fail before loading
+    try:  # bad names fail before the graph loads
+        pipeline = build_pipeline(attention, chosen, quantization=quantization, explain=explain)
     except ValueError as exc:
         raise KvexportError(f"--passes: {exc}") from exc
     model = load_graph(source)
     if quantization is not None and quantization.per_channel and has_gated_products(model):
         # no family here: a gated MLP in the graph asks for the gated families' recipe, as export gives them
-        quantization = replace(quantization, channel_bits=8, gated_blocks=True)
-    pipeline = build_pipeline(attention, chosen, quantization=quantization, explain=explain)
+        gated = replace(quantization, channel_bits=8, gated_blocks=True)
+        pipeline = build_pipeline(attention, chosen, quantization=gated, explain=explain)
     try:
         reports = run_pipeline(model, pipeline)
         refuse_unfused(model, attention, str(source))
