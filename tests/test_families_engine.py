@@ -93,3 +93,33 @@ def test_a_cached_prefix_and_n_samples_change_no_tokens(llama_export: Path, held
     assert got_first == _alone(llama_export, first, 8) and got_second == _alone(llama_export, second, 8)
     assert got_n == alone and len({tuple(t) for t in got_n}) == 3
     assert [r.cached_tokens for r in together][1:] == [len(second) - 1] * 2  # prefilled once, rows copied
+
+
+def test_prompts_sent_together_share_a_prefill_call_and_keep_pytorchs_numbers(
+    llama_export: Path, torch_llama: torch.nn.Module, heldout_ids: list[int]
+) -> None:
+    # 40, 40 and 24 tokens in chunks of 16: one call prefills the three first pieces (no past), the rest goes on at batch 1
+    prompts = [heldout_ids[1000:1040], heldout_ids[2000:2040], heldout_ids[3000:3024]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    results = {}
+    for batch_prompts in (True, False):
+        with Engine(llama_export, slots=4, max_context=64, chunk=16, batch_prompts=batch_prompts) as engine:
+            requests = engine.submit_all([(prompt, params) for prompt in prompts])
+            events = [list(request) for request in requests]
+            results[batch_prompts] = (events, [r.prompt_logprobs for r in requests], engine.stats().batched_prompts)
+    events, prompt_logprobs, batched = results[True]
+    assert batched == 3 and results[False][2] == 0
+    for prompt, got, got_prompt in zip(prompts, events, prompt_logprobs, strict=True):
+        tokens = [e.token_id for e in got]
+        assert tokens == _alone(llama_export, prompt, 6)
+        reference = _log_softmax(torch_llama, prompt + tokens[:-1])
+        for step, event in enumerate(got):
+            assert event.logprob is not None and abs(event.logprob.logprob - reference[len(prompt) - 1 + step][tokens[step]]) < 2e-4
+        assert got_prompt[0] is None and len(got_prompt) == len(prompt)
+        for position, logprob in enumerate(got_prompt[1:], start=1):
+            assert logprob is not None and abs(logprob.logprob - reference[position - 1][prompt[position]]) < 2e-4
+    # the shared call gives each row the numbers its own calls give
+    unbatched_events, unbatched_prompt_logprobs, _ = results[False]
+    assert [[e.token_id for e in got] for got in events] == [[e.token_id for e in got] for got in unbatched_events]
+    for shared, own in zip(prompt_logprobs, unbatched_prompt_logprobs, strict=True):
+        np.testing.assert_allclose([p.logprob for p in shared[1:]], [p.logprob for p in own[1:]], atol=1e-5)

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import itertools
+import random
 
 import pytest
 
 from kvexport.serving.config import EngineConfig
 from kvexport.serving.request import Request, SamplingParams, Status
-from kvexport.serving.scheduler import EngineFull, PrefillBudget, PrefixJob, Scheduler
+from kvexport.serving.scheduler import (
+    CALL_COST,
+    EngineFull,
+    PrefillBatch,
+    PrefillBudget,
+    PrefillChunk,
+    PrefixJob,
+    Scheduler,
+    _grouped,
+)
 from kvexport.serving.slots import MIN_COPIED_PREFIX, SlotTable
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0)
@@ -232,3 +242,83 @@ def test_beside_a_chunk_its_slots_decode_row_writes_just_past_the_chunk() -> Non
     plan = scheduler.decode_plan(beside=chunk)
     assert plan is not None and b.slot == 1 and (chunk.start, len(chunk.tokens)) == (4, 4)
     assert plan.tokens == [11, 0, 13] and plan.positions == [3, 8, 3]  # not row 4, which the chunk writes in the same call
+
+
+def _brute_force_worth(pieces: list[int]) -> int:
+    """The most any cut of ``pieces`` into consecutive groups is worth, by trying every cut (the reference)."""
+    best = 0
+    for cuts in itertools.product((False, True), repeat=max(len(pieces) - 1, 0)):
+        groups, start = [], 0
+        for index, cut in enumerate(cuts, start=1):
+            if cut:
+                groups.append(pieces[start:index])
+                start = index
+        groups.append(pieces[start:])
+        worth = 0
+        for group in groups:
+            width = min(group)
+            value = sum(width - (CALL_COST if piece > width else 0) for piece in group) - CALL_COST
+            if len(group) >= 2 and width >= 2 and value > 0:
+                worth += value
+        best = max(best, worth)
+    return best
+
+
+def test_grouping_fresh_prompts_is_the_best_cut_by_brute_force() -> None:
+    rng = random.Random(0)
+    for _ in range(300):
+        pieces = [rng.choice([1, 2, 5, 20, 48, 64, 64, 64, 100]) for _ in range(rng.randint(1, 9))]
+        groups = _grouped(pieces)
+        assert all(end - first >= 2 for first, end in groups)
+        assert all(a_end <= b_first for (_, a_end), (b_first, _) in itertools.pairwise(groups))  # in order, disjoint
+        worth = sum(
+            sum(min(pieces[a:b]) - (CALL_COST if p > min(pieces[a:b]) else 0) for p in pieces[a:b]) - CALL_COST
+            for a, b in groups
+        )
+        assert worth == _brute_force_worth(pieces), pieces
+    assert _grouped([128] * 16) == [(0, 16)]  # one call, not pairs: each call costs
+    assert _grouped([5] + [128] * 15) == [(1, 16)]  # a short prompt is not allowed to cut every row to 5
+
+
+def test_a_burst_of_fresh_prompts_shares_calls_and_the_rest_goes_on_at_batch_one() -> None:
+    ticks = itertools.count()
+    table = SlotTable(6, clock=lambda: float(next(ticks)))
+    scheduler = Scheduler(table, budget=PrefillBudget(32, burst=200), max_queue=8, capacity=64, batch_prompts=True)
+    lengths = [20, 20, 40, 3, 20, 20]
+    requests = [Request(f"r{i}", list(range(1, 1 + n)), GREEDY) for i, n in enumerate(lengths)]
+    scheduler.add_all(requests)
+    plan = scheduler.schedule()
+    batches = [call for call in plan.prefill if isinstance(call, PrefillBatch)]
+    chunks = [call for call in plan.prefill if isinstance(call, PrefillChunk)]
+    assert plan.prefill[: len(batches)] == batches  # the shared calls first: the pieces after them need their rows
+    # slots 0-2 share a call of 20 tokens a row (r2 cut short), r3's 3 tokens run alone, slots 4-5 share one
+    assert [(b.first, [c.request.id for c in b.chunks], len(b.chunks[0].tokens)) for b in batches] == [
+        (0, ["r0", "r1", "r2"], 20),
+        (4, ["r4", "r5"], 20),
+    ]
+    assert all(c.start == 0 and c.tokens == c.request.prompt[:20] for b in batches for c in b.chunks)
+    assert [(c.request.id, c.start, len(c.tokens)) for c in chunks] == [("r2", 20, 20), ("r3", 0, 3)]
+    for call in plan.prefill:
+        for chunk in call.chunks if isinstance(call, PrefillBatch) else [call]:
+            scheduler.prefilled(chunk)
+    assert all(r.status is Status.RUNNING for r in requests)
+    assert [table.length(r.slot) for r in requests] == lengths
+
+
+def test_a_shared_call_takes_only_fresh_prompts_and_the_rows_its_budget_holds() -> None:
+    ticks = itertools.count()
+    table = SlotTable(4, clock=lambda: float(next(ticks)))
+    scheduler = Scheduler(table, budget=PrefillBudget(16, burst=40), max_queue=8, capacity=64, batch_prompts=True)
+    cached = Request("cached", list(range(1, 17)), GREEDY)
+    scheduler.add(cached)
+    _run_prefill(scheduler)
+    scheduler.finish(cached)  # its rows stay in slot 0
+    reuse = Request("reuse", [*range(1, 13), 90, 91, 92, 93], GREEDY)  # 12 tokens cached: not fresh
+    fresh = [Request(f"f{i}", [50 + i] * 16, GREEDY) for i in range(3)]
+    scheduler.add_all([reuse, *fresh])
+    plan = scheduler.schedule()
+    (batch,) = [call for call in plan.prefill if isinstance(call, PrefillBatch)]
+    # 40 tokens: two fresh rows of 16 in one call, then 8 more tokens at batch 1 (the oldest first)
+    assert [c.request.id for c in batch.chunks] == ["f0", "f1"] and batch.first == fresh[0].slot
+    rest = [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill if isinstance(c, PrefillChunk)]
+    assert rest == [("reuse", 12, 4), ("f2", 0, 4)]

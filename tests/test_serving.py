@@ -58,10 +58,12 @@ def test_sixteen_greedy_requests_at_once_give_each_prompts_own_tokens(trained_ex
     want = [alone.generate([p], 24, eos_token_id=-1)[0, len(p) :].tolist() for p in prompts]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     with Engine(export, slots=16, max_context=160, chunk=48) as engine:
-        handles = [engine.submit(p, greedy) for p in prompts]  # all at once
+        handles = engine.submit_all([(p, greedy) for p in prompts])  # all at once: one step admits them all
         got = [h.result() for h in handles]
         stats = engine.stats()
     assert [tokens for tokens, _, _ in got] == want
+    # pieces of 2, 9, 17, 25, 33, 41 and ten of 48 tokens: 17+25, 33+41 and the ten 48s shared calls
+    assert stats.batched_prompts == 14
     assert {reason for _, _, reason in got} == {"length"}
     assert stats.slots_in_use == 0 and stats.waiting == 0 and stats.finished == {"length": 16}
     assert stats.prompt_tokens == sum(len(p) for p in prompts)
@@ -424,6 +426,12 @@ def test_metrics_count_what_was_served(served: tuple[str, Engine]) -> None:
     assert values['kvexport_requests_total{finish_reason="length",model="trained"}'] >= 1
     assert values[f"kvexport_time_to_first_token_seconds_count{model}"] >= 1
     assert values[f"kvexport_inter_token_latency_seconds_count{model}"] >= 5
+    # a list of prompts is queued at once: their first pieces share a prefill call
+    pair = {"prompt": [list(range(40, 64)), list(range(70, 94))], "max_tokens": 2, "temperature": 0}  # 24 tokens each
+    assert len(httpx.post(f"{url}/v1/completions", json=pair, timeout=30).json()["choices"]) == 2
+    text = httpx.get(f"{url}/metrics").text
+    batched = next(float(line.split(" ")[1]) for line in text.splitlines() if line.startswith("kvexport_batched_prompts_total"))
+    assert batched == engine.stats().batched_prompts == after.batched_prompts + 2
 
 
 def test_a_full_queue_is_503_with_retry_after(trained_exports: dict[str, Path]) -> None:

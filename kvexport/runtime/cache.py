@@ -114,7 +114,7 @@ class SlotCache:
         self.row_bytes = cache_row_bytes(manifest, capacity)
         device = "cuda" if provider == "cuda" else "cpu"
         self.banks = CacheBanks(len(self.past), slots * int(np.prod(self.row_shape)), self.cache_dtype, device, banks=1)
-        self._row_bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (session, row) -> binding
+        self._row_bindings: dict[tuple[int, ...], ort.IOBinding] = {}  # (session, row[, rows]) -> binding
 
     def bind(self, binding: ort.IOBinding, first: int, rows: int, *, prefix: str = "") -> None:
         """Bind past and present of every layer to rows ``first..first+rows`` of the buffers.
@@ -147,6 +147,32 @@ class SlotCache:
         binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
         session.run_with_iobinding(binding)
         return logits[0].astype(np.float32)
+
+    def run_rows(self, session: ort.InferenceSession, first: int, pieces: Sequence[Sequence[int]]) -> np.ndarray:
+        """Run ``pieces``, each a whole first piece of one prompt and all one length, in rows ``first..`` (one call).
+
+        GroupQueryAttention runs a batch of several tokens a row only when no row has a past
+        (its first-prompt path), so every row starts at position 0 and the pieces are one
+        length: no padding, each row's last position is its own. The keys and values land
+        in each row's positions ``0..``; returns each row's logits after each token (an
+        ``--all-logits`` graph) or after the last: [rows, n or 1, V], fp32. A row's logits are
+        the ones :meth:`run_piece` gives for its piece alone.
+        """
+        rows, length = len(pieces), len(pieces[0])
+        if any(len(piece) != length for piece in pieces):
+            raise ValueError(f"pieces of {sorted({len(piece) for piece in pieces})} tokens: one call takes pieces of one length")
+        binding = self._row_bindings.get((id(session), first, rows))
+        if binding is None:
+            binding = self._row_bindings[(id(session), first, rows)] = session.io_binding()
+            self.bind(binding, first, rows)
+        binding.bind_cpu_input("input_ids", np.array(pieces, np.int64))
+        binding.bind_cpu_input("attention_mask", np.ones((rows, length), np.int64))
+        binding.bind_cpu_input("position_ids", np.tile(np.arange(length, dtype=np.int64), (rows, 1)))
+        count = length if self.manifest.all_logits else 1
+        logits = np.empty((rows, count, self.manifest.dims.vocab_size), self.dtype)
+        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
+        session.run_with_iobinding(binding)
+        return logits.astype(np.float32)
 
     @property
     def can_copy_rows(self) -> bool:

@@ -65,6 +65,12 @@ class EngineConfig:
             chunk's GEMMs; the runner opens a second session for it (a second copy of the
             packed weights). A graph the split can't take runs them as separate calls. Off
             by default: on an AVX2 host it saved nothing served.
+        batch_prompts: on CPU, prefill fresh prompts' first pieces (up to ``chunk`` tokens,
+            cut to one length) in consecutive slots as one call, as a burst of requests
+            brings them (:class:`~kvexport.serving.scheduler.PrefillBatch`): the same rows
+            and logits as one call each, fewer and larger GEMMs, and the burst's first tokens
+            come out together. Measured on an AVX-512 VNNI host, sixteen 128-token prompts
+            took 0.70-0.86x the time of sixteen calls.
         provider: ``cpu``, ``cuda`` or ``auto``.
         intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
         spinning: let the sessions' threads spin between a run's nodes (faster decode steps
@@ -118,6 +124,11 @@ class EngineConfig:
         "tokens packed into the same GEMMs (CPU only; a second session, with a second copy of the packed weights). "
         "Measured on AVX2 it saves 6-13% of such a call on per-channel int8 and nothing served; try it on AVX-512.",
         flag="--mixed-step",
+    )
+    batch_prompts: bool = setting(
+        True,
+        "Prefill every prompt in calls of its own, never fresh prompts' first pieces together in one call.",
+        flag="--no-prompt-batching",
     )
     provider: str = setting(
         "cpu",

@@ -69,6 +69,7 @@ from kvexport.serving.runner import ModelRunner
 from kvexport.serving.scheduler import (
     DecodePlan,
     EngineFull,
+    PrefillBatch,
     PrefillBudget,
     PrefillChunk,
     PrefixJob,
@@ -122,7 +123,8 @@ class EngineStats:
     from the prefix cache instead, over ``prefix_hits`` requests; ``pinned`` the slots
     kept for registered prefixes; ``drafted_tokens`` / ``accepted_tokens`` the speculative
     drafts proposed and kept; ``mixed_steps`` the decode steps that ran in one call with a
-    prompt chunk (``EngineConfig.mixed_step``).
+    prompt chunk (``EngineConfig.mixed_step``); ``batched_prompts`` the prompts whose first
+    piece ran in one call with others' (``EngineConfig.batch_prompts``).
     """
 
     slots: int
@@ -139,11 +141,13 @@ class EngineStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     mixed_steps: int = 0
+    batched_prompts: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
 _COUNTERS = (
-    "steps", "prompt_tokens", "generated_tokens", "prefix_hits", "cached_tokens", "drafted_tokens", "accepted_tokens", "mixed_steps"
+    "steps", "prompt_tokens", "generated_tokens", "prefix_hits", "cached_tokens", "drafted_tokens", "accepted_tokens", "mixed_steps",
+    "batched_prompts",
 )
 
 
@@ -206,6 +210,7 @@ class Engine:
             max_queue=config.max_queue,
             capacity=self.capacity,
             draft_tokens=config.draft_tokens,
+            batch_prompts=config.batch_prompts and self.runner.can_batch_prompts,
         )
         self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids, self.vocab_size)
         self._listeners: list[EngineListener] = []
@@ -244,26 +249,41 @@ class Engine:
         Sample i draws with ``seed + i`` when ``params.seed`` is set, as vLLM's children
         do; only the first computes ``prompt_logprobs``, into a list all of them share.
         """
-        ids = self._checked(prompt, params)
+        return self.submit_all([(prompt, params)], n)
+
+    def submit_all(self, prompts: Sequence[tuple[str | Sequence[int], SamplingParams]], n: int = 1) -> list[RequestState]:
+        """Queue ``n`` samples of each (prompt, params) pair at once, all or none; their states in order, ``n`` a prompt.
+
+        Each prompt is as :meth:`submit_n`'s. Queued together, the prompts reach one step
+        of the scheduler together, whose fresh first pieces can then share a call
+        (``EngineConfig.batch_prompts``); one bad prompt refuses them all, before any runs.
+        """
+        checked = [(self._checked(prompt, params), params) for prompt, params in prompts]
         if n < 1:
             raise ParameterError(f"n {n}: must be at least 1", parameter="n")
-        if n > 1 and params.temperature == 0:  # vLLM's rule: n greedy choices would all be the same
+        if n > 1 and any(params.temperature == 0 for _, params in checked):  # vLLM's rule: n greedy choices would all be the same
             raise ParameterError(f"n {n}: must be 1 when using greedy sampling (temperature 0)", parameter="n")
-        self.check_fits(n)
+        self.check_fits(len(prompts) * n)
+        requests: list[Request] = []
+        states: list[RequestState] = []
+        for ids, params in checked:
+            self._children(ids, params, n, requests, states)
+        self._enqueue(requests, states)
+        return states
+
+    def _children(self, ids: list[int], params: SamplingParams, n: int, requests: list[Request], states: list[RequestState]) -> None:
+        """Append the ``n`` requests (and states) of one prompt: the first prefills it, the others follow."""
+        start = len(requests)
         children = [params] + [
             dataclasses.replace(params, seed=None if params.seed is None else params.seed + index, prompt_logprobs=None)
             for index in range(1, n)
         ]
-        requests: list[Request] = []
-        states: list[RequestState] = []
         for child in children:
             request_id, cancelled = f"cmpl-{next(self._ids_counter)}", threading.Event()
-            first = requests[0] if requests else None
+            first = requests[start] if len(requests) > start else None
             requests.append(Request(request_id, ids, child, after=first, cancelled=cancelled))
-            shared = states[0].prompt_logprobs if states else None  # the same prompt: filled once, by the first
+            shared = states[start].prompt_logprobs if len(states) > start else None  # the same prompt: filled once, by the first
             states.append(RequestState(request_id, ids, child, cancelled=cancelled, prompt_logprobs=shared))
-        self._enqueue(requests, states)
-        return states
 
     def _enqueue(self, requests: list[Request], states: list[RequestState], *, bounded: bool = True) -> None:
         """Hand the requests to the scheduler and their streams to the output processor, all or none."""
@@ -422,8 +442,12 @@ class Engine:
                 self.scheduler.prefix_cached(job)
                 self._counters["prompt_tokens"] += len(job.tokens)
             job.done.set()
-        mixed = plan.prefill[-1] if plan.prefill and self.runner.mixed_session is not None else None
+        last = plan.prefill[-1] if plan.prefill else None
+        mixed = last if isinstance(last, PrefillChunk) and self.runner.mixed_session is not None else None
         for chunk in plan.prefill:
+            if isinstance(chunk, PrefillBatch):
+                self._prefill_batch(chunk)
+                continue
             if chunk.request.status is not Status.PREFILLING or chunk.request.cancelled:  # a cancel ends it next step
                 continue
             if chunk is mixed:  # the step's last chunk and its decode call, in one call
@@ -467,6 +491,20 @@ class Engine:
         started = time.perf_counter()
         logits = self.runner.run_piece(chunk.request.slot, chunk.tokens, chunk.start)
         return self._prefilled(chunk, logits, time.perf_counter() - started)
+
+    def _prefill_batch(self, batch: PrefillBatch) -> None:
+        """Fresh prompts' first pieces in one call; each row as :meth:`_prefill`'s would be, its first token if it ends the prompt.
+
+        Every row is recorded, a request cancelled since the plan too: the call wrote its
+        rows. The call's time is not the budget's measure of a prompt token (one row's).
+        """
+        logits = self.runner.run_rows(batch.first, [chunk.tokens for chunk in batch.chunks])
+        with self._lock:
+            self._counters["batched_prompts"] += len(batch.chunks)
+        outputs = OutputBatch()
+        for chunk, rows in zip(batch.chunks, logits, strict=True):
+            outputs.extend(self._prefilled(chunk, rows))
+        self._update(outputs)
 
     def _mixed(self, chunk: PrefillChunk, plan: DecodePlan) -> None:
         """``chunk`` and the decode call over every running row, in one call (the runner's mixed step)."""

@@ -85,6 +85,7 @@ class ServerMetrics:
             ("kvexport_generation_tokens", "Tokens generated.", stats.generated_tokens),
             ("kvexport_decode_steps", "Batched decode calls.", stats.steps),
             ("kvexport_mixed_steps", "Decode steps run in one call with a prompt chunk (--mixed-step).", stats.mixed_steps),
+            ("kvexport_batched_prompts", "Prompts whose first piece ran in one call with other prompts'.", stats.batched_prompts),
             ("kvexport_spec_draft_tokens", "Speculative tokens proposed by the drafter.", stats.drafted_tokens),
             ("kvexport_spec_accepted_tokens", "Speculative tokens the model kept.", stats.accepted_tokens),
         ):

@@ -3,10 +3,11 @@
 The prefill graph of an in-place export serves both phases, so the runner opens one ONNX
 Runtime session, whose intra-op threads may spin between runs without a second
 session's pool fighting them for the cores. A prompt chunk runs at batch 1 straight into
-its slot's region of the cache (bound by address, no copy). A decode call runs every row
-up to the highest running slot, each with its own token, position and mask row, over a
-mask as wide as the capacity; its binding is made once per row count and kept, so shapes
-and addresses stay the same from step to step.
+its slot's region of the cache (bound by address, no copy); fresh prompts' first pieces
+of one length, in consecutive slots, may run as one call (:meth:`ModelRunner.run_rows`).
+A decode call runs every row up to the highest running slot, each with its own token,
+position and mask row, over a mask as wide as the capacity; its binding is made once
+per row count and kept, so shapes and addresses stay the same from step to step.
 
 With ``mixed``, a second session runs the mixed step's graph (derived from the prefill
 graph when the runner opens, :mod:`kvexport.passes.mixed_step`): one call that prefills a
@@ -79,6 +80,15 @@ class ModelRunner:
     def run_piece(self, slot: int, piece: Sequence[int], start: int) -> np.ndarray:
         """``piece`` at batch 1 after the ``start`` tokens cached in ``slot``; its logits [n or 1, V] (fp32)."""
         return self.cache.run_piece(self.session, slot, piece, start)
+
+    @property
+    def can_batch_prompts(self) -> bool:
+        """Whether fresh prompts' first pieces may share one call (:meth:`run_rows`): CPU (unmeasured on CUDA)."""
+        return self.cache.banks.device == "cpu"
+
+    def run_rows(self, first: int, pieces: Sequence[Sequence[int]]) -> np.ndarray:
+        """Fresh prompts' first pieces, all one length, into slots ``first..`` in one call; logits [rows, n or 1, V] (fp32)."""
+        return self.cache.run_rows(self.session, first, pieces)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One call over slots ``0..len(tokens)-1``: row i feeds ``tokens[i]`` at ``positions[i]``.

@@ -31,6 +31,7 @@ class EngineFull(KvexportError):
 
 BURST_TOKENS = 4096  # prompt tokens one step may prefill while no stream runs (vLLM's CPU budget is of this order)
 MIN_STEP_TOKENS = 16  # while streams run, a step still prefills this many, so a prompt always advances
+CALL_COST = 16  # a call's own cost, in prompt tokens: what batching must gain for each call it adds
 _SMOOTHING = 0.2  # weight of the newest measurement in the running averages
 _PEAK_DECAY = 0.995  # per decode step: a peak from a full batch fades over a few hundred steps
 
@@ -122,6 +123,29 @@ class PrefillChunk:
         return self.start + len(self.tokens) == len(self.request.prompt)
 
 
+@dataclass(frozen=True)
+class PrefillBatch:
+    """Fresh prompts' first pieces, all one length, in consecutive slots: one call (``Scheduler(batch_prompts=True)``).
+
+    GroupQueryAttention runs several tokens a row in one call only when no row has a past
+    (its first-prompt path), so only a prompt's first piece, from position 0, may share a
+    call; the rest of a longer prompt follows at batch 1. Rows are slots
+    ``first..first+len(chunks)-1``, in that order.
+    """
+
+    chunks: tuple[PrefillChunk, ...]
+
+    @property
+    def first(self) -> int:
+        """The first row's slot."""
+        return self.chunks[0].request.slot
+
+    @property
+    def tokens(self) -> int:
+        """The call's prompt tokens, over every row."""
+        return sum(len(chunk.tokens) for chunk in self.chunks)
+
+
 @dataclass
 class StepPlan:
     """What one step does before its decode call."""
@@ -130,7 +154,7 @@ class StepPlan:
     dropped: list[Request] = field(default_factory=list)  # cancelled while they waited
     cancelled: list[Request] = field(default_factory=list)  # cancelled once admitted (their slots stay held until they end)
     prefixes: list[PrefixJob] = field(default_factory=list)  # prefill whole, then pin
-    prefill: list[PrefillChunk] = field(default_factory=list)
+    prefill: list[PrefillChunk | PrefillBatch] = field(default_factory=list)  # the calls, in order
 
 
 @dataclass
@@ -193,6 +217,8 @@ class Scheduler:
         max_queue: requests that may wait beyond the free slots.
         capacity: tokens per slot.
         draft_tokens: the most drafts per speculative round.
+        batch_prompts: run fresh prompts' first pieces in consecutive slots as one call
+            (:class:`PrefillBatch`, :meth:`_batches`) where the runner can.
 
     """
 
@@ -204,8 +230,10 @@ class Scheduler:
         max_queue: int,
         capacity: int,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
+        batch_prompts: bool = False,
     ) -> None:
         self.table = table
+        self.batch_prompts = batch_prompts
         self.budget = budget
         self.max_queue = max_queue
         self.capacity = capacity
@@ -298,14 +326,47 @@ class Scheduler:
         self.waiting.extendleft(reversed(held))
         prefilling = sorted((r for r in self.active.values() if r.status is Status.PREFILLING), key=lambda r: r.submitted)
         budget = self.budget.tokens(running=len(self.active) - len(prefilling), prefilling=len(prefilling))
+        starts = {request.id: request.prefilled for request in prefilling}
+        for batch in self._batches(prefilling, budget) if self.batch_prompts else ():
+            plan.prefill.append(batch)
+            budget -= batch.tokens
+            starts.update((chunk.request.id, len(chunk.tokens)) for chunk in batch.chunks)
         for request in prefilling:
-            start = request.prefilled
+            start = starts[request.id]
             while budget and start < len(request.prompt):  # pieces of at most chunk tokens, in order
                 piece = request.prompt[start : start + min(budget, self.budget.chunk)]
                 plan.prefill.append(PrefillChunk(request, start, piece))
                 start += len(piece)
                 budget -= len(piece)
         return plan
+
+    def _batches(self, prefilling: Sequence[Request], budget: int) -> list[PrefillBatch]:
+        """The fresh prompts' first pieces that share calls, within ``budget`` tokens.
+
+        A fresh prompt (nothing of it in its slot yet) offers a first piece of at most
+        ``chunk`` tokens. Runs of consecutive slots are cut into groups, each a call of its
+        rows' pieces cut to the group's shortest: the cut that batches the most tokens
+        (:func:`_grouped`), where each call, and each piece cut short (its rest is one
+        more call), costs :data:`CALL_COST` tokens. A group is trimmed to the rows the budget holds; a
+        prompt longer than its group's pieces goes on at batch 1 (its rows then have a past).
+        """
+        fresh = sorted((r for r in prefilling if r.prefilled == 0 and not r.cancelled), key=lambda r: r.slot)
+        runs: list[list[Request]] = []
+        for request in fresh:
+            if runs and request.slot == runs[-1][-1].slot + 1:
+                runs[-1].append(request)
+            else:
+                runs.append([request])
+        batches = []
+        for run in runs:
+            pieces = [min(len(r.prompt), self.budget.chunk) for r in run]
+            for first, end in _grouped(pieces):
+                width = min(pieces[first:end])
+                rows = run[first:end][: budget // width]
+                if len(rows) >= 2:
+                    batches.append(PrefillBatch(tuple(PrefillChunk(r, 0, r.prompt[:width]) for r in rows)))
+                    budget -= width * len(rows)
+        return batches
 
     def _waits_for_rows(self, request: Request) -> bool:
         """Whether a sibling of n > 1 waits for the first's prompt: only where its rows can then be copied."""
@@ -394,6 +455,40 @@ class Scheduler:
     def take_cancelled(self) -> list[Request]:
         """The admitted requests whose callers cancelled them."""
         return [r for r in self.active.values() if r.cancelled]
+
+
+def _grouped(pieces: Sequence[int]) -> list[tuple[int, int]]:
+    """The groups ``[first, end)`` of consecutive ``pieces`` that batch the most tokens, two rows or more each.
+
+    A group's call runs every row's piece cut to the shortest (``width``): it is worth
+    ``width`` tokens a row, less :data:`CALL_COST` for the call and for each row cut short
+    (its rest is one more call), so fewer, larger calls win a tie. Exact over every
+    cut (dynamic programming, quadratic in the rows: the slots are few); single rows and
+    groups worth nothing are left out (they run as before, a call each).
+    """
+    count = len(pieces)
+    best = [0] * (count + 1)  # best[i]: the most the first i pieces are worth
+    choice: list[int | None] = [None] * (count + 1)  # best[i]'s last group starts here (None: row i-1 alone)
+    for end in range(1, count + 1):
+        best[end] = best[end - 1]
+        width = pieces[end - 1]
+        for first in range(end - 2, -1, -1):
+            width = min(width, pieces[first])
+            if width < 2:  # one token a row is a decode call's shape
+                break
+            worth = best[first] + sum(width - (CALL_COST if piece > width else 0) for piece in pieces[first:end]) - CALL_COST
+            if worth > best[end]:
+                best[end], choice[end] = worth, first
+    groups = []
+    end = count
+    while end > 0:
+        start = choice[end]
+        if start is None:
+            end -= 1
+        else:
+            groups.append((start, end))
+            end = start
+    return groups[::-1]
 
 
 def _plain(request: Request) -> bool:

@@ -13,7 +13,7 @@ from fastapi.responses import Response, StreamingResponse
 from kvexport.serving.api.common import Served, decode, refusal, served, submit_choices, wrong_model
 from kvexport.serving.api.render import Choice, CompletionRender, answer, error_response
 from kvexport.serving.protocol import CompletionRequest
-from kvexport.serving.request import DEFAULT_MAX_TOKENS
+from kvexport.serving.request import DEFAULT_MAX_TOKENS, SamplingParams
 
 router = APIRouter()
 
@@ -35,16 +35,22 @@ async def completions(body: CompletionRequest, request: Request, context: Served
 
     def submit() -> None:
         engine.check_fits(len(body.prompts()) * body.n)
+        prompts: list[tuple[list[int], SamplingParams]] = []
+        echoes: list[str] = []
         for prompt in body.prompts():
             ids = engine.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
             ids = body.truncated(ids)
             wanted = 1 if echo_only else (body.max_tokens if body.max_tokens is not None else DEFAULT_MAX_TOKENS)
-            params = body.sampling_params(wanted, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)
+            prompts.append((ids, body.sampling_params(wanted, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs)))
             echo = ""
             if body.echo:  # the prompt as sent, unless it was token ids or truncated: then every id's text, special ones too (vLLM's)
                 echo = prompt if isinstance(prompt, str) and body.truncate_prompt_tokens is None else decode(engine.tokenizer, ids, special=True)
-            for child in engine.submit_n(ids, params, body.n):
-                choices.append(Choice(len(choices), child, echo, ids if body.echo else [], echo_only))
+            echoes.append(echo)
+        # queued together: their first pieces can share a prefill call
+        children = engine.submit_all(prompts, body.n)
+        for index, child in enumerate(children):
+            ids, echo = prompts[index // body.n][0], echoes[index // body.n]
+            choices.append(Choice(len(choices), child, echo, ids if body.echo else [], echo_only))
 
     refused = await submit_choices(submit, choices, "prompt")
     if refused is not None:
