@@ -418,11 +418,14 @@ def main(argv: list[str] | None = None) -> int:
         for url, _, model in servers.values():  # warm up: one short request each
             asyncio.run(run_level(url, model, vocab, 1, 1, 16, 4, seed=99))
         started = time.perf_counter()
-        for concurrency in [int(c) for c in args.concurrency.split(",")]:
+        for round_index, concurrency in enumerate(int(c) for c in args.concurrency.split(",")):
             count = args.requests or max(4, 2 * concurrency)
+            # prompts of their own each round, the same for every server: a repeated level's prompts would hit
+            # the servers' prefix caches (vLLM keeps every earlier round's blocks, the slots only the last wave)
+            seed = 1000 * round_index + concurrency
             for system, (url, _, model) in servers.items():
                 print(f"{system}: concurrency {concurrency}, {count} requests", file=sys.stderr, flush=True)
-                row = asyncio.run(run_level(url, model, vocab, concurrency, count, args.input_len, args.output_len, seed=concurrency))
+                row = asyncio.run(run_level(url, model, vocab, concurrency, count, args.input_len, args.output_len, seed=seed))
                 levels.setdefault(system, []).append(row)
                 print(
                     f"  {row['output_throughput']:.1f} tok/s, TTFT p99 {row['ttft']['p99_ms']:.0f} ms, "

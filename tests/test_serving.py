@@ -92,6 +92,22 @@ def test_a_long_prompt_arriving_while_others_decode_changes_no_tokens(trained_ex
     assert got == want
 
 
+def test_requests_reaching_an_idle_engine_one_by_one_are_gathered_into_one_prefill_call(trained_exports: dict[str, Path]) -> None:
+    export = trained_exports["int8-pc"]
+    prompts = [HELDOUT_IDS[start : start + 40] for start in (100, 900, 1700)]
+    alone = Generator(export)
+    want = [alone.generate([p], 8, eos_token_id=-1)[0, len(p) :].tolist() for p in prompts]
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    with Engine(export, slots=4, max_context=96, gather_ms=500) as engine:
+        handles = []
+        for prompt in prompts:  # one by one, 50 ms apart, as a server's requests may come: each within the gap
+            handles.append(engine.submit(prompt, greedy))
+            time.sleep(0.05)
+        got = [h.result()[0] for h in handles]
+        stats = engine.stats()
+    assert got == want and stats.batched_prompts == 3
+
+
 def test_more_requests_than_slots_queue_and_keep_their_tokens(trained_exports: dict[str, Path]) -> None:
     export = trained_exports["none"]
     prompts = _prompts(7, longest=70, seed=1)

@@ -409,10 +409,14 @@ class Engine:
             plan = None
             try:
                 with self._lock:
+                    woke = False
                     while self.scheduler.idle and not self._closing:
                         self._wake.wait()
+                        woke = True
                     if self._closing and self.scheduler.idle:
                         return
+                    if woke:
+                        self._gather()
                     plan = self.scheduler.schedule()
                     for _, placement in plan.admitted:
                         if placement.reused:
@@ -423,6 +427,25 @@ class Engine:
                 self._fail_all(exc, waiting=plan is None)  # a plan that could not be made: the queue too
                 for job in plan.prefixes if plan is not None else ():
                     self._abandon_prefix(job, exc)
+
+    def _gather(self) -> None:
+        """With the lock held, the engine just woken from idle: let the rest of a burst arrive (``gather_ms``).
+
+        Waits while requests keep coming less than ``gather_ms`` apart, at most ten times
+        that in all, and no longer once they fill the free slots: then one step admits them
+        together and their first pieces share calls.
+        """
+        gap = self.config.gather_ms / 1000 if self.scheduler.batch_prompts else 0.0
+        deadline = time.monotonic() + 10 * gap
+        seen = len(self.scheduler.waiting)
+        while gap and not self._closing and seen < len(self.table) - self.table.pinned:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._wake.wait(min(gap, left))
+            if len(self.scheduler.waiting) == seen:  # none came within the gap
+                return
+            seen = len(self.scheduler.waiting)
 
     def _step(self, plan: StepPlan) -> None:
         """What one plan asks for: drops, row copies, prefixes, prompt chunks, then the decode call."""
