@@ -322,3 +322,24 @@ def test_a_shared_call_takes_only_fresh_prompts_and_the_rows_its_budget_holds() 
     assert [c.request.id for c in batch.chunks] == ["f0", "f1"] and batch.first == fresh[0].slot
     rest = [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill if isinstance(c, PrefillChunk)]
     assert rest == [("reuse", 12, 4), ("f2", 0, 4)]
+
+
+def test_a_shared_call_stays_within_its_token_cap_and_only_a_burst_shares_calls() -> None:
+    ticks = itertools.count()
+    table = SlotTable(5, clock=lambda: float(next(ticks)))
+    scheduler = Scheduler(table, budget=PrefillBudget(64, burst=400), max_queue=8, capacity=64, batch_prompts=True, batch_tokens=40)
+    fresh = [Request(f"f{i}", [50 + i] * 16, GREEDY) for i in range(3)]
+    scheduler.add_all(fresh)
+    plan = scheduler.schedule()
+    (batch,) = [call for call in plan.prefill if isinstance(call, PrefillBatch)]
+    assert [c.request.id for c in batch.chunks] == ["f0", "f1"]  # 40 tokens hold two rows of 16
+    assert [(c.request.id, c.start) for c in plan.prefill if isinstance(c, PrefillChunk)] == [("f2", 0)]
+    for call in plan.prefill:
+        for chunk in call.chunks if isinstance(call, PrefillBatch) else [call]:
+            scheduler.prefilled(chunk)
+    # three streams run, two fresh prompts wait: not a burst, so each goes at batch 1, the oldest first
+    late = [Request(f"late{i}", [70 + i] * 16, GREEDY) for i in range(2)]
+    scheduler.add_all(late)
+    plan = scheduler.schedule()
+    assert plan.prefill and all(isinstance(call, PrefillChunk) for call in plan.prefill)
+    assert plan.prefill[0].request is late[0]

@@ -172,7 +172,7 @@ class SlotCache:
         logits = np.empty((rows, count, self.manifest.dims.vocab_size), self.dtype)
         binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
         session.run_with_iobinding(binding)
-        return logits.astype(np.float32)
+        return logits.astype(np.float32, copy=False)
 
     @property
     def can_copy_rows(self) -> bool:

@@ -53,7 +53,8 @@ class EngineConfig:
             ``max_context`` tokens as fit, in the export's cache dtype: an int8 cache holds
             4x the fp32 cache's slots); it overrides ``slots`` (the CLI refuses both).
         max_queue: requests that may wait for a slot; more are refused.
-        chunk: the most prompt tokens of one prefill call.
+        chunk: the most tokens of one prompt in one prefill call (prompts that share a call,
+            ``batch_prompts``, take up to this many each).
         step_ms: while streams run, how long a step (prompt chunks and decode call) may
             take, its prompt tokens at their measured cost; None: twice the slowest recent
             decode step, measured. While no more streams run than prompts wait, a step
@@ -112,7 +113,12 @@ class EngineConfig:
         flag="--max-queue",
         low=0,
     )
-    chunk: int = setting(DEFAULT_CHUNK, "The most prompt tokens of one prefill call.", flag="--chunk", low=1)
+    chunk: int = setting(
+        DEFAULT_CHUNK,
+        "The most tokens of one prompt in one prefill call (prompts that share a call take up to this many each).",
+        flag="--chunk",
+        low=1,
+    )
     step_ms: int | None = setting(
         None,
         "While streams are running, keep each engine step (its prompt chunks and its decode call) within this many "

@@ -151,6 +151,14 @@ _COUNTERS = (
 )
 
 
+ALL_LOGITS_BYTES = 256 << 20  # an --all-logits graph's shared prefill call returns at most this many bytes of logits
+
+
+def all_logits_tokens(chunk: int, vocab_size: int) -> int:
+    """The most tokens of a shared prefill call of an ``--all-logits`` graph: fp32 logits for each, within :data:`ALL_LOGITS_BYTES` (at least ``chunk``)."""
+    return max(chunk, ALL_LOGITS_BYTES // (4 * vocab_size))
+
+
 class Engine:
     """Serve many requests at once over one in-place cache (see the module docstring).
 
@@ -211,6 +219,7 @@ class Engine:
             capacity=self.capacity,
             draft_tokens=config.draft_tokens,
             batch_prompts=config.batch_prompts and self.runner.can_batch_prompts,
+            batch_tokens=all_logits_tokens(config.chunk, dims.vocab_size) if self.manifest.all_logits else None,
         )
         self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids, self.vocab_size)
         self._listeners: list[EngineListener] = []
@@ -385,17 +394,22 @@ class Engine:
         self.close(drain=False)
 
     def _warm_up(self, count: int) -> None:
-        """Run ``count`` requests together, then forget them: counters, finishes and cached rows."""
+        """Run one request alone, then ``count`` together, then forget them: counters, finishes and cached rows.
+
+        Alone, a prompt runs at batch 1; together, their first pieces share a call
+        (``batch_prompts``): both kinds of call have run once before the first client's.
+        """
         length = max(1, min(128, self.capacity // 2))
         new = max(1, min(8, self.capacity - length))
         params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-        prompts = [[(7 * i + j) % self.vocab_size for j in range(length)] for i in range(count)]
+        prompts = [[(7 * i + j) % self.vocab_size for j in range(length)] for i in range(count + 1)]
         cancels = [threading.Event() for _ in prompts]
         requests = [Request(f"warm-up-{i}", prompt, params, cancelled=cancels[i]) for i, prompt in enumerate(prompts)]
         states = [RequestState(r.id, r.prompt, params, cancelled=cancels[i]) for i, r in enumerate(requests)]
-        self._enqueue(requests, states, bounded=False)
-        for state in states:
-            state.result()
+        for group in (slice(0, 1), slice(1, None)):
+            self._enqueue(requests[group], states[group], bounded=False)
+            for state in states[group]:
+                state.result()
         with self._lock:
             self._counters = dict.fromkeys(_COUNTERS, 0)
             self._finished.clear()
@@ -409,13 +423,11 @@ class Engine:
             plan = None
             try:
                 with self._lock:
-                    woke = False
                     while self.scheduler.idle and not self._closing:
                         self._wake.wait()
-                        woke = True
                     if self._closing and self.scheduler.idle:
                         return
-                    if woke:
+                    if not self.scheduler.active and not self.scheduler.prefix_jobs:  # a burst may be starting
                         self._gather()
                     plan = self.scheduler.schedule()
                     for _, placement in plan.admitted:
@@ -429,7 +441,7 @@ class Engine:
                     self._abandon_prefix(job, exc)
 
     def _gather(self) -> None:
-        """With the lock held, the engine just woken from idle: let the rest of a burst arrive (``gather_ms``).
+        """With the lock held, requests waiting and none admitted: let the rest of a burst arrive (``gather_ms``).
 
         Waits while requests keep coming less than ``gather_ms`` apart, at most ten times
         that in all, and no longer once they fill the free slots: then one step admits them

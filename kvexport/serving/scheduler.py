@@ -217,8 +217,11 @@ class Scheduler:
         max_queue: requests that may wait beyond the free slots.
         capacity: tokens per slot.
         draft_tokens: the most drafts per speculative round.
-        batch_prompts: run fresh prompts' first pieces in consecutive slots as one call
+        batch_prompts: in a burst (no more streams running than prompts prefilling), run
+            fresh prompts' first pieces in consecutive slots as one call
             (:class:`PrefillBatch`, :meth:`_batches`) where the runner can.
+        batch_tokens: the most prompt tokens of one shared call, over its rows (None: the
+            step's budget); an ``--all-logits`` graph's call returns logits for each.
 
     """
 
@@ -231,9 +234,11 @@ class Scheduler:
         capacity: int,
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
         batch_prompts: bool = False,
+        batch_tokens: int | None = None,
     ) -> None:
         self.table = table
         self.batch_prompts = batch_prompts
+        self.batch_tokens = batch_tokens
         self.budget = budget
         self.max_queue = max_queue
         self.capacity = capacity
@@ -325,9 +330,12 @@ class Scheduler:
             plan.admitted.append((request, placement))
         self.waiting.extendleft(reversed(held))
         prefilling = sorted((r for r in self.active.values() if r.status is Status.PREFILLING), key=lambda r: r.submitted)
-        budget = self.budget.tokens(running=len(self.active) - len(prefilling), prefilling=len(prefilling))
+        running = len(self.active) - len(prefilling)
+        budget = self.budget.tokens(running=running, prefilling=len(prefilling))
         starts = {request.id: request.prefilled for request in prefilling}
-        for batch in self._batches(prefilling, budget) if self.batch_prompts else ():
+        # only in a burst: while more streams run, the small budget goes to the oldest prompt first
+        bursting = self.batch_prompts and running <= len(prefilling)
+        for batch in self._batches(prefilling, budget) if bursting else ():
             plan.prefill.append(batch)
             budget -= batch.tokens
             starts.update((chunk.request.id, len(chunk.tokens)) for chunk in batch.chunks)
@@ -349,6 +357,7 @@ class Scheduler:
         (:func:`_grouped`), where each call, and each piece cut short (its rest is one
         more call), costs :data:`CALL_COST` tokens. A group is trimmed to the rows the budget holds; a
         prompt longer than its group's pieces goes on at batch 1 (its rows then have a past).
+        A group is also trimmed to ``batch_tokens``.
         """
         fresh = sorted((r for r in prefilling if r.prefilled == 0 and not r.cancelled), key=lambda r: r.slot)
         runs: list[list[Request]] = []
@@ -362,7 +371,8 @@ class Scheduler:
             pieces = [min(len(r.prompt), self.budget.chunk) for r in run]
             for first, end in _grouped(pieces):
                 width = min(pieces[first:end])
-                rows = run[first:end][: budget // width]
+                room = budget if self.batch_tokens is None else min(budget, self.batch_tokens)
+                rows = run[first:end][: room // width]
                 if len(rows) >= 2:
                     batches.append(PrefillBatch(tuple(PrefillChunk(r, 0, r.prompt[:width]) for r in rows)))
                     budget -= width * len(rows)
@@ -471,12 +481,16 @@ def _grouped(pieces: Sequence[int]) -> list[tuple[int, int]]:
     choice: list[int | None] = [None] * (count + 1)  # best[i]'s last group starts here (None: row i-1 alone)
     for end in range(1, count + 1):
         best[end] = best[end - 1]
-        width = pieces[end - 1]
+        width, narrowest = pieces[end - 1], 1  # the group's width, and how many of its pieces are that wide
         for first in range(end - 2, -1, -1):
-            width = min(width, pieces[first])
+            if pieces[first] < width:
+                width, narrowest = pieces[first], 1
+            elif pieces[first] == width:
+                narrowest += 1
             if width < 2:  # one token a row is a decode call's shape
                 break
-            worth = best[first] + sum(width - (CALL_COST if piece > width else 0) for piece in pieces[first:end]) - CALL_COST
+            size = end - first
+            worth = best[first] + size * width - (size - narrowest) * CALL_COST - CALL_COST
             if worth > best[end]:
                 best[end], choice[end] = worth, first
     groups = []
