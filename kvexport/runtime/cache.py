@@ -114,7 +114,7 @@ class SlotCache:
         self.row_bytes = cache_row_bytes(manifest, capacity)
         device = "cuda" if provider == "cuda" else "cpu"
         self.banks = CacheBanks(len(self.past), slots * int(np.prod(self.row_shape)), self.cache_dtype, device, banks=1)
-        self._row_bindings: dict[tuple[int, ...], ort.IOBinding] = {}  # (session, row[, rows]) -> binding
+        self._row_bindings: dict[tuple[int, int, int], ort.IOBinding] = {}  # (session, first row, rows) -> binding
 
     def bind(self, binding: ort.IOBinding, first: int, rows: int, *, prefix: str = "") -> None:
         """Bind past and present of every layer to rows ``first..first+rows`` of the buffers.
@@ -134,19 +134,7 @@ class SlotCache:
         Its keys and values land in the row's positions ``start..``; returns the logits
         after each token (an ``--all-logits`` graph) or after the last: [n or 1, V], fp32.
         """
-        end = start + len(piece)
-        binding = self._row_bindings.get((id(session), row))
-        if binding is None:  # the cache stays bound; each call rebinds only the inputs and logits
-            binding = self._row_bindings[(id(session), row)] = session.io_binding()
-            self.bind(binding, row, 1)
-        binding.bind_cpu_input("input_ids", np.array([piece], np.int64))
-        binding.bind_cpu_input("attention_mask", np.ones((1, end), np.int64))
-        binding.bind_cpu_input("position_ids", np.arange(start, end, dtype=np.int64)[None])
-        rows = len(piece) if self.manifest.all_logits else 1
-        logits = np.empty((1, rows, self.manifest.dims.vocab_size), self.dtype)
-        binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
-        session.run_with_iobinding(binding)
-        return logits[0].astype(np.float32)
+        return self._run(session, row, np.array([piece], np.int64), start)[0]
 
     def run_rows(self, session: ort.InferenceSession, first: int, pieces: Sequence[Sequence[int]]) -> np.ndarray:
         """Run ``pieces``, each a whole first piece of one prompt and all one length, in rows ``first..`` (one call).
@@ -158,16 +146,22 @@ class SlotCache:
         ``--all-logits`` graph) or after the last: [rows, n or 1, V], fp32. A row's logits are
         the ones :meth:`run_piece` gives for its piece alone.
         """
-        rows, length = len(pieces), len(pieces[0])
+        length = len(pieces[0])
         if any(len(piece) != length for piece in pieces):
             raise ValueError(f"pieces of {sorted({len(piece) for piece in pieces})} tokens: one call takes pieces of one length")
+        return self._run(session, first, np.array(pieces, np.int64), 0)
+
+    def _run(self, session: ort.InferenceSession, first: int, ids: np.ndarray, start: int) -> np.ndarray:
+        """``ids`` ([rows, n]) into rows ``first..`` after the ``start`` tokens each holds; logits [rows, n or 1, V], fp32."""
+        rows, length = ids.shape
+        end = start + length
         binding = self._row_bindings.get((id(session), first, rows))
-        if binding is None:
+        if binding is None:  # the cache stays bound; each call rebinds only the inputs and logits
             binding = self._row_bindings[(id(session), first, rows)] = session.io_binding()
             self.bind(binding, first, rows)
-        binding.bind_cpu_input("input_ids", np.array(pieces, np.int64))
-        binding.bind_cpu_input("attention_mask", np.ones((rows, length), np.int64))
-        binding.bind_cpu_input("position_ids", np.tile(np.arange(length, dtype=np.int64), (rows, 1)))
+        binding.bind_cpu_input("input_ids", ids)
+        binding.bind_cpu_input("attention_mask", np.ones((rows, end), np.int64))
+        binding.bind_cpu_input("position_ids", np.tile(np.arange(start, end, dtype=np.int64), (rows, 1)))
         count = length if self.manifest.all_logits else 1
         logits = np.empty((rows, count, self.manifest.dims.vocab_size), self.dtype)
         binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
