@@ -154,7 +154,8 @@ def quantization_options(function: F) -> F:
                 "--per-channel/--blocks",
                 default=None,
                 help="int8: per-channel (fp32, CPU: weights per output channel, activations quantized row by row, "
-                "MatMulIntegerToFloat; GPT-2 7-bit, the Llama families 8-bit with the MLP's down projection in blocks; "
+                "MatMulIntegerToFloat; GPT-2 7-bit, the Llama families 8-bit with the MLP's down projection's input "
+                "rotated by Hadamard blocks first; "
                 "1.5-2.5x faster prompts) or blocks of 32 (MatMulNBits, closer to fp32) "
                 "[default: per-channel on --target ort-cpu, blocks otherwise; any block knob below means blocks].",
             ),
@@ -958,6 +959,8 @@ def _quantization_line(q: dict[str, Any]) -> str:
         else:
             kernel, weights = "MatMulIntegerToFloat, activations quantized per row", f"{q.get('channel_bits', 7)}-bit"
         gated = f"; the gated MLP's down projection in 8-bit blocks of {q['block_size']}" if q.get("gated_blocks") else ""
+        if q.get("gated_rotation"):
+            gated = f"; the gated MLP's down projection after a Hadamard rotation in blocks of {q['gated_rotation']}"
         return f"quantized {q['scheme']}: {weights} weights per output channel, head included ({kernel}){gated}"
     return (
         f"quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings "

@@ -41,14 +41,17 @@ def test_quantized_llama_keeps_its_schemes_tolerances(variant: str, tmp_path: Pa
         assert manifest.cache_dtype == kind
     else:
         assert manifest.quantization is not None and manifest.quantization["scheme"] == kind
-        # int8 without knobs: per channel, the MLP's down projections (one a layer) in blocks
+        # int8 without knobs: per channel, the MLP's down projections (one a layer) rotated first
         assert manifest.quantization["per_channel"] is (variant == "int8")
         # the blocks' manifest has no per-channel knobs
-        assert manifest.quantization.get("gated_blocks") is (True if variant == "int8" else None)
+        assert manifest.quantization.get("gated_rotation") == (64 if variant == "int8" else None)
         assert manifest.quantization.get("channel_bits") == (8 if variant == "int8" else None)
-        ops = [node.op_type for node in onnx.load(str(out / "prefill.onnx"), load_external_data=False).graph.node]
+        nodes = onnx.load(str(out / "prefill.onnx"), load_external_data=False).graph.node
+        ops = [node.op_type for node in nodes]
         layers = manifest.dims.num_layers
-        assert ops.count("MatMulNBits") == (layers if variant == "int8" else 7 * layers + 1)
+        assert ops.count("MatMulNBits") == (0 if variant == "int8" else 7 * layers + 1)
+        rotations = [node for node in nodes if node.op_type == "MatMul" and node.input[1].startswith("kvexport.hadamard_")]
+        assert len(rotations) == (layers if variant == "int8" else 0)
     report = verify(out, steps=6, text=HELDOUT, text_tokens=100_000, record=False)
     assert report.ok, report.failures()
     tolerances = QUANTIZATION_TOLERANCES[kind]

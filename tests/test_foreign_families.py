@@ -135,7 +135,8 @@ def test_optimum_graph_imports_to_a_directory_that_verifies_and_serves(family: s
 @pytest.mark.parametrize(("graph", "gated"), [("optimum-llama.onnx", True), ("optimum-l2.onnx", False)])
 def test_rewrite_per_channel_picks_the_recipe_by_the_graphs_mlp(tmp_path: Path, graph: str, gated: bool) -> None:
     """``kvexport rewrite --per-channel`` has no family to go by: a graph with a gated MLP (the Llama's) gets
-    the gated families' recipe, 8-bit uint8 weights with the down projections in blocks, as its export would;
+    the gated families' recipe, 8-bit uint8 weights with the down projections' input rotated by Hadamard
+    blocks (float MatMuls), as its export would;
     GPT-2's gets its own, 7-bit int8 weights and every product per channel."""
     output = tmp_path / "rewritten.onnx"
     _rewrite(FOREIGN / graph, output, "--attention", "ort", "--quantize", "int8", "--per-channel")
@@ -144,13 +145,14 @@ def test_rewrite_per_channel_picks_the_recipe_by_the_graphs_mlp(tmp_path: Path, 
     assert products
     weights = {node.inputs[1].const_value.dtype for node in products}
     assert weights == ({ir.DataType.UINT8} if gated else {ir.DataType.INT8})
-    blocks = [node for node in model.graph if node.op_type == "MatMulNBits"]
+    assert not [node for node in model.graph if node.op_type == "MatMulNBits"]
+    rotations = [node for node in model.graph if node.op_type == "MatMul" and node.inputs[1].name.startswith("kvexport.hadamard_")]
     layers = json.loads((FOREIGN / f"checkpoint-{graph.removeprefix('optimum-').removesuffix('.onnx')}" / "config.json").read_text())
-    assert len(blocks) == (layers.get("num_hidden_layers", layers.get("n_layer")) if gated else 0)  # one down projection a layer
+    assert len(rotations) == (layers.get("num_hidden_layers", layers.get("n_layer")) if gated else 0)  # one down projection a layer
 
 
 def test_an_int8_import_keeps_the_last_position_head_and_verifies(tmp_path: Path) -> None:
-    """``--quantize int8`` on an ort import is per channel (the Llama's down projections in blocks):
+    """``--quantize int8`` on an ort import is per channel (the Llama's down projections rotated first):
     the prefill still runs its head on the last position only, logits [batch, 1, V]."""
     source = tmp_path / "optimum"
     source.mkdir()
@@ -164,13 +166,16 @@ def test_an_int8_import_keeps_the_last_position_head_and_verifies(tmp_path: Path
     )
     assert done.exit_code == 0, done.output
     manifest = json.loads((out / "kvexport.json").read_text())
-    assert manifest["quantization"]["per_channel"] is manifest["quantization"]["gated_blocks"] is True
+    assert manifest["quantization"]["per_channel"] is True and manifest["quantization"]["gated_blocks"] is False
+    assert manifest["quantization"]["gated_rotation"] == 64
     assert manifest["all_logits"] is False
     prefill = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
     logits = next(o for o in prefill.graph.output if o.name == "logits")
     assert [d.dim_value or d.dim_param for d in logits.type.tensor_type.shape.dim][1] == 1
     ops = _ops(out / "prefill.onnx")
-    assert ops.get("MatMulNBits") == 2 and ops.get("MatMulIntegerToFloat", 0) > 0  # 2 layers' down projections
+    assert "MatMulNBits" not in ops and ops.get("MatMulIntegerToFloat", 0) > 0
+    rotations = [node for node in prefill.graph.node if node.op_type == "MatMul" and node.input[1].startswith("kvexport.hadamard_")]
+    assert len(rotations) == 2  # the 2 layers' rotations before their down projections
     verified = CliRunner().invoke(main, ["verify", str(out)])
     assert verified.exit_code == 0, verified.output
 

@@ -169,23 +169,27 @@ def test_bad_quantization_options_get_one_line(tmp_path: Path, args: list[str], 
     assert not (tmp_path / "o").exists()
 
 
-def test_int8_means_per_channel_on_cpu_with_gated_blocks_for_gated_mlps() -> None:
+def test_int8_means_per_channel_on_cpu_with_a_rotation_for_gated_mlps() -> None:
     import dataclasses
 
     from kvexport.export.options import ExportOptions
     from kvexport.export.quantization import QUANTIZATION_SCHEMES
 
-    def kernel(target: str, family: str, **given: object) -> tuple[bool, int, bool]:
+    def kernel(target: str, family: str, **given: object) -> tuple[bool, int, bool, int]:
         options = ExportOptions.resolve(target, quantize="int8", family=family, **given)  # type: ignore[arg-type]
         knobs = options.quantization
         assert knobs is not None
-        return knobs.per_channel, knobs.channel_bits, knobs.gated_blocks
+        return knobs.per_channel, knobs.channel_bits, knobs.gated_blocks, knobs.gated_rotation
 
-    assert kernel("ort-cpu", "gpt2") == (True, 7, False)
-    for family in ("llama", "qwen2", "qwen3", "mistral", "phi3"):  # 8 bits, the down projection in blocks
-        assert kernel("ort-cpu", family) == (True, 8, True)
+    assert kernel("ort-cpu", "gpt2") == (True, 7, False, 0)
+    for family in ("llama", "qwen2", "qwen3", "mistral", "phi3"):  # 8 bits, the down projection rotated first
+        assert kernel("ort-cpu", family) == (True, 8, False, 64)
     asked = dataclasses.replace(QUANTIZATION_SCHEMES["int8"], per_channel=True)
-    assert kernel("ort-cpu", "llama", quantization=asked) == (True, 8, True)  # --per-channel: the same
+    assert kernel("ort-cpu", "llama", quantization=asked) == (True, 8, False, 64)  # --per-channel: the same
+    blocks = dataclasses.replace(asked, gated_blocks=True)  # the earlier recipe, asked for by knobs
+    assert kernel("ort-cpu", "llama", quantization=blocks) == (True, 8, True, 0)
+    finer = dataclasses.replace(asked, gated_rotation=128)
+    assert kernel("ort-cpu", "qwen2", quantization=finer) == (True, 8, False, 128)
     assert kernel("ort-cuda", "gpt2")[0] is False  # fp16, and MatMulIntegerToFloat is a CPU kernel
     assert kernel("ort-cpu", "gpt2", quantization=QUANTIZATION_SCHEMES["int8"])[0] is False  # knobs: blocks
 
@@ -204,7 +208,7 @@ def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: 
     assert "MatMulNBits" not in ops and "MatMul" not in ops and "Gemm" not in ops
     recorded = json.loads((out / "kvexport.json").read_text())["quantization"]
     assert recorded["per_channel"] is True and recorded["activation_scale"] == "row"
-    assert recorded["channel_bits"] == 7 and recorded["gated_blocks"] is False
+    assert recorded["channel_bits"] == 7 and recorded["gated_blocks"] is False and recorded["gated_rotation"] == 0
     # the tied embedding reads the head's int8 bytes: smaller than the block export
     assert _export_bytes(out) < _export_bytes(trained_exports["int8"])
     report = verify(out, steps=4, text=HELDOUT, text_tokens=100_000, record=False)

@@ -38,14 +38,19 @@ QUANTIZATION_SCHEMES: dict[str, QuantizationConfig] = {
 # int8 tolerances on trained weights, where it is the faster kernel (docs/quantization.md,
 # "Which int8"). GPT-2 (tests/data/tiny-trained, verify --text, 7-bit weights): mean KL 8.6e-4,
 # perplexity +0.07%, top-1 97.7%. The Llama-style families (tests/data/tiny-trained-llama) with
-# 8-bit weights and the down projection in blocks: mean KL 1.77e-3, perplexity -0.07%, top-1
-# 97.2%; a 128-token SmolLM2-135M prompt in 0.66x the blocks' time on 2 AVX2 cores.
+# 8-bit weights and the down projection's input rotated by Hadamard blocks of 64: mean KL
+# 1.65e-3, perplexity -0.03%, top-1 97.3% (with that product in blocks instead, as until
+# December 2026: 1.77e-3, -0.08%, 97.2%); a 128-token SmolLM2-135M prompt in 0.66x the blocks'
+# time on 2 AVX2 cores (with the down projection still in blocks).
 PER_CHANNEL_FAMILIES = frozenset({"gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"})
 # The families without a gated MLP. The others, per channel, get 8-bit weights (7-bit weights
-# alone cost the trained Llama +0.8% perplexity) and keep their down projection in blocks: its
-# input, silu(gate) * up, needs activation scales per 32 values (one per row alone took the
-# mean KL from 0.0016 to 0.0037). GPT-2 keeps 7 bits, the faster kernel at one row.
+# alone cost the trained Llama +0.8% perplexity) and rotate their down projection's input,
+# silu(gate) * up, by Hadamard blocks of GATED_ROTATION before quantizing it per row: one
+# scale per row of the raw input took the mean KL from 0.0016 to 0.0037 (until December 2026
+# that product stayed in 8-bit blocks, activation scales per 32 values; 3x slower on many
+# rows). GPT-2 keeps 7 bits, the faster kernel at one row.
 UNGATED_FAMILIES = frozenset({"gpt2"})
+GATED_ROTATION = 64
 # What verify holds a quantized export to against PyTorch fp32, per scheme, set from the
 # trained test model's measured quality with headroom (tests/data/tiny-trained).
 QUANTIZATION_TOLERANCES: dict[str, dict[str, float]] = {
@@ -75,9 +80,11 @@ def scheme_knobs(
     Without ``knobs``, ``int8`` on the ``ort-cpu`` target with fp32 weights is per-channel for
     the :data:`PER_CHANNEL_FAMILIES`, and blocks otherwise. Per-channel int8 needs fp32 weights
     (``MatMulIntegerToFloat`` here is an fp32 CPU kernel). Per channel, a family with a gated
-    MLP (all but the :data:`UNGATED_FAMILIES`) gets 8-bit weights (``channel_bits``) and keeps
-    its down projection in blocks (``gated_blocks``), given knobs included: 7 bits or every
-    product per channel are outside the int8 tolerances there.
+    MLP (all but the :data:`UNGATED_FAMILIES`) gets 8-bit weights (``channel_bits``) and its
+    down projection's input rotated by Hadamard blocks of :data:`GATED_ROTATION`
+    (``gated_rotation``), given knobs included unless they keep that product in blocks
+    (``gated_blocks``): 7 bits, or every product per channel unrotated, are outside the int8
+    tolerances there.
     """
     if knobs is None and default_per_channel(quantize, dtype, target, family):
         knobs = dataclasses.replace(QUANTIZATION_SCHEMES["int8"], per_channel=True)
@@ -98,7 +105,8 @@ def scheme_knobs(
             "drop it for an fp16 export"
         )
     if knobs.per_channel and family is not None and family not in UNGATED_FAMILIES:
-        return dataclasses.replace(knobs, channel_bits=8, gated_blocks=True)
+        rotation = 0 if knobs.gated_blocks else knobs.gated_rotation or GATED_ROTATION
+        return dataclasses.replace(knobs, channel_bits=8, gated_rotation=rotation)
     return knobs
 
 

@@ -26,6 +26,7 @@ from kvexport.bundle.storage import (
 )
 from kvexport.errors import KvexportError
 from kvexport.export.options import refuse_unfused
+from kvexport.export.quantization import GATED_ROTATION
 from kvexport.passes import (
     DEFAULT_REWRITE_PASSES,
     PassInputError,
@@ -71,7 +72,8 @@ def rewrite_graph(
         attention: ``onnx`` / ``ort`` adds attention fusion for that target.
         quantization: add ``quantize_weights`` with these knobs (needs ``ort``). Per channel,
             a graph with a gated MLP gets the gated families' recipe, as their exports do
-            (8-bit weights, the down projections in blocks; :func:`has_gated_products`).
+            (8-bit weights, the down projections' input rotated by Hadamard blocks;
+            :func:`has_gated_products`).
         names: ``canonical`` (``past.<l>.key``) or ``optimum`` (``past_key_values.<l>.key``).
         force: replace an existing ``output``.
         explain: each report says why a fusion rule that fired 0 times did not match.
@@ -96,7 +98,8 @@ def rewrite_graph(
     model = load_graph(source)
     if quantization is not None and quantization.per_channel and has_gated_products(model):
         # no family here: a gated MLP in the graph asks for the gated families' recipe, as export gives them
-        gated = replace(quantization, channel_bits=8, gated_blocks=True)
+        rotation = 0 if quantization.gated_blocks else quantization.gated_rotation or GATED_ROTATION
+        gated = replace(quantization, channel_bits=8, gated_rotation=rotation)
         pipeline = build_pipeline(attention, chosen, quantization=gated, explain=explain)
     try:
         reports = run_pipeline(model, pipeline)

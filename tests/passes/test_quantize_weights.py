@@ -306,6 +306,67 @@ def test_gated_blocks_keep_a_gated_units_product_in_blocks() -> None:
         assert np.abs(got - reference).max() < 0.02 * np.abs(reference).max()
 
 
+def _gated_product(k: int, seed: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """``(a * b) @ D`` (D [k, C]) and inputs whose gated product has a few outliers a row, at places that move from row to row."""
+    rng = np.random.default_rng(seed)
+    down = (rng.standard_normal((k, C)) / 8).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Mul", ["a", "b"], ["gated"]), onnx.helper.make_node("MatMul", ["gated", "D"], ["y"])],
+        "down",
+        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2, 8, k]) for name in ("a", "b")],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8, C])],
+        [onnx.numpy_helper.from_array(down, "D")],
+    )
+    a = rng.standard_normal((2, 8, k)).astype(np.float32)
+    for row in a.reshape(-1, k):
+        row[rng.choice(k, 2, replace=False)] *= 60.0
+    feeds = {"a": a, "b": np.abs(rng.standard_normal((2, 8, k))).astype(np.float32)}
+    return onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10), feeds
+
+
+def test_a_gated_rotation_lets_one_scale_per_row_hold_the_outliers() -> None:
+    """``gated_rotation``: the gated product is rotated by float Hadamard blocks, then quantized per row.
+
+    The rotation is exact in float (the weight is rotated by the same blocks), so the product's
+    error is the row quantization's: with two 60x outliers a row, rotating first must cut the
+    error of one scale per row by more than half, and stay within the blocks' error.
+    """
+    proto, feeds = _gated_product(HIDDEN, 2)
+    reference = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    errors = {}
+    for label, knobs in (("rows", {}), ("blocks", {"gated_blocks": True}), ("rotated", {"gated_rotation": 32})):
+        model = ir.from_proto(proto)
+        quantize = QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8, **knobs))
+        quantize(model)
+        products = [node for node in model.graph if node.op_type.startswith("MatMul")]
+        if label == "rotated":
+            rotate, down = products
+            assert (rotate.op_type, down.op_type) == ("MatMul", "MatMulIntegerToFloat")
+            hadamard = rotate.inputs[1].const_value.numpy()  # fp32, orthonormal, symmetric
+            assert rotate.inputs[1].name == "kvexport.hadamard_32" and hadamard.dtype == np.float32
+            np.testing.assert_allclose(hadamard @ hadamard, np.eye(32), atol=1e-6)
+            assert rotate.inputs[0].producer().op_type == "Reshape"  # blocks of 32 values
+            assert rotate.inputs[0].producer().inputs[0].producer().op_type == "Mul"  # the gated product
+            assert quantize.counts["matmul"] + quantize.counts["lm_head"] == 1  # y is the graph output: "the head"
+            assert not QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8))(model).modified
+        session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+        got = session.run(None, feeds)[0]
+        assert got.shape == reference.shape
+        errors[label] = float(np.abs(got - reference).mean() / np.abs(reference).mean())
+    assert errors["rotated"] < 0.5 * errors["rows"], errors
+    assert errors["rotated"] < errors["blocks"] * 1.5, errors
+
+
+def test_a_gated_rotation_keeps_the_blocks_where_no_block_divides_k() -> None:
+    proto, feeds = _gated_product(24, 3)  # 24: no power of two of 16 or more divides it
+    model = ir.from_proto(proto)
+    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8, gated_rotation=64))(model)
+    assert [node.op_type for node in model.graph] == ["Mul", "MatMulNBits"]
+    reference = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    assert np.abs(got - reference).max() < 0.05 * np.abs(reference).max()
+
+
 def test_per_channel_keeps_blocks_for_fp16_weights() -> None:
     proto, _ = _tied_decoder()
     half = ir.from_proto(proto)
@@ -392,6 +453,9 @@ def test_graph_without_weights_is_left_alone() -> None:
         ({"bits": 8, "head_bits": 4, "per_channel": True}, "per-channel weights are symmetric 8-bit"),
         ({"bits": 8, "gated_blocks": True}, "gated blocks go with per-channel weights"),
         ({"bits": 8, "per_channel": True, "channel_bits": 6}, "channel bits 6: choose 7 or 8"),
+        ({"bits": 8, "per_channel": True, "gated_rotation": 48}, "gated rotation 48: use a power of two, at least 16"),
+        ({"bits": 8, "gated_rotation": 64}, "a gated rotation goes with per-channel weights"),
+        ({"bits": 8, "per_channel": True, "gated_blocks": True, "gated_rotation": 64}, "choose one"),
     ],
 )
 def test_bad_knobs_are_refused(knobs: dict[str, int], message: str) -> None:
