@@ -960,7 +960,7 @@ def _quantization_line(q: dict[str, Any]) -> str:
             kernel, weights = "MatMulIntegerToFloat, activations quantized per row", f"{q.get('channel_bits', 7)}-bit"
         gated = f"; the gated MLP's down projection in 8-bit blocks of {q['block_size']}" if q.get("gated_blocks") else ""
         if q.get("gated_rotation"):
-            gated = f"; the gated MLP's down projection after a Hadamard rotation in blocks of {q['gated_rotation']}"
+            gated = f"; the gated MLP's down projection after a Hadamard rotation in blocks of up to {q['gated_rotation']}"
         return f"quantized {q['scheme']}: {weights} weights per output channel, head included ({kernel}){gated}"
     return (
         f"quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings "

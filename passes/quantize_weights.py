@@ -109,7 +109,8 @@ class QuantizationConfig:
             Its kernel is fp32 and CPU only: fp16 weights keep 8-bit blocks. The blocks and the
             LM head are per-channel; an embedding tied to the head reads the head's bytes;
             ``block_size`` applies only to an embedding of its own, ``accuracy_level`` only to
-            the products ``gated_blocks`` keeps in blocks.
+            the products ``gated_blocks`` keeps in blocks (or a ``gated_rotation`` cannot
+            rotate).
         channel_bits: per-channel weights' range: 7 (int8 in [-63, 63], the uint8 x int8
             kernel) or 8 (uint8 around 128, the uint8 x uint8 kernel; see the module docstring).
         gated_blocks: with ``per_channel``, a product whose input is a gated unit's ``Mul`` (a
@@ -117,7 +118,9 @@ class QuantizationConfig:
             int8 activations have a scale per block rather than one per row.
         gated_rotation: with ``per_channel``, the size of the Hadamard blocks that rotate a
             gated unit's product before its per-channel down projection (0: none; a power of
-            two, at least 16; see the module docstring). Exclusive with ``gated_blocks``.
+            two, at least 16; at most this size: a ``K`` it does not divide gets the largest
+            power of two of 16 or more that does; see the module docstring). Exclusive with
+            ``gated_blocks``.
 
     """
 
@@ -549,7 +552,7 @@ def _row_quantized_product(
     applies the column scales; a last ``Mul`` applies the row scales::
 
         r = max(ReduceMax(|X|, -1) / 127, tiny)     [..., 1]
-        Y = MatMulIntegerToFloat(QuantizeLinear(X / r, 1, 128), Wq, 1, scales, 128[, 128][, bias]) * r
+        Y = MatMulIntegerToFloat(QuantizeLinear(X / r, 1, 128), Wq, 1, scales, 128[, 128]) * r (+ bias)
 
     Unlike ``DynamicQuantizeMatMul`` (one activation scale per call), a row's result does
     not depend on the other rows of the call: on the rows batched beside it, or on how its
@@ -573,11 +576,12 @@ def _row_quantized_product(
     codes = ir.node("QuantizeLinear", [unit.outputs[0], one, center], name=name("codes"))
     weight_zero = center if channels.unsigned else None
     inputs: list[ir.Value | None] = [codes.outputs[0], channels.data, one, channels.scales, center, weight_zero]
-    if bias is not None:
-        inputs.append(bias)
     product = ir.node("MatMulIntegerToFloat", inputs, domain=MS_DOMAIN, name=name("matmul"))
     result = ir.node("Mul", [product.outputs[0], row_scale.outputs[0]], name=name("rows"))
-    return [magnitude, peak, scaled, row_scale, unit, codes, product, result]
+    nodes = [magnitude, peak, scaled, row_scale, unit, codes, product, result]
+    if bias is not None:  # after the row scale: MatMulIntegerToFloat's own bias would be scaled by it too
+        nodes.append(ir.node("Add", [result.outputs[0], bias], name=name("bias")))
+    return nodes
 
 
 def _hadamard(size: int) -> np.ndarray:
@@ -598,9 +602,10 @@ def _rotate_rows(graph: ir.Graph, node: ir.Node, activation: ir.Value, block: in
     matrix = initializer(graph, f"{HADAMARD_PREFIX}{block}", hadamard.astype(np.float32))
     blocks_shape = initializer(graph, f"{HADAMARD_PREFIX}{block}_rows", np.array([-1, block], np.int64))
     shape = ir.node("Shape", [activation], name=name("shape"))
-    blocks = ir.node("Reshape", [activation, blocks_shape], name=name("blocks"))
+    # allowzero: an empty input's 0 is a length, not "copy this dimension"
+    blocks = ir.node("Reshape", [activation, blocks_shape], attributes={"allowzero": 1}, name=name("blocks"))
     rotated = ir.node("MatMul", [blocks.outputs[0], matrix], name=name("rotate"))
-    rows = ir.node("Reshape", [rotated.outputs[0], shape.outputs[0]], name=name("rows"))
+    rows = ir.node("Reshape", [rotated.outputs[0], shape.outputs[0]], attributes={"allowzero": 1}, name=name("rows"))
     rows.outputs[0].shape, rows.outputs[0].type = activation.shape, activation.type
     return [shape, blocks, rotated, rows]
 

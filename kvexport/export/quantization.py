@@ -40,8 +40,9 @@ QUANTIZATION_SCHEMES: dict[str, QuantizationConfig] = {
 # perplexity +0.07%, top-1 97.7%. The Llama-style families (tests/data/tiny-trained-llama) with
 # 8-bit weights and the down projection's input rotated by Hadamard blocks of 64: mean KL
 # 1.65e-3, perplexity -0.03%, top-1 97.3% (with that product in blocks instead, as until
-# December 2026: 1.77e-3, -0.08%, 97.2%); a 128-token SmolLM2-135M prompt in 0.66x the blocks'
-# time on 2 AVX2 cores (with the down projection still in blocks).
+# December 2026, on the same AMX host: 1.78e-3, -0.08%, 97.2%); a 128-token SmolLM2-135M prompt
+# in 0.66x the blocks' time on 2 AVX2 cores (with the down projection still in blocks), 0.74x
+# the earlier recipe's on 2 AMX cores with it rotated (AVX2: not yet timed).
 PER_CHANNEL_FAMILIES = frozenset({"gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"})
 # The families without a gated MLP. The others, per channel, get 8-bit weights (7-bit weights
 # alone cost the trained Llama +0.8% perplexity) and rotate their down projection's input,

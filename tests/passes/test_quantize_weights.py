@@ -313,8 +313,8 @@ def _gated_product(k: int, seed: int) -> tuple[onnx.ModelProto, dict[str, np.nda
     graph = onnx.helper.make_graph(
         [onnx.helper.make_node("Mul", ["a", "b"], ["gated"]), onnx.helper.make_node("MatMul", ["gated", "D"], ["y"])],
         "down",
-        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [2, 8, k]) for name in ("a", "b")],
-        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [2, 8, C])],
+        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["batch", "sequence", k]) for name in ("a", "b")],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["batch", "sequence", C])],
         [onnx.numpy_helper.from_array(down, "D")],
     )
     a = rng.standard_normal((2, 8, k)).astype(np.float32)
@@ -365,6 +365,31 @@ def test_a_gated_rotation_keeps_the_blocks_where_no_block_divides_k() -> None:
     reference = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     got = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
     assert np.abs(got - reference).max() < 0.05 * np.abs(reference).max()
+
+
+@pytest.mark.parametrize("rotation", [0, 32])
+def test_a_gemms_bias_is_added_after_the_row_scale(rotation: int) -> None:
+    """``Gemm(a * b, W, bias, transB=1)``, per channel with and without the gated rotation: the bias is
+    added once, after the row scale (inside ``MatMulIntegerToFloat`` it would be multiplied by it)."""
+    rng = np.random.default_rng(4)
+    weight = (rng.standard_normal((C, HIDDEN)) / 8).astype(np.float32)  # [N, K], transB
+    bias = np.full(C, 5.0, np.float32)
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Mul", ["a", "b"], ["gated"]), onnx.helper.make_node("Gemm", ["gated", "W", "bias"], ["y"], transB=1)],
+        "gemm",
+        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, [5, HIDDEN]) for name in ("a", "b")],
+        [onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [5, C])],
+        [onnx.numpy_helper.from_array(weight, "W"), onnx.numpy_helper.from_array(bias, "bias")],
+    )
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    feeds = {name: rng.standard_normal((5, HIDDEN)).astype(np.float32) for name in ("a", "b")}
+    model = ir.from_proto(proto)
+    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8, gated_rotation=rotation))(model)
+    assert [node.op_type for node in model.graph if node.op_type.startswith("MatMul")] == ["MatMul"] * bool(rotation) + ["MatMulIntegerToFloat"]
+    reference = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    got = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    product = reference - bias
+    assert np.abs(got - reference).max() < 0.03 * np.abs(product).max()
 
 
 def test_per_channel_keeps_blocks_for_fp16_weights() -> None:
