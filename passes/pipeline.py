@@ -86,6 +86,7 @@ class PipelineOptions:
     shared_buffer: bool = False
     quantization: QuantizationConfig | None = None
     explain: bool = False
+    skip_layer_norm: bool = True
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,7 @@ REGISTRY: tuple[PassSpec, ...] = (
     ),
     PassSpec(
         "fuse_ort_block",
-        lambda o: FuseOrtBlockPass(o.explain),
+        lambda o: FuseOrtBlockPass(o.explain, skip_layer_norm=o.skip_layer_norm),
         default=lambda o: o.attention is Attention.ORT,
         implied=lambda o: o.attention is Attention.ORT,
         attention=_ORT,
@@ -159,6 +160,7 @@ def build_pipeline(
     shared_buffer: bool = False,
     quantization: QuantizationConfig | None = None,
     explain: bool = False,
+    skip_layer_norm: bool = True,
 ) -> list[tuple[str, InPlacePass]]:
     """The named passes to run, in pipeline order (see :data:`REGISTRY`).
 
@@ -173,6 +175,9 @@ def build_pipeline(
             its operators are ONNX Runtime's).
         explain: the rule passes record, for each rule that fired 0 times, why its
             closest match failed (onnxscript's ``MatchingTracer``); see ``PassReport``.
+        skip_layer_norm: let ``fuse_ort_block`` fuse a LayerNorm's residual ``Add`` into
+            ``SkipLayerNormalization`` (one kernel on CUDA); False for CPU graphs, where
+            ONNX Runtime's kernel of that op is slower than the two.
 
     Raises:
         ValueError: an unknown attention or pass name, or a pass that the attention choice
@@ -183,7 +188,7 @@ def build_pipeline(
         chosen = Attention(attention)
     except ValueError:
         raise ValueError(f"unknown attention {attention!r}; choose from {', '.join(a.value for a in Attention)}") from None
-    options = PipelineOptions(chosen, shared_buffer, quantization, explain)
+    options = PipelineOptions(chosen, shared_buffer, quantization, explain, skip_layer_norm)
     unknown = set(passes or ()).difference(PASS_NAMES)
     if unknown:
         raise ValueError(f"unknown pass {sorted(unknown)}; choose from {', '.join(PASS_NAMES)}")

@@ -279,13 +279,17 @@ def test_fused_targets_export_verify_and_are_small(
         ops = graphs[name].ops
         assert ops.get(fused_op) == layers
         assert "Softmax" not in ops
+    if target.startswith("ort"):
+        # the residual Add fuses into the LayerNorm on CUDA; on CPU ONNX Runtime's fused kernel is the slower one
+        norm = "com.microsoft.SkipLayerNormalization" if target == "ort-cuda" else "LayerNormalization"
+        assert graphs["decode"].ops.get(norm) == 2 * layers + 1
     if target == "ort-cpu":
-        # decode: what is per layer must fit 12 nodes; the rest is embedding, mask, head
+        # decode: what is per layer must fit 14 nodes; the rest is embedding, mask, head
         per_layer = sum(graphs["decode"].ops.get(op, 0) for op in (
-            "com.microsoft.SkipLayerNormalization", "MatMul", "Add", "Split",
+            "LayerNormalization", "MatMul", "Add", "Split",
             "com.microsoft.GroupQueryAttention", "com.microsoft.FastGelu",
         ))
-        assert per_layer <= 12 * layers + 1
+        assert per_layer <= 14 * layers + 1, graphs["decode"].ops
     report = verify(tmp_path / "out", steps=4)
     assert report.ok, report.failures()
 
@@ -322,11 +326,10 @@ def test_local_checkpoint_with_biases_exports_and_verifies(
     if target == "ort-cpu":
         block = next(p for p in decode_passes if p["name"] == "fuse_ort_block")
         fired = {rule: n for rule, n in block["counts"].items() if n}  # the RMSNorm rules find nothing in GPT-2
-        assert fired == {"FastGeluRule": TINY["n_layer"], "SkipLayerNormRule": 2 * TINY["n_layer"] + 1}
+        assert fired == {"FastGeluRule": TINY["n_layer"]}  # LayerNorm(Add) stays two ops on CPU
         graph = onnx.load(str(tmp_path / "out" / "decode.onnx"), load_external_data=False).graph
-        # the c_fc bias moved into FastGelu, c_proj's into the SkipLayerNorm that follows
+        # the c_fc bias moved into FastGelu
         assert all(len(n.input) == 2 for n in graph.node if n.op_type == "FastGelu")
-        biased = [n for n in graph.node if n.op_type == "SkipLayerNormalization" and len(n.input) == 5]
-        assert len(biased) == 2 * TINY["n_layer"]
+        assert sum(n.op_type == "LayerNormalization" for n in graph.node) == 2 * TINY["n_layer"] + 1
     report = verify(tmp_path / "out", steps=4)
     assert report.ok, report.failures()

@@ -32,7 +32,7 @@ from kvexport.bundle.model_info import Dtype, ModelDims
 from kvexport.bundle.storage import atomic_output_dir, check_output_dir
 from kvexport.errors import ExportError, KvexportError, first_line
 from kvexport.export.calibration import quantize_cache_step
-from kvexport.export.choices import DEFAULT_OPSET, EXPORT_STRATEGIES
+from kvexport.export.choices import DEFAULT_OPSET, EXPORT_STRATEGIES, TargetKind
 from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
@@ -475,6 +475,7 @@ def _run_passes(graphs: dict[str, ir.Model], options: ExportOptions, progress: P
             options.attention.value,
             shared_buffer=options.in_place_cache,
             quantization=options.quantization,
+            skip_layer_norm=options.target is not TargetKind.ORT_CPU,
         )
         for pass_report in run_pipeline(graph, pipeline):
             pass_reports.append({"graph": name, **pass_report.to_json()})

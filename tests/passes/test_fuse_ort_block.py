@@ -81,6 +81,29 @@ def test_gelu_and_layernorm_fuse_with_bias_absorbed_and_outputs_unchanged() -> N
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
+def test_a_cpu_graph_keeps_its_residual_add_and_layernorm() -> None:
+    """``skip_layer_norm=False`` (the ort-cpu exports): gelu still fuses, LayerNorm(Add) stays two ops."""
+    proto = _block_model()
+    model = ir.serde.deserialize_model(proto)
+    fuse = FuseOrtBlockPass(skip_layer_norm=False)
+    assert fuse(model).modified
+    assert {rule: n for rule, n in fuse.counts.items() if n} == {"FastGeluRule": 1}
+    assert "SkipLayerNormRule" not in fuse.counts
+    from onnx_ir.passes.common import RemoveUnusedNodesPass
+
+    RemoveUnusedNodesPass()(model)
+    assert [(n.domain, n.op_type) for n in model.graph] == [
+        ("", "Add"),
+        ("", "LayerNormalization"),
+        ("", "MatMul"),
+        ("com.microsoft", "FastGelu"),
+    ]
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.normal(size=(2, 3, E)).astype(np.float32) for n in ("x", "r")}
+    for got, want in zip(_run(ir.serde.serialize_model(model), feeds), _run(proto, feeds), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_other_constants_are_not_mistaken_for_gelu() -> None:
     proto = _block_model()
     for initializer in proto.graph.initializer:
