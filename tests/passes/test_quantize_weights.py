@@ -130,12 +130,17 @@ def test_per_channel_weights_become_row_quantized_products_with_the_tied_table_r
         assert (weight_zero is None) if channel_bits == 7 else (weight_zero.const_value.numpy().tolist() == 128)
     head = matmuls[-1]
     gathers = [node for node in model.graph if node.op_type == "Gather"]
-    # the embedding gathers columns of the head's int8 [C, V] and scales them by the head's scales
-    assert {node.inputs[0] for node in gathers} == {head.inputs[1], head.inputs[3]}
-    codes = head.inputs[1].const_value
-    assert codes.dtype == (ir.DataType.INT8 if channel_bits == 7 else ir.DataType.UINT8)
-    assert codes.shape == (C, V)
-    assert np.abs(codes.numpy().astype(np.int32) - (0 if channel_bits == 7 else 128)).max() == 2 ** (channel_bits - 1) - 1
+    # one copy of the bytes: the head's codes stored as the table's rows [V, C], which the
+    # embedding gathers whole (axis 0) and the head reads through a Transpose
+    columns = head.inputs[1].producer()
+    assert columns.op_type == "Transpose" and list(columns.attributes.get_ints("perm")) == [1, 0]
+    rows = columns.inputs[0]
+    assert {node.inputs[0] for node in gathers} == {rows, head.inputs[3]}
+    assert all(node.attributes.get_int("axis", 0) == 0 for node in gathers)
+    assert rows.const_value.shape == (V, C)
+    codes = rows.const_value.numpy().T
+    assert codes.dtype == (np.int8 if channel_bits == 7 else np.uint8)
+    assert np.abs(codes.astype(np.int32) - (0 if channel_bits == 7 else 128)).max() == 2 ** (channel_bits - 1) - 1
     assert set(model.graph.initializers) == {
         v.name for node in model.graph for v in node.inputs if v is not None and v.const_value is not None
     }  # the float weights are gone
@@ -243,6 +248,29 @@ def _alternating(weight: np.ndarray) -> np.ndarray:
     return (np.abs(weight) * signs).astype(np.float32)
 
 
+def _columns_layout(model: ir.Model) -> ir.Model:
+    """``model`` (a tied per-channel export) as exports before December 2026 wrote it: the
+    head reads its [C, V] codes directly, the table gathers their columns and transposes them."""
+    old = ir.from_proto(ir.to_proto(model))
+    graph = old.graph
+    transpose = next(node for node in graph if node.op_type == "Transpose")
+    rows = transpose.inputs[0]
+    columns = ir.Value(name="E_q8u", const_value=ir.tensor(np.ascontiguousarray(rows.const_value.numpy().T)))
+    columns.shape, columns.type = ir.Shape([C, V]), ir.TensorType(ir.DataType.UINT8)
+    graph.register_initializer(columns)
+    ir.convenience.replace_all_uses_with(transpose.outputs[0], columns)
+    graph.remove(transpose, safe=True)
+    gather = next(node for node in graph if node.op_type == "Gather" and node.inputs[0] is rows)
+    gather.replace_input_with(0, columns)
+    gather.attributes["axis"] = ir.AttrInt64("axis", 1)
+    back = ir.node("Transpose", [gather.outputs[0]], attributes={"perm": [1, 0]})
+    ir.convenience.replace_all_uses_with(gather.outputs[0], back.outputs[0])
+    back.replace_input_with(0, gather.outputs[0])
+    graph.insert_after(gather, [back])
+    del graph.initializers[rows.name]
+    return old
+
+
 def test_signed_channels_read_the_same_codes_as_int8() -> None:
     """The runtime's rewrite for VNNI hosts: uint8 codes around 128 become int8 codes for uint8 x int8,
     with the tied table's gather reading them too; on codes that no kernel saturates, the same floats."""
@@ -259,15 +287,23 @@ def test_signed_channels_read_the_same_codes_as_int8() -> None:
     for node in products:  # int8 codes folded from the uint8 bytes, no weight zero point
         assert len(node.inputs) < 6 or node.inputs[5] is None
         codes = node.inputs[1].producer()
+        if codes.op_type == "Transpose":  # the tied head reads the table's rows transposed
+            codes = codes.inputs[0].producer()
         assert (codes.op_type, codes.attributes.get_int("to")) == ("Cast", ir.DataType.INT8)
     head = products[-1]
-    gather = next(node for node in signed.graph if node.op_type == "Gather" and node.attributes.get_int("axis", 0) == 1)
-    assert gather.inputs[0] is head.inputs[1]  # the table still reads the head's codes
+    gather = next(node for node in signed.graph if node.op_type == "Gather" and node.inputs[0].const_value is None)
+    assert gather.inputs[0] is head.inputs[1].producer().inputs[0]  # the table still reads the head's codes
     assert not [node for node in signed.graph if node.op_type == "Sub" and node.inputs[0].producer().op_type == "Cast"
                 and node.inputs[0].producer().attributes.get_int("to") == ir.DataType.FLOAT]  # and lost its - 128
     expected = _run(unsigned, ids)
     np.testing.assert_allclose(_run(signed, ids), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
     assert not SignedChannelsPass()(signed).modified  # nothing left to rewrite
+    # an export from before the table's rows: the head's [C, V] columns, Gather(axis=1) -> Transpose
+    columns = _columns_layout(unsigned)
+    older = SignedChannelsPass()
+    assert older(columns).modified and older.counts == {"weights": 3}
+    assert not [node for node in columns.graph if node.op_type == "Sub"]
+    np.testing.assert_allclose(_run(columns, ids), expected, rtol=1e-6, atol=1e-6 * np.abs(expected).max())
     seven = ir.from_proto(proto)  # 7-bit int8 weights are not the pass's
     QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=7))(seven)
     assert not SignedChannelsPass()(seven).modified
