@@ -629,6 +629,8 @@ def _tied_rows(graph: ir.Graph, channels: _Channels, known: dict[int, ir.Value])
     readers = {id(node) for node, _ in data.uses()}
     first = next(node for node in graph if id(node) in readers)
     columns = ir.node("Transpose", [rows], attributes={"perm": [1, 0]}, name=f"{data.name}_columns")
+    columns.outputs[0].name = f"{data.name}_columns"
+    columns.outputs[0].shape, columns.outputs[0].type = ir.Shape([channels.k, channels.n]), data.type
     graph.insert_before(first, [columns])
     ir.convenience.replace_all_uses_with(data, columns.outputs[0])
     known[id(channels)] = rows
@@ -770,6 +772,7 @@ class SignedChannelsPass(InPlacePass):
                 node.replace_input_with(5, None)
             for transpose in transposes:
                 transpose.replace_input_with(0, codes.outputs[0])
+                transpose.outputs[0].type = ir.TensorType(ir.DataType.INT8)
                 for node, _ in transpose.outputs[0].uses():
                     node.replace_input_with(5, None)
             for offset in offsets:

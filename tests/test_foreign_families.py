@@ -149,6 +149,10 @@ def test_rewrite_per_channel_picks_the_recipe_by_the_graphs_mlp(tmp_path: Path, 
     rotations = [node for node in model.graph if node.op_type == "MatMul" and node.inputs[1].name.startswith("kvexport.hadamard_")]
     layers = json.loads((FOREIGN / f"checkpoint-{graph.removeprefix('optimum-').removesuffix('.onnx')}" / "config.json").read_text())
     assert len(rotations) == (layers.get("num_hidden_layers", layers.get("n_layer")) if gated else 0)  # one down projection a layer
+    # per-channel int8 runs on CPU: LayerNorm(Add) stays two ops there, as in ort-cpu exports (the RMSNorm pair fuses)
+    ops = {node.op_type for node in model.graph}
+    assert "SkipLayerNormalization" not in ops
+    assert ("SkipSimplifiedLayerNormalization" if gated else "LayerNormalization") in ops
 
 
 def test_an_int8_import_keeps_the_last_position_head_and_verifies(tmp_path: Path) -> None:

@@ -211,6 +211,17 @@ def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: 
     assert recorded["channel_bits"] == 7 and recorded["gated_blocks"] is False and recorded["gated_rotation"] == 0
     # the tied embedding reads the head's int8 bytes: smaller than the block export
     assert _export_bytes(out) < _export_bytes(trained_exports["int8"])
+    # stored once, as the table's [V, K] rows: the embedding gathers rows, the head reads their Transpose
+    graph = onnx.load(str(out / "prefill.onnx"), load_external_data=False).graph
+    shapes = {init.name: list(init.dims) for init in graph.initializer}
+    config = json.loads((TRAINED / "config.json").read_text())
+    vocab, width = config["vocab_size"], config["n_embd"]
+    head = next(n for n in reversed(graph.node) if n.op_type == "MatMulIntegerToFloat")
+    columns = next(n for n in graph.node if head.input[1] in n.output)
+    assert columns.op_type == "Transpose" and shapes[columns.input[0]] == [vocab, width]
+    gather = next(n for n in graph.node if n.op_type == "Gather" and n.input[0] == columns.input[0])
+    assert all(a.i == 0 for a in gather.attribute if a.name == "axis")
+    assert [vocab, width] in shapes.values() and [width, vocab] not in shapes.values()
     report = verify(out, steps=4, text=HELDOUT, text_tokens=100_000, record=False)
     assert report.ok, report.failures()
     assert report.text is not None and report.text.top1_agreement >= QUANTIZATION_TOLERANCES["int8"]["min_top1_agreement"]

@@ -46,7 +46,13 @@ import onnxruntime as ort
 
 from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError, first_line
-from kvexport.runtime.session import cpu_flags_line, cpu_graph, session_options, signed_int8_weights
+from kvexport.runtime.session import (
+    cpu_disabled_optimizers,
+    cpu_flags_line,
+    cpu_graph,
+    session_options,
+    signed_int8_weights,
+)
 
 CACHE_DIR = ".ort-prepacked"
 DATA_FILE = "weights.prepacked.data"
@@ -122,7 +128,9 @@ def build(directory: Path, target: Path) -> None:
             options.add_session_config_entry("session.save_external_prepacked_constant_initializers", "1")
             options.log_severity_level = 3  # the "hardware specific" warning is why the cache is keyed
             path = directory / manifest.graphs[graph].file
-            ort.InferenceSession(cpu_graph(path, options), options, providers=["CPUExecutionProvider"])
+            ort.InferenceSession(
+                cpu_graph(path, options), options, providers=["CPUExecutionProvider"], disabled_optimizers=cpu_disabled_optimizers("cpu")
+            )
         final = work / "final"
         final.mkdir()
         _merge(work, final)

@@ -183,13 +183,26 @@ def _signed_graph(graph_path: Path) -> bytes | None:
     return ir.to_proto(model).SerializeToString()
 
 
+def cpu_disabled_optimizers(provider: str) -> list[str]:
+    """ONNX Runtime's graph optimizers a session on ``provider`` leaves out.
+
+    On CPU, ``SkipLayerNormFusion``: ``ort-cpu`` exports keep a LayerNorm's residual ``Add``
+    unfused (see :mod:`kvexport.passes.fuse_ort_block`) because ONNX Runtime's CPU
+    ``SkipLayerNormalization`` is the slower; left on, the optimizer fuses back the one
+    residual sum that nothing else reads (GPT-2's last, before ``ln_f``).
+    """
+    return ["SkipLayerNormFusion"] if provider == "cpu" else []
+
+
 def _inference_session(
     model: str | bytes, graph_path: Path, provider: str, options: ort.SessionOptions, what: str
 ) -> ort.InferenceSession:
     """A session of ``model`` (a path or serialized bytes) on the resolved provider; ORT's failure as one ManifestError line."""
     resolved = resolve_provider(provider)
     try:
-        return ort.InferenceSession(model, options, providers=session_providers(resolved))
+        return ort.InferenceSession(
+            model, options, providers=session_providers(resolved), disabled_optimizers=cpu_disabled_optimizers(resolved)
+        )
     except Exception as exc:  # ORT raises its own Fail / InvalidGraph / RuntimeException types
         raise ManifestError(f"{graph_path}: ONNX Runtime cannot load {what} ({first_line(exc)[:300]})") from exc
 

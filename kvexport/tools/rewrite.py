@@ -91,8 +91,10 @@ def rewrite_graph(
         raise KvexportError(f"{output}: is a directory; give a file name such as decode.onnx")
     check_parent_path(output)
     chosen = DEFAULT_REWRITE_PASSES if passes is None else passes
+    # per-channel int8 is a CPU kernel: such a graph keeps LayerNorm(Add) unfused, as ort-cpu exports do
+    cpu_only = quantization is not None and quantization.per_channel
     try:  # bad names fail before the graph loads
-        pipeline = build_pipeline(attention, chosen, quantization=quantization, explain=explain)
+        pipeline = build_pipeline(attention, chosen, quantization=quantization, explain=explain, skip_layer_norm=not cpu_only)
     except ValueError as exc:
         raise KvexportError(f"--passes: {exc}") from exc
     model = load_graph(source)
@@ -100,7 +102,7 @@ def rewrite_graph(
         # no family here: a gated MLP in the graph asks for the gated families' recipe, as export gives them
         rotation = 0 if quantization.gated_blocks else quantization.gated_rotation or GATED_ROTATION
         gated = replace(quantization, channel_bits=8, gated_rotation=rotation)
-        pipeline = build_pipeline(attention, chosen, quantization=gated, explain=explain)
+        pipeline = build_pipeline(attention, chosen, quantization=gated, explain=explain, skip_layer_norm=False)
     try:
         reports = run_pipeline(model, pipeline)
         refuse_unfused(model, attention, str(source))
