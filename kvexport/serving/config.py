@@ -90,8 +90,9 @@ class EngineConfig:
         max_logprobs: the most log-probabilities a request may ask for per position (-1:
             the whole vocabulary, which a request then asks for with -1), as vLLM's.
         warm_up: requests run through the engine before it takes any (0: none), so the
-            first real requests do not pay for ONNX Runtime's first runs; what they leave
-            (counters, cached rows) is cleared.
+            first real requests do not pay for ONNX Runtime's first runs: one alone, then
+            one on every slot (at least this many) sharing a call as a burst's prompts do;
+            what they leave (counters, cached rows) is cleared.
 
     """
 
@@ -175,7 +176,11 @@ class EngineConfig:
         low=-1,
     )
     warm_up: int = setting(
-        2, "Requests run before serving, so the first clients are not slower (0: none).", flag="--warm-up", low=0
+        2,
+        "Requests run before serving: one alone, then one on every slot (at least this many) sharing a call, so the "
+        "first clients and the first burst are not slower (0: none).",
+        flag="--warm-up",
+        low=0,
     )
 
     def __post_init__(self) -> None:
