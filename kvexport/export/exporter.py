@@ -32,12 +32,12 @@ from kvexport.bundle.model_info import Dtype, ModelDims
 from kvexport.bundle.storage import atomic_output_dir, check_output_dir
 from kvexport.errors import ExportError, KvexportError, first_line
 from kvexport.export.calibration import quantize_cache_step
-from kvexport.export.choices import DEFAULT_OPSET, EXPORT_STRATEGIES, TargetKind
+from kvexport.export.choices import DEFAULT_OPSET, EXPORT_STRATEGIES
 from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
 from kvexport.models.base import ModelFamily, read_config, source_of, weights_fingerprint
-from kvexport.passes import QuantizationConfig, build_pipeline, run_pipeline
+from kvexport.passes import QuantizationConfig, run_pipeline
 from kvexport.passes.cache_names import cache_names
 from kvexport.progress import Progress, silent
 
@@ -471,12 +471,6 @@ def _run_passes(graphs: dict[str, ir.Model], options: ExportOptions, progress: P
     pass_reports = []
     for name, graph in graphs.items():
         progress(f"running passes on {name}")
-        pipeline = build_pipeline(
-            options.attention.value,
-            shared_buffer=options.in_place_cache,
-            quantization=options.quantization,
-            skip_layer_norm=options.target is not TargetKind.ORT_CPU,
-        )
-        for pass_report in run_pipeline(graph, pipeline):
+        for pass_report in run_pipeline(graph, options.pipeline()):
             pass_reports.append({"graph": name, **pass_report.to_json()})
     return pass_reports

@@ -34,7 +34,6 @@ from kvexport.bundle.model_info import ModelDims, ModelSource
 from kvexport.bundle.storage import atomic_output_dir, check_output_dir, load_graph
 from kvexport.errors import KvexportError
 from kvexport.export.calibration import quantize_cache_step
-from kvexport.export.choices import TargetKind
 from kvexport.export.genai_graph import from_genai, is_genai_graph
 from kvexport.export.options import ExportOptions, check_attention, refuse_unfused
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
@@ -45,7 +44,6 @@ from kvexport.passes import (
     PassInputError,
     QuantizationConfig,
     RenameCachePass,
-    build_pipeline,
     run_pipeline,
 )
 from kvexport.passes.cache_names import canonical_slot
@@ -286,13 +284,7 @@ def _specialise(
         else:
             _one_token(graph)
         rename_dims(graph, _PREFILL_DIMS if name == "prefill" else _DECODE_DIMS)
-        pipeline = build_pipeline(
-            options.attention.value,
-            shared_buffer=options.in_place_cache,
-            quantization=options.quantization,
-            skip_layer_norm=options.target is not TargetKind.ORT_CPU,
-        )
-        reports = [{"graph": name, **report.to_json()} for report in run_pipeline(graph, pipeline)]
+        reports = [{"graph": name, **report.to_json()} for report in run_pipeline(graph, options.pipeline())]
         refuse_unfused(graph, options.attention, str(graph_path))
     except PassInputError as exc:  # any pass's refusal of this graph: one line
         raise KvexportError(f"{graph_path}: {exc}") from None

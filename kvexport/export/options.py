@@ -30,11 +30,13 @@ from kvexport.export.quantization import (
 )
 from kvexport.passes.choices import Attention
 from kvexport.passes.fuse_attention import unfused_attention
+from kvexport.passes.pipeline import build_pipeline
 from kvexport.passes.quantize_cache import CacheQuantization
 from kvexport.passes.quantize_weights import QuantizationConfig
 
 if TYPE_CHECKING:
     import onnx_ir as ir
+    from onnx_ir.passes import InPlacePass
 
     from kvexport.models.base import ModelFamily
 
@@ -103,6 +105,19 @@ class ExportOptions:
     def in_place_cache(self) -> bool:
         """Whether past and present share one buffer (``--cache shared-buffer``)."""
         return self.cache is CacheKind.SHARED_BUFFER
+
+    def pipeline(self) -> list[tuple[str, InPlacePass]]:
+        """The passes these options call for, on each graph an export or import writes.
+
+        An ``ort-cpu`` graph keeps a LayerNorm's residual ``Add`` unfused: ONNX Runtime's CPU
+        ``SkipLayerNormalization`` is slower than the two ops (see :mod:`kvexport.passes.fuse_ort_block`).
+        """
+        return build_pipeline(
+            self.attention.value,
+            shared_buffer=self.in_place_cache,
+            quantization=self.quantization,
+            skip_layer_norm=self.target is not TargetKind.ORT_CPU,
+        )
 
     def quantization_record(self) -> dict[str, Any] | None:
         """The manifest's ``quantization``: the scheme, its knobs and verify's tolerances (None for float)."""

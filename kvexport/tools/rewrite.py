@@ -102,7 +102,7 @@ def rewrite_graph(
         # no family here: a gated MLP in the graph asks for the gated families' recipe, as export gives them
         rotation = 0 if quantization.gated_blocks else quantization.gated_rotation or GATED_ROTATION
         gated = replace(quantization, channel_bits=8, gated_rotation=rotation)
-        pipeline = build_pipeline(attention, chosen, quantization=gated, explain=explain, skip_layer_norm=False)
+        pipeline = build_pipeline(attention, chosen, quantization=gated, explain=explain, skip_layer_norm=not cpu_only)
     try:
         reports = run_pipeline(model, pipeline)
         refuse_unfused(model, attention, str(source))
