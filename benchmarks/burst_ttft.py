@@ -19,7 +19,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -67,11 +69,18 @@ async def _level(url: str, model: str, args: argparse.Namespace, seed: int) -> d
 
 
 def run_variant(export: Path, extra: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
-    """A fresh server with ``extra`` arguments, ``--levels`` levels from its start."""
+    """A fresh server with ``extra`` arguments, ``--levels`` levels from its start.
+
+    Items of ``extra`` written ``NAME=VALUE`` with an upper-case name set that environment
+    variable for the server (``KVEXPORT_PROMPT_ATTENTION=gqa``), as in serve_load.py.
+    """
     port = _free_port()
+    settings = dict(item.split("=", 1) for item in extra if re.match(r"^[A-Z][A-Z0-9_]*=", item))
+    arguments = [item for item in extra if not re.match(r"^[A-Z][A-Z0-9_]*=", item)]
     command = [str(KVEXPORT), "serve", str(export), "--host", "127.0.0.1", "--port", str(port),
-               "--slots", str(args.slots), "--max-context", str(args.context), *extra]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               "--slots", str(args.slots), "--max-context", str(args.context), *arguments]
+    env = {**os.environ, **settings}
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, process)

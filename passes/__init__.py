@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         build_pipeline,
         run_pipeline,
     )
+    from .prompt_attention import PromptAttentionPass
     from .quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
     from .quantize_weights import QuantizationConfig, QuantizeWeightsPass, SignedChannelsPass
     from .rename_cache import CacheNamingError, NoCacheError, RenameCachePass
@@ -55,6 +56,7 @@ _LAZY = {
     "QuantizeCacheError": ".quantize_cache",
     "QuantizeCachePass": ".quantize_cache",
     "QuantizationConfig": ".quantize_weights",
+    "PromptAttentionPass": ".prompt_attention",
     "QuantizeWeightsPass": ".quantize_weights",
     "SignedChannelsPass": ".quantize_weights",
     "CacheNamingError": ".rename_cache",
@@ -86,6 +88,7 @@ __all__ = [
     "NoCacheError",
     "PassInputError",
     "PassReport",
+    "PromptAttentionPass",
     "QuantizationConfig",
     "QuantizeCacheError",
     "QuantizeCachePass",

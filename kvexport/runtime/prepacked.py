@@ -50,6 +50,7 @@ from kvexport.runtime.session import (
     cpu_disabled_optimizers,
     cpu_flags_line,
     cpu_graph,
+    prompt_attention_products,
     session_options,
     signed_int8_weights,
 )
@@ -69,7 +70,8 @@ def cache_key(directory: Path, manifest: Manifest) -> str:
     """A key that changes with ONNX Runtime's version, the CPU, the graphs and the weights."""
     digest = hashlib.sha256()
     kernel = "u8s8" if signed_int8_weights() else "u8u8"  # how 8-bit per-channel weights are packed
-    digest.update(f"ort {ort.__version__}\n{_cpu_signature()}\n{kernel}\n{manifest.weights_sha256}\n".encode())
+    attention = "products" if prompt_attention_products() else "gqa"  # how a prompt's attention runs
+    digest.update(f"ort {ort.__version__}\n{_cpu_signature()}\n{kernel}\n{attention}\n{manifest.weights_sha256}\n".encode())
     for graph in GRAPH_NAMES:
         digest.update((directory / manifest.graphs[graph].file).read_bytes())
     return f"ort{ort.__version__}-{digest.hexdigest()[:16]}"

@@ -30,6 +30,10 @@ CUDA_PROVIDER_OPTIONS = {"use_tf32": "0"}
 # auto (uint8 x int8 where the CPU has AVX-512 VNNI, else uint8 x uint8), u8s8 or u8u8.
 INT8_KERNEL_VARIABLE = "KVEXPORT_INT8_KERNEL"
 INT8_KERNELS = ("auto", "u8s8", "u8u8")
+# How CPU sessions run a prompt's attention over the in-place cache: products (the
+# default, kvexport.passes.PromptAttentionPass) or ONNX Runtime's GroupQueryAttention.
+PROMPT_ATTENTION_VARIABLE = "KVEXPORT_PROMPT_ATTENTION"
+PROMPT_ATTENTIONS = ("products", "gqa")
 
 
 @functools.cache
@@ -152,35 +156,67 @@ def open_session(
     return _inference_session(model, graph_path, provider, options, "this graph")
 
 
-def cpu_graph(graph_path: Path, options: ort.SessionOptions) -> str | bytes:
-    """What a CPU session of ``graph_path`` loads: its path, or where :func:`signed_int8_weights` holds, the graph with int8 weights.
+def prompt_attention_products() -> bool:
+    """Whether CPU sessions run a prompt's attention as products (:class:`kvexport.passes.PromptAttentionPass`).
 
-    The rewritten graph comes as bytes, and ``options`` is told where its data file is:
-    only the graph is read here, the weights stay in the export's data file, and ONNX
-    Runtime folds the int8 codes from them when the session loads.
+    ONNX Runtime 1.31's CPU ``GroupQueryAttention`` runs a prompt's attention at about a
+    fifth of the fp32 peak; ``MatMul`` / ``Softmax`` over the same tensors, with the keys
+    written into the cache by ``ScatterND``, took 0.3-0.5x its time (docs/benchmarks.md).
+    ``KVEXPORT_PROMPT_ATTENTION`` overrides the choice: ``products`` or ``gqa``.
     """
-    if signed_int8_weights():
-        signed = _signed_graph(graph_path)
-        if signed is not None:
-            options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
-            return signed
-    return str(graph_path)
+    choice = os.environ.get(PROMPT_ATTENTION_VARIABLE, "products").strip().lower() or "products"
+    if choice not in PROMPT_ATTENTIONS:
+        raise ProviderError(f"{PROMPT_ATTENTION_VARIABLE}={choice}: choose {', '.join(PROMPT_ATTENTIONS)}")
+    return choice == "products"
 
 
-def _signed_graph(graph_path: Path) -> bytes | None:
-    """The graph with its uint8 per-channel weights read as int8, or None where it has none (or onnx_ir is missing)."""
-    if b"MatMulIntegerToFloat" not in graph_path.read_bytes():
+def cpu_graph(graph_path: Path, options: ort.SessionOptions) -> str | bytes:
+    """What a CPU session of ``graph_path`` loads: its path, or the graph rewritten for this CPU.
+
+    Where :func:`signed_int8_weights` holds, per-channel weights are read as int8; where
+    :func:`prompt_attention_products` holds, a prompt's attention runs as products. The
+    rewritten graph comes as bytes, and ``options`` is told where its data file is: only
+    the graph is read here, the weights stay in the export's data file, and ONNX Runtime
+    folds the int8 codes from them when the session loads.
+    """
+    rewritten = _cpu_rewrite(graph_path)
+    if rewritten is None:
+        return str(graph_path)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
+    return rewritten
+
+
+def _cpu_rewrite(graph_path: Path) -> bytes | None:
+    """The graph after the CPU rewrites that apply to it, or None where none does (or onnx_ir is missing)."""
+    text = graph_path.read_bytes()
+    signed = b"MatMulIntegerToFloat" in text and signed_int8_weights()
+    products = b"GroupQueryAttention" in text and prompt_attention_products()
+    if not (signed or products):
         return None
-    try:  # onnx_ir and the passes load here, for per-channel int8 exports only
+    try:  # onnx_ir and the passes load here, for the graphs they rewrite only
         import onnx_ir as ir
-
-        from kvexport.passes import SignedChannelsPass
     except ImportError:
         return None
     model = ir.load(graph_path)
-    if not SignedChannelsPass()(model).modified:
+    if not cpu_rewrites(model, signed=signed, products=products):
         return None
     return ir.to_proto(model).SerializeToString()
+
+
+def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | None = None) -> bool:
+    """Apply the CPU rewrites to ``model`` (an ``onnx_ir`` model) in place; whether any changed it.
+
+    ``signed`` / ``products`` default to :func:`signed_int8_weights` /
+    :func:`prompt_attention_products`.
+    """
+    from kvexport.passes import PromptAttentionPass, SignedChannelsPass
+
+    modified = False
+    if signed_int8_weights() if signed is None else signed:
+        modified |= SignedChannelsPass()(model).modified
+    if prompt_attention_products() if products is None else products:
+        modified |= PromptAttentionPass()(model).modified
+    return modified
 
 
 def cpu_disabled_optimizers(provider: str) -> list[str]:
@@ -225,10 +261,8 @@ def open_mixed_session(
     check_external_data(graph_path)
     model = ir.load(graph_path)
     mixed_step(model, all_logits=all_logits)
-    if resolve_provider(provider) == "cpu" and signed_int8_weights():
-        from kvexport.passes import SignedChannelsPass
-
-        SignedChannelsPass()(model)
+    if resolve_provider(provider) == "cpu":  # its prompt half runs at batch 1, where the op is the faster
+        cpu_rewrites(model, products=False)
     options = options or session_options()
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
     return _inference_session(ir.to_proto(model).SerializeToString(), graph_path, provider, options, "its mixed step")

@@ -1,0 +1,103 @@
+"""PromptAttentionPass: a prompt's GroupQueryAttention as ScatterND and products, behind If(batch > 1).
+
+The rewritten graph's numbers are checked against the op's own (ONNX Runtime sessions, the
+cache bound in place as the runtime binds it), on GPT-2 (one KV head a query head) and the
+trained Llama (two query heads a KV head): logits and the cache each call leaves, for fresh
+prompts batched, a piece after a past, decode steps after them, and left-padded prompts.
+The rest of the suite's parity tests against PyTorch run on the rewritten graphs too (it is
+the CPU default).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from kvexport import export_model
+from kvexport.passes import PromptAttentionPass
+from kvexport.runtime.generator import Generator
+from kvexport.runtime.opened import open_export
+from kvexport.runtime.session import PROMPT_ATTENTION_VARIABLE
+from kvexport.serving.runner import ModelRunner
+
+TRAINED_LLAMA = Path(__file__).parents[1] / "data" / "tiny-trained-llama"
+
+
+@pytest.fixture(scope="module")
+def llama_ort(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("prompt-attention-llama") / "out"
+    export_model(out, str(TRAINED_LLAMA), target="ort-cpu")
+    return out
+
+
+def test_each_prompt_attention_becomes_an_if_over_products_and_the_op(trained_exports: dict[str, Path]) -> None:
+    model = ir.load(trained_exports["int8-pc"] / "prefill.onnx")
+    layers = sum(n.op_type == "GroupQueryAttention" for n in model.graph)
+    outputs = [value.name for value in model.graph.outputs]
+    result = PromptAttentionPass()(model)
+    assert result.modified and layers > 0
+    assert not any(n.op_type == "GroupQueryAttention" for n in model.graph)
+    branches = [n for n in model.graph if n.op_type == "If"]
+    assert len(branches) == layers
+    for branch in branches:
+        products = branch.attributes["then_branch"].as_graph()
+        op = branch.attributes["else_branch"].as_graph()
+        assert {"ScatterND", "FusedMatMul", "Softmax", "MatMul"} <= {n.op_type for n in products}
+        assert "GroupQueryAttention" not in {n.op_type for n in products}
+        assert [n.op_type for n in op] == ["GroupQueryAttention"]
+    assert [value.name for value in model.graph.outputs] == outputs  # the presents keep their names and places
+
+    decode = ir.load(trained_exports["int8-pc"] / "decode.onnx")  # one token a row: left to the op
+    assert not PromptAttentionPass()(decode).modified
+    assert sum(n.op_type == "GroupQueryAttention" for n in decode.graph) == layers
+
+
+def _calls(export: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Logits of a sequence of calls, and the cache rows they wrote, with the prompt attention run by ``mode``."""
+    monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, mode)
+    runner = ModelRunner(open_export(export), 4, 64)
+    rng = np.random.default_rng(3)
+    vocab = runner.vocab_size
+    logits = [runner.run_rows(0, [list(rng.integers(0, vocab, 13)) for _ in range(3)])]  # batched: the products
+    logits.append(runner.decode([1, 2, 3], [13, 13, 13]).astype(np.float32))
+    logits.append(runner.run_rows(3, [list(rng.integers(0, vocab, 9))]))  # batch 1: the op
+    logits.append(runner.run_piece(3, list(rng.integers(0, vocab, 7)), 9))  # after a past
+    logits.append(runner.decode([4, 5, 6, 7], [14, 14, 14, 16]).astype(np.float32))
+    logits.append(runner.run_rows(0, [list(rng.integers(0, vocab, 5)) for _ in range(2)]))  # rows reused: written afresh
+    cache = [runner.cache.banks.host_view(0, i, (4, *runner.cache.row_shape)).copy() for i in range(len(runner.cache.past))]
+    return [np.array(x, np.float32) for x in logits], cache
+
+
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_the_products_give_the_ops_logits_and_cache(
+    which: str, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    export = trained_exports["none"] if which == "gpt2" else llama_ort
+    expected_logits, expected_cache = _calls(export, monkeypatch, "gqa")
+    logits, cache = _calls(export, monkeypatch, "products")
+    for got, want in zip(logits, expected_logits, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    lengths = [5, 5, 15, 17]  # what each row holds after the last calls
+    for got, want in zip(cache, expected_cache, strict=True):
+        for row, length in enumerate(lengths):
+            np.testing.assert_allclose(got[row, :, :length], want[row, :, :length], rtol=1e-4, atol=1e-5)
+
+
+def test_left_padded_prompts_generate_the_same_tokens(trained_exports: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 4], [11, 6, 3]]  # one call, left padded to 7: rows whose first queries see nothing
+    tokens = {}
+    for mode in ("gqa", "products"):
+        monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, mode)
+        tokens[mode] = Generator(trained_exports["none"]).generate(prompts, 12, eos_token_id=-1)
+    assert tokens["products"].tolist() == tokens["gqa"].tolist()
+
+
+def test_an_unknown_choice_is_one_line(tiny_ort_export: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvexport.errors import ProviderError
+
+    monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, "flash")
+    with pytest.raises(ProviderError, match=r"^KVEXPORT_PROMPT_ATTENTION=flash: choose products, gqa$"):
+        ModelRunner(open_export(tiny_ort_export), 2, 32)
