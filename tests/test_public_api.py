@@ -47,6 +47,7 @@ def test_passes_public_names() -> None:
         "FuseOrtBlockPass",
         "NoCacheError",
         "PassInputError",
+        "PromptAttentionPass",
         "PassReport",
         "QuantizationConfig",
         "QuantizeCacheError",

@@ -4,8 +4,8 @@ The reference model is rebuilt from the manifest's source alone. Two cases run: 
 and a left-padded batch 2. Each case runs prefill and then ``steps`` greedy decode steps;
 ONNX Runtime feeds its own presents back as the next past, exactly as a deployment
 would, while PyTorch keeps its own cache. At every step the logits and every present
-tensor are compared (cache entries at padded positions are excluded: they are masked
-out and never read), and the greedy tokens must agree.
+tensor are compared (cache entries and, with ``--all-logits``, logits at padded positions
+are excluded: they are masked out and never read), and the greedy tokens must agree.
 
 A quantized export (the manifest's ``quantization``) cannot meet fp32 tolerances; it is
 judged by quality against PyTorch fp32 instead: at every step, greedy agreement of the
@@ -422,7 +422,11 @@ def _judge_step(
     """Record one step's checks (quality when quantized, else parity of logits and cache) and greedy tokens; PyTorch's tokens."""
     if not report.quantized:
         _compare_cache(case, step, got, cache, mask, manifest.dtype, report)
-    return _judge_logits(case, step, got["logits"], want_logits, manifest, report)
+    logits = got["logits"]
+    # every position's logits of a left-padded prompt: the padded positions' are no one's output (their queries
+    # see no key; each attention kernel fills such rows its own way), so, as with the cache, only real ones count
+    real = mask.astype(bool) if logits.shape[1] > 1 and logits.shape[1] == mask.shape[1] and not mask.all() else None
+    return _judge_logits(case, step, logits, want_logits, manifest, report, real=real)
 
 
 def _next_inputs(mask: np.ndarray, tokens: np.ndarray) -> dict[str, np.ndarray]:
@@ -531,10 +535,17 @@ def _run_slots_case(
                 report.tensors.append(_compare(SLOTS_CASE, steps, f"present.{layer}.{which}[row {row}]", got_cache, tensor.float().numpy(), manifest.dtype))
 
 
-def _judge_logits(case: str, step: int, got: np.ndarray, want: np.ndarray, manifest: Manifest, report: VerifyReport) -> np.ndarray:
-    """Logits parity (or quality when quantized) and greedy tokens of one step; PyTorch's tokens."""
+def _judge_logits(
+    case: str, step: int, got: np.ndarray, want: np.ndarray, manifest: Manifest, report: VerifyReport, *, real: np.ndarray | None = None
+) -> np.ndarray:
+    """Logits parity (or quality when quantized) and greedy tokens of one step; PyTorch's tokens.
+
+    ``real`` ([batch, positions], bool) limits the parity check to those positions' logits.
+    """
     if report.quantized:
         report.quality.append(_quality(case, step, got[:, -1, :], want[:, -1, :]))
+    elif real is not None:
+        report.tensors.append(_compare(case, step, "logits", got[real][None], want[real][None], manifest.dtype))
     else:
         report.tensors.append(_compare(case, step, "logits", got, want, manifest.dtype))
     onnx_tokens, torch_tokens = got[:, -1, :].argmax(-1), want[:, -1, :].argmax(-1)
