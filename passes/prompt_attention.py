@@ -23,7 +23,7 @@ node into ``If(S > 1 and B > 1 and every row's tokens end at the mask's width)``
 
 A row's new tokens go where the node puts them: after its ``seqlens_k + 1 - S`` cached
 tokens, or at 0 for a first prompt (whose rows may be right padded). Nodes with rotary
-inside, a local window, a softcap, cos/sin caches or a quantized cache are left alone, as
+inside, a local window, a softcap, cos/sin caches, an fp16 or a quantized cache are left alone, as
 are graphs whose ``input_ids`` are one token a row and nodes whose cache is not a
 ``past.*`` input.
 
@@ -42,7 +42,9 @@ from .values import initializer, ints
 
 _MS = "com.microsoft"
 _PAST_PREFIX = "past."
-_FLOATS = (ir.DataType.FLOAT, ir.DataType.FLOAT16)
+# fp32 only: in fp16 a padding bias of fp16's lowest plus a negative score overflows to -inf, and a padded
+# row of -inf would give NaN; CPU sessions of fp16 graphs keep the op
+_FLOATS = (ir.DataType.FLOAT,)
 _RANGE = 80.0  # how far below its row's largest score a score is kept (see _rewrite)
 # attributes whose presence (with these values) the rewrite keeps the node's meaning under
 _NEUTRAL = {"do_rotary": 0, "local_window_size": -1, "softcap": 0.0, "smooth_softmax": 0, "rotary_interleaved": 0}
