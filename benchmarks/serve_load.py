@@ -183,6 +183,41 @@ def wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 120)
     raise RuntimeError(f"{url}: not healthy after {seconds} s")
 
 
+def _cpu_times() -> tuple[int, int]:
+    """The host's (busy, total) CPU ticks since boot, from /proc/stat."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def settle(seconds: float, *, quiet: float = 0.05, longest: float = 30.0) -> float:
+    """Wait at least ``seconds`` before a level, then until a second passes with the host under ``quiet`` busy.
+
+    vLLM's CPU backend keeps its threads spinning for a while after its last request (17% of
+    2 cores over the 3 s after a level, measured), so the level that follows it would share
+    the cores. Returns the host's busy fraction over the last second waited (0 where
+    /proc/stat is missing); gives up after ``longest`` seconds.
+    """
+    if seconds <= 0:
+        return 0.0
+    try:
+        _cpu_times()
+    except OSError:
+        time.sleep(seconds)
+        return 0.0
+    time.sleep(max(0.0, seconds - 1))
+    waited, busy = max(0.0, seconds - 1), 1.0
+    while waited < longest:
+        before, total = _cpu_times()
+        time.sleep(1.0)
+        after, total_after = _cpu_times()
+        waited += 1.0
+        busy = (after - before) / max(1, total_after - total)
+        if busy < quiet:
+            break
+    return busy
+
+
 def start_kvexport(
     export: Path, slots: int, context: int, log: Path, extra: tuple[str, ...] = (), checkout: Path | None = None
 ) -> tuple[str, subprocess.Popen[Any]]:
@@ -341,6 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         "'u8u8=KVEXPORT_INT8_KERNEL=u8u8'); repeatable.",
     )
     parser.add_argument(
+        "--settle", type=float, default=3.0, metavar="SECONDS",
+        help="Wait this long before each system's level, then until the host is quiet for a second (at most 30 s; "
+        "the last second's busy fraction is recorded) [default: 3].",
+    )
+    parser.add_argument(
         "--export", action="append", default=[], metavar="LABEL=DIR",
         help="Serve these kvexport exports instead of exporting (repeatable); LABEL's first word is its scheme "
         "(e.g. 'int8 blocks=/tmp/smol-blocks').",
@@ -424,8 +464,10 @@ def main(argv: list[str] | None = None) -> int:
             # the servers' prefix caches (vLLM keeps every earlier round's blocks, the slots only the last wave)
             seed = 1000 * round_index + concurrency
             for system, (url, _, model) in servers.items():
-                print(f"{system}: concurrency {concurrency}, {count} requests", file=sys.stderr, flush=True)
+                busy = settle(args.settle)
+                print(f"{system}: concurrency {concurrency}, {count} requests (host {busy:.0%} busy the second before)", file=sys.stderr, flush=True)
                 row = asyncio.run(run_level(url, model, vocab, concurrency, count, args.input_len, args.output_len, seed=seed))
+                row["host_busy_before"] = round(busy, 3)
                 levels.setdefault(system, []).append(row)
                 print(
                     f"  {row['output_throughput']:.1f} tok/s, TTFT p99 {row['ttft']['p99_ms']:.0f} ms, "
