@@ -19,7 +19,8 @@ node into ``If(S > 1 and B > 1 and every row's tokens end at the mask's width)``
   where a key is in a query's future and the node's padding bias elsewhere (built once for
   all layers), every score raised to at least its row's largest less 80 (see
   :func:`_rewrite`), ``Softmax``, and the product with the values, back to ``[B, S, N * D]``;
-- else, the node as it was: decode calls (one token a row), and one row.
+- else, the node as it was: decode calls (one token a row), one row, and rows whose
+  tokens do not all end at the mask's width (pieces after pasts of different lengths).
 
 A row's new tokens go where the node puts them: after its ``seqlens_k + 1 - S`` cached
 tokens, or at 0 for a first prompt (whose rows may be right padded). Nodes with rotary
@@ -63,7 +64,7 @@ class PromptAttentionPass(InPlacePass):
         self.counts["nodes"] = 0
         if _one_token(graph):
             return PassResult(model, modified=False)
-        shared: dict[tuple[int, int | None], _Shared] = {}
+        shared: dict[tuple[int, int | None, int, int], _Shared] = {}
         for node in [n for n in graph if _rewritable(graph, n)]:
             _rewrite(graph, node, shared, self.counts["nodes"])
             self.counts["nodes"] += 1
@@ -91,6 +92,8 @@ def _rewritable(graph: ir.Graph, node: ir.Node) -> bool:
         attribute = node.attributes.get(name)
         if attribute is not None and attribute.value != neutral:
             return False
+    if len(node.outputs) != 3:
+        return False  # the attention probabilities asked for too (output_qk), or no presents
     pasts_are_inputs = all(v in graph.inputs and (v.name or "").startswith(_PAST_PREFIX) for v in (past_key, past_value))
     presents_are_outputs = all(out in graph.outputs for out in node.outputs[1:3])
     if not (pasts_are_inputs and presents_are_outputs):
@@ -99,7 +102,10 @@ def _rewritable(graph: ir.Graph, node: ir.Node) -> bool:
         return False  # a quantized cache (its scales are further inputs, too)
     if query.shape is not None and len(query.shape) == 3 and query.shape[1] == 1:
         return False
-    return past_key.shape is not None and len(past_key.shape) == 4 and isinstance(past_key.shape[3], int)
+    if past_key.shape is None or len(past_key.shape) != 4 or not isinstance(past_key.shape[3], int):
+        return False
+    present = node.outputs[1].shape  # in place: the present is the past's buffer, one length
+    return present is None or len(present) != 4 or present[2] == past_key.shape[2]
 
 
 class _Shared:
@@ -159,7 +165,7 @@ class _Shared:
         return node.outputs[0]
 
 
-def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None], _Shared], layer: int) -> None:
+def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None, int, int], _Shared], layer: int) -> None:
     """``If(several prompt rows)``: the products (then), or the node as it was (else: one row, or one token a row)."""
     query, key, value, past_key, past_value = node.inputs[:5]
     assert query is not None and key is not None and value is not None and past_key is not None and past_value is not None
@@ -173,7 +179,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None]
     scale = float(scale_attribute.value) if scale_attribute is not None and scale_attribute.value else 1 / np.sqrt(size)
     dtype = past_key.dtype or ir.DataType.FLOAT
     bias = node.inputs[10] if len(node.inputs) > 10 else None
-    key_of = (id(node.inputs[6]), id(bias) if bias is not None else None)
+    key_of = (id(node.inputs[6]), id(bias) if bias is not None else None, kv_heads, group)
     before: list[ir.Node] = []
     common = shared.get(key_of)
     if common is None:

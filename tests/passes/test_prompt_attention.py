@@ -1,4 +1,4 @@
-"""PromptAttentionPass: a prompt's GroupQueryAttention as ScatterND and products, behind If(batch > 1).
+"""PromptAttentionPass: a prompt's GroupQueryAttention as ScatterND and products, behind If(several rows of several tokens).
 
 The rewritten graph's numbers are checked against the op's own (ONNX Runtime sessions, the
 cache bound in place as the runtime binds it), on GPT-2 (one KV head a query head) and the
@@ -84,6 +84,33 @@ def test_the_products_give_the_ops_logits_and_cache(
     for got, want in zip(cache, expected_cache, strict=True):
         for row, length in enumerate(lengths):
             np.testing.assert_allclose(got[row, :, :length], want[row, :, :length], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["gpt2", "llama"])
+def test_pieces_after_a_past_share_a_call_that_the_op_refuses(
+    which: str, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Several rows' second pieces, after pasts of one length, in one call: only the products take it (the op needs
+    batch 1 for new tokens over a past), and each row's logits are the op's for its piece alone."""
+    export = trained_exports["none"] if which == "gpt2" else llama_ort
+    rng = np.random.default_rng(5)
+    monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, "products")
+    runner = ModelRunner(open_export(export), 3, 64)
+    firsts = [list(rng.integers(0, runner.vocab_size, 13)) for _ in range(3)]
+    seconds = np.array([rng.integers(0, runner.vocab_size, 7) for _ in range(3)], np.int64)
+    runner.run_rows(0, firsts)
+    together = runner.cache._run(runner.session, 0, seconds, 13)  # rows 0..2, positions 13..19, one call
+    monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, "gqa")
+    alone = ModelRunner(open_export(export), 3, 64)
+    alone.run_rows(0, firsts)
+    expected = np.stack([alone.run_piece(row, list(seconds[row]), 13) for row in range(3)])
+    np.testing.assert_allclose(together, expected, rtol=1e-4, atol=1e-4)
+    for index in range(len(runner.cache.past)):
+        got = runner.cache.banks.host_view(0, index, (3, *runner.cache.row_shape))[:, :, :20]
+        want = alone.cache.banks.host_view(0, index, (3, *alone.cache.row_shape))[:, :, :20]
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError):  # the op itself refuses the call: the products above are what ran it
+        alone.cache._run(alone.session, 0, seconds, 13)
 
 
 def test_left_padded_prompts_generate_the_same_tokens(trained_exports: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
