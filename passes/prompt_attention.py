@@ -4,8 +4,10 @@ An in-place graph's ``GroupQueryAttention`` writes a call's keys and values into
 cache and attends over it. On CPU, ONNX Runtime 1.31 runs several prompts' attention there
 slowly: sixteen 128-token GPT-2 prompts took 10 ms a layer on 2 AVX-512 cores, where
 ``MatMul``, ``Softmax`` and ``MatMul`` over the same tensors took 2.8 ms. At batch 1 its
-flash path is as fast as the products or faster. :class:`PromptAttentionPass` turns each such
-node into ``If(S > 1 and B > 1 and every row's tokens end at the mask's width)``:
+flash path is as fast as the products or faster, and so it is over more than 256 keys
+(sixteen 512-token prompts took 1.17x its time as products). :class:`PromptAttentionPass`
+turns each such node into ``If(S > 1 and B > 1 and every row's tokens end at the mask's
+width and the width is at most 256)``:
 
 - then, the products: the new keys and values as ``[B, Nkv, S, D]`` (``Reshape``,
   ``Transpose``), written into the cache by ``ScatterND`` at each row's positions. The cache
@@ -19,8 +21,9 @@ node into ``If(S > 1 and B > 1 and every row's tokens end at the mask's width)``
   where a key is in a query's future and the node's padding bias elsewhere (built once for
   all layers), every score raised to at least its row's largest less 80 (see
   :func:`_rewrite`), ``Softmax``, and the product with the values, back to ``[B, S, N * D]``;
-- else, the node as it was: decode calls (one token a row), one row, and rows whose
-  tokens do not all end at the mask's width (pieces after pasts of different lengths).
+- else, the node as it was: decode calls (one token a row), one row, rows whose tokens do
+  not all end at the mask's width (pieces after pasts of different lengths), and calls over
+  more than 256 keys.
 
 A row's new tokens go where the node puts them: after its ``seqlens_k + 1 - S`` cached
 tokens, or at 0 for a first prompt (whose rows may be right padded). Nodes with rotary
@@ -46,6 +49,7 @@ _PAST_PREFIX = "past."
 # fp32 only: in fp16 a padding bias of fp16's lowest plus a negative score overflows to -inf, and a padded
 # row of -inf would give NaN; CPU sessions of fp16 graphs keep the op
 _FLOATS = (ir.DataType.FLOAT,)
+_LONGEST = 256  # the most keys (the mask's width) a call's products attend over; longer calls keep the op
 _RANGE = 80.0  # how far below its row's largest score a score is kept (see _rewrite)
 # attributes whose presence (with these values) the rewrite keeps the node's meaning under
 _NEUTRAL = {"do_rotary": 0, "local_window_size": -1, "softcap": 0.0, "smooth_softmax": 0, "rotary_interleaved": 0}
@@ -137,7 +141,9 @@ class _Shared:
         )
         # and B > 1: at batch 1, ONNX Runtime 1.31's GroupQueryAttention (its flash path) was as fast or faster
         several = self._op("And", [self._op("Greater", [self._op("Reshape", [tokens, scalar]), one]), self._op("Greater", [self._op("Reshape", [batch, scalar]), one])])
-        self.prompt = self._op("And", [several, ends_at_total])
+        # and at most LONGEST keys: over longer ones the op's flash path was the faster (16 x 512 1.17x, 8 x 384 1.30x)
+        short = self._op("LessOrEqual", [self._op("Reshape", [self.total, scalar]), ints(graph, _LONGEST)])
+        self.prompt = self._op("And", [self._op("And", [several, ends_at_total]), short])
         steps = self._op("Range", [zero, self._op("Reshape", [tokens, scalar]), one])  # [S]
         positions = self._op("Add", [self._op("Unsqueeze", [starts, one]), self._op("Unsqueeze", [steps, zero])])  # [B, S]
         # the scatter's indices [B, Nkv, S, 3]: (row, head, position)
