@@ -21,8 +21,6 @@ import asyncio
 import json
 import os
 import platform
-import re
-import socket
 import subprocess
 import sys
 import time
@@ -33,17 +31,11 @@ import httpx
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_load import one_request, wait_healthy
+from serve_load import ISA_FLAGS, free_port, one_request, split_settings, wait_healthy
 
 from kvexport.runtime.session import cpu_flags
 
 KVEXPORT = Path(sys.executable).with_name("kvexport")
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 async def _level(url: str, model: str, args: argparse.Namespace, seed: int) -> dict[str, Any]:
@@ -74,9 +66,8 @@ def run_variant(export: Path, extra: list[str], args: argparse.Namespace) -> lis
     Items of ``extra`` written ``NAME=VALUE`` with an upper-case name set that environment
     variable for the server (``KVEXPORT_PROMPT_ATTENTION=gqa``), as in serve_load.py.
     """
-    port = _free_port()
-    settings = dict(item.split("=", 1) for item in extra if re.match(r"^[A-Z][A-Z0-9_]*=", item))
-    arguments = [item for item in extra if not re.match(r"^[A-Z][A-Z0-9_]*=", item)]
+    port = free_port()
+    settings, arguments = split_settings(extra)
     command = [str(KVEXPORT), "serve", str(export), "--host", "127.0.0.1", "--port", str(port),
                "--slots", str(args.slots), "--max-context", str(args.context), *arguments]
     env = {**os.environ, **settings}
@@ -116,7 +107,7 @@ def main() -> None:
         "export": str(args.export), "slots": args.slots, "context": args.context, "input_len": args.input_len,
         "output_len": args.output_len, "machine": {
             "cpu": platform.processor() or platform.machine(),
-            "isa": sorted(cpu_flags() & {"avx2", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"}),
+            "isa": sorted(cpu_flags() & ISA_FLAGS),
             "date": time.strftime("%Y-%m-%d"),
         },
         "runs": runs,

@@ -27,6 +27,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_load import ISA_FLAGS
+
 from kvexport.runtime.opened import open_export
 from kvexport.runtime.session import PROMPT_ATTENTION_VARIABLE, cpu_flags
 from kvexport.serving.runner import ModelRunner
@@ -79,7 +82,7 @@ def main() -> None:
     results = {mode: measure(args.export, mode, args) for mode in args.modes}
     for mode, times in results.items():
         print(f"{mode}: " + "  ".join(f"{call} {ms}" for call, ms in times.items()))
-    machine = {"cpu": platform.machine(), "isa": sorted(cpu_flags() & {"avx2", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"})}
+    machine = {"cpu": platform.machine(), "isa": sorted(cpu_flags() & ISA_FLAGS)}
     if args.results is not None:
         payload = {"export": str(args.export), "slots": args.slots, "capacity": args.capacity, "machine": machine, "median_ms": results}
         args.results.write_text(json.dumps(payload, indent=1) + "\n")

@@ -53,6 +53,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,16 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def split_settings(extra: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """``extra``'s upper-case ``NAME=VALUE`` items as environment settings, and the rest (serve arguments)."""
+    setting = re.compile(r"^[A-Z][A-Z0-9_]*=")
+    return dict(item.split("=", 1) for item in extra if setting.match(item)), [item for item in extra if not setting.match(item)]
+
+
+# the instruction sets a result names its host by
+ISA_FLAGS = frozenset({"avx2", "avx512_vnni", "avx512_bf16", "amx_int8", "amx_bf16"})
+
+
 def wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 120) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -227,8 +238,7 @@ def start_kvexport(
     variable for the server (``KVEXPORT_INT8_KERNEL=u8u8``); the rest are serve arguments.
     """
     port = free_port()
-    settings = dict(item.split("=", 1) for item in extra if re.match(r"^[A-Z][A-Z0-9_]*=", item))
-    arguments = [item for item in extra if not re.match(r"^[A-Z][A-Z0-9_]*=", item)]
+    settings, arguments = split_settings(extra)
     command = [sys.executable, "-m", "kvexport.cli", "serve", str(export), "--port", str(port), "--slots", str(slots), "--max-context", str(context), *arguments]
     env = {**os.environ, **settings, **({"PYTHONPATH": str(checkout)} if checkout is not None else {})}
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=open(log, "w"), env=env, cwd=checkout)

@@ -125,6 +125,7 @@ class _Shared:
         batch = self._op("Shape", [query], start=0, end=1)  # [1]
         tokens = self._op("Shape", [query], start=1, end=2)  # [1]
         self.total = self._op("Reshape", [self._op("Cast", [total_int32], to=ir.DataType.INT64), ints(graph, [1])])  # [1]
+        batch_n, tokens_n, total_n = (self._op("Reshape", [dim, scalar]) for dim in (batch, tokens, self.total))  # scalars
         # row b's new tokens go to positions start_b .. start_b + S - 1: its length (seqlens_k + 1) less S, as
         # GroupQueryAttention's past length; 0 for a first prompt, whose rows may be right padded
         lengths = self._op("Add", [self._op("Cast", [seqlens], to=ir.DataType.INT64), one])  # [B]
@@ -135,30 +136,31 @@ class _Shared:
         ends_at_total = self._op(
             "And",
             [
-                self._op("Equal", [self._op("ReduceMin", [reach], keepdims=0), self._op("Reshape", [self.total, scalar])]),
-                self._op("Equal", [self._op("ReduceMax", [reach], keepdims=0), self._op("Reshape", [self.total, scalar])]),
+                self._op("Equal", [self._op("ReduceMin", [reach], keepdims=0), total_n]),
+                self._op("Equal", [self._op("ReduceMax", [reach], keepdims=0), total_n]),
             ],
         )
         # and B > 1: at batch 1, ONNX Runtime 1.31's GroupQueryAttention (its flash path) was as fast or faster
-        several = self._op("And", [self._op("Greater", [self._op("Reshape", [tokens, scalar]), one]), self._op("Greater", [self._op("Reshape", [batch, scalar]), one])])
+        several = self._op("And", [self._op("Greater", [tokens_n, one]), self._op("Greater", [batch_n, one])])
         # and at most LONGEST keys: over longer ones the op's flash path was the faster (16 x 512 1.17x, 8 x 384 1.30x)
-        short = self._op("LessOrEqual", [self._op("Reshape", [self.total, scalar]), ints(graph, _LONGEST)])
+        short = self._op("LessOrEqual", [total_n, ints(graph, _LONGEST)])
         self.prompt = self._op("And", [self._op("And", [several, ends_at_total]), short])
-        steps = self._op("Range", [zero, self._op("Reshape", [tokens, scalar]), one])  # [S]
+        steps = self._op("Range", [zero, tokens_n, one])  # [S]
         positions = self._op("Add", [self._op("Unsqueeze", [starts, one]), self._op("Unsqueeze", [steps, zero])])  # [B, S]
+        column = self._op("Unsqueeze", [positions, ints(graph, [1, 3])])  # [B, 1, S, 1]
         # the scatter's indices [B, Nkv, S, 3]: (row, head, position)
         shape = self._op("Concat", [batch, ints(graph, [kv_heads]), tokens, ints(graph, [1])], axis=0)
-        rows = self._op("Range", [zero, self._op("Reshape", [batch, scalar]), one])
+        rows = self._op("Range", [zero, batch_n, one])
         heads = initializer(graph, f"kvexport.prompt_heads_{kv_heads}", np.arange(kv_heads, dtype=np.int64).reshape(1, kv_heads, 1, 1))
         parts = [
             self._op("Expand", [self._op("Reshape", [rows, ints(graph, [-1, 1, 1, 1])]), shape]),
             self._op("Expand", [heads, shape]),
-            self._op("Expand", [self._op("Unsqueeze", [positions, ints(graph, [1, 3])]), shape]),
+            self._op("Expand", [column, shape]),
         ]
         self.indices = self._op("Concat", parts, axis=-1)
         # the bias [B, 1, S, total]: lowest where a key is in a query's future, else the node's padding bias (or 0)
-        keys = self._op("Range", [zero, self._op("Reshape", [self.total, scalar]), one])  # [total]
-        future = self._op("Greater", [keys, self._op("Unsqueeze", [positions, ints(graph, [1, 3])])])  # [B, 1, S, total]
+        keys = self._op("Range", [zero, total_n, one])  # [total]
+        future = self._op("Greater", [keys, column])  # [B, 1, S, total]
         lowest = initializer(graph, f"kvexport.prompt_lowest_{dtype.name.lower()}", np.array(np.finfo(dtype.numpy()).min, dtype.numpy()))
         allowed = bias if bias is not None else initializer(graph, f"kvexport.prompt_zero_{dtype.name.lower()}", np.array(0, dtype.numpy()))
         self.bias = self._op("Where", [future, lowest, allowed])
@@ -172,7 +174,7 @@ class _Shared:
 
 
 def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None, int, int], _Shared], layer: int) -> None:
-    """``If(several prompt rows)``: the products (then), or the node as it was (else: one row, or one token a row)."""
+    """``If(_Shared.prompt)``: the products (then), or the node as it was (else: see the module docstring)."""
     query, key, value, past_key, past_value = node.inputs[:5]
     assert query is not None and key is not None and value is not None and past_key is not None and past_value is not None
     assert past_key.shape is not None
