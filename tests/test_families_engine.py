@@ -102,13 +102,15 @@ def test_prompts_sent_together_share_a_prefill_call_and_keep_pytorchs_numbers(
     prompts = [heldout_ids[1000:1040], heldout_ids[2000:2040], heldout_ids[3000:3024]]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
     results = {}
-    for batch_prompts in (True, False):
-        with Engine(llama_export, slots=4, max_context=64, chunk=16, batch_prompts=batch_prompts) as engine:
+    # one shared call; calls of at most 32 tokens (two rows, then the third alone); a call each
+    for label, settings in {"shared": {}, "split": {"batch_tokens": 32}, "alone": {"batch_prompts": False}}.items():
+        with Engine(llama_export, slots=4, max_context=64, chunk=16, **settings) as engine:
             requests = engine.submit_all([(prompt, params) for prompt in prompts])
             events = [list(request) for request in requests]
-            results[batch_prompts] = (events, [r.prompt_logprobs for r in requests], engine.stats().batched_prompts)
-    events, prompt_logprobs, batched = results[True]
-    assert batched == 3 and results[False][2] == 0
+            results[label] = (events, [r.prompt_logprobs for r in requests], engine.stats().batched_prompts)
+    assert [results[label][2] for label in ("shared", "split", "alone")] == [3, 2, 0]
+    assert [[e.token_id for e in got] for got in results["split"][0]] == [[e.token_id for e in got] for got in results["shared"][0]]
+    events, prompt_logprobs, _ = results["shared"]
     for prompt, got, got_prompt in zip(prompts, events, prompt_logprobs, strict=True):
         tokens = [e.token_id for e in got]
         assert tokens == _alone(llama_export, prompt, 6)
@@ -119,7 +121,8 @@ def test_prompts_sent_together_share_a_prefill_call_and_keep_pytorchs_numbers(
         for position, logprob in enumerate(got_prompt[1:], start=1):
             assert logprob is not None and abs(logprob.logprob - reference[position - 1][prompt[position]]) < 2e-4
     # the shared call gives each row the numbers its own calls give
-    unbatched_events, unbatched_prompt_logprobs, _ = results[False]
+    unbatched_events, unbatched_prompt_logprobs, _ = results["alone"]
     assert [[e.token_id for e in got] for got in events] == [[e.token_id for e in got] for got in unbatched_events]
-    for shared, own in zip(prompt_logprobs, unbatched_prompt_logprobs, strict=True):
+    for shared, split, own in zip(prompt_logprobs, results["split"][1], unbatched_prompt_logprobs, strict=True):
         np.testing.assert_allclose([p.logprob for p in shared[1:]], [p.logprob for p in own[1:]], atol=1e-5)
+        np.testing.assert_allclose([p.logprob for p in split[1:]], [p.logprob for p in own[1:]], atol=1e-5)

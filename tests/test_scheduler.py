@@ -324,6 +324,34 @@ def test_a_shared_call_takes_only_fresh_prompts_and_the_rows_its_budget_holds() 
     assert rest == [("reuse", 12, 4), ("f2", 0, 4)]
 
 
+def test_a_burst_over_the_token_cap_shares_several_calls_of_even_rows() -> None:
+    table = SlotTable(8)
+    scheduler = Scheduler(table, budget=PrefillBudget(16, burst=4096), max_queue=8, capacity=64, batch_prompts=True, batch_tokens=64)
+    fresh = [Request(f"f{i}", [50 + i] * 16, GREEDY) for i in range(7)]
+    scheduler.add_all(fresh)
+    plan = scheduler.schedule()
+    # 7 rows of 16 tokens, at most 4 rows a call: two calls of 4 and 3 rows
+    assert [[c.request.id for c in call.chunks] for call in plan.prefill if isinstance(call, PrefillBatch)] == [
+        ["f0", "f1", "f2", "f3"],
+        ["f4", "f5", "f6"],
+    ]
+    assert not [call for call in plan.prefill if isinstance(call, PrefillChunk)]
+    for call in plan.prefill:
+        for chunk in call.chunks:
+            scheduler.prefilled(chunk)
+    assert all(r.status is Status.RUNNING for r in fresh)
+    assert [table.length(r.slot) for r in fresh] == [16] * 7
+
+    table = SlotTable(5)
+    scheduler = Scheduler(table, budget=PrefillBudget(16, burst=4096), max_queue=8, capacity=64, batch_prompts=True, batch_tokens=32)
+    scheduler.add_all([Request(f"g{i}", [60 + i] * 16, GREEDY) for i in range(5)])
+    plan = scheduler.schedule()
+    # two rows a call: 2, 2 and the last row at batch 1
+    shared = [[c.request.id for c in call.chunks] for call in plan.prefill if isinstance(call, PrefillBatch)]
+    assert shared == [["g0", "g1"], ["g2", "g3"]]
+    assert [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill if isinstance(c, PrefillChunk)] == [("g4", 0, 16)]
+
+
 def test_a_shared_call_stays_within_its_token_cap_and_only_a_burst_shares_calls() -> None:
     ticks = itertools.count()
     table = SlotTable(5, clock=lambda: float(next(ticks)))

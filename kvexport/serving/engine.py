@@ -219,7 +219,9 @@ class Engine:
             capacity=self.capacity,
             draft_tokens=config.draft_tokens,
             batch_prompts=config.batch_prompts and self.runner.can_batch_prompts,
-            batch_tokens=all_logits_tokens(config.chunk, dims.vocab_size) if self.manifest.all_logits else None,
+            batch_tokens=min(config.batch_tokens, all_logits_tokens(config.chunk, dims.vocab_size))
+            if self.manifest.all_logits
+            else config.batch_tokens,
         )
         self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids, self.vocab_size)
         self._listeners: list[EngineListener] = []

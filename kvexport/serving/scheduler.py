@@ -13,6 +13,7 @@ engine hands it (:meth:`Scheduler.update_from_output`).
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -221,7 +222,8 @@ class Scheduler:
             fresh prompts' first pieces in consecutive slots as one call
             (:class:`PrefillBatch`, :meth:`_batches`) where the runner can.
         batch_tokens: the most prompt tokens of one shared call, over its rows (None: the
-            step's budget); an ``--all-logits`` graph's call returns logits for each.
+            step's budget); a larger group shares several calls. An ``--all-logits``
+            graph's call returns logits for each token.
 
     """
 
@@ -357,7 +359,8 @@ class Scheduler:
         (:func:`_grouped`), where each call, and each piece cut short (its rest is one
         more call), costs :data:`CALL_COST` tokens. A group is trimmed to the rows the budget holds; a
         prompt longer than its group's pieces goes on at batch 1 (its rows then have a past).
-        A group is also trimmed to ``batch_tokens``.
+        A group over ``batch_tokens`` is split into that many calls more, of as even a number
+        of rows as divide it; a call left with one row is left out (it runs at batch 1).
         """
         fresh = sorted((r for r in prefilling if r.prefilled == 0 and not r.cancelled), key=lambda r: r.slot)
         runs: list[list[Request]] = []
@@ -371,11 +374,12 @@ class Scheduler:
             pieces = [min(len(r.prompt), self.budget.chunk) for r in run]
             for first, end in _grouped(pieces):
                 width = min(pieces[first:end])
-                room = budget if self.batch_tokens is None else min(budget, self.batch_tokens)
-                rows = run[first:end][: room // width]
-                if len(rows) >= 2:
-                    batches.append(PrefillBatch(tuple(PrefillChunk(r, 0, r.prompt[:width]) for r in rows)))
-                    budget -= width * len(rows)
+                rows = run[first:end][: budget // width]
+                per_call = len(rows) if self.batch_tokens is None else max(1, self.batch_tokens // width)
+                for part in _even_parts(rows, -(-len(rows) // per_call)):
+                    if len(part) >= 2:
+                        batches.append(PrefillBatch(tuple(PrefillChunk(r, 0, r.prompt[:width]) for r in part)))
+                        budget -= width * len(part)
         return batches
 
     def _waits_for_rows(self, request: Request) -> bool:
@@ -503,6 +507,15 @@ def _grouped(pieces: Sequence[int]) -> list[tuple[int, int]]:
             groups.append((start, end))
             end = start
     return groups[::-1]
+
+
+def _even_parts(rows: Sequence[Request], parts: int) -> list[Sequence[Request]]:
+    """``rows`` in order, cut into ``parts`` runs whose lengths differ by at most one (none: no rows)."""
+    if not rows:
+        return []
+    size, extra = divmod(len(rows), parts)
+    cuts = [index * size + min(index, extra) for index in range(parts + 1)]
+    return [rows[start:end] for start, end in itertools.pairwise(cuts)]
 
 
 def _plain(request: Request) -> bool:
