@@ -29,10 +29,15 @@ width and the width is at most 256)``:
   more than 256 keys.
 
 A row's new tokens go where the node puts them: after its ``seqlens_k + 1 - S`` cached
-tokens, or at 0 for a first prompt (whose rows may be right padded). Nodes with rotary
-inside, a local window, a softcap, cos/sin caches, an fp16 or a quantized cache are left alone, as
-are graphs whose ``input_ids`` are one token a row and nodes whose cache is not a
-``past.*`` input.
+tokens, or at 0 for a first prompt (whose rows may be right padded). An 8-bit cache
+(``--kv-cache int8``) is written as the op writes it, ``clamp(rint(x * (1 / scale)), -128,
+127)``, and attention reads every key and value back as ``code * scale``, as the op does
+(:func:`_cache_scales`); its products run for every call of several tokens a row, one row
+and over more than 256 keys too: the op's 8-bit path took 1.6-1.9x its float path's time
+for a prompt (GPT-2, a 256-token piece after 256: 143 ms through the op, 76 as products, 78
+for the float cache's op). Nodes with rotary inside, a local window, a softcap, cos/sin
+caches, an fp16 or a 4-bit cache are left alone, as are graphs whose ``input_ids`` are one
+token a row and nodes whose cache is not a ``past.*`` input.
 
 The runtime applies it when it opens an in-place graph on CPU
 (:func:`kvexport.runtime.session.cpu_graph`), so exports keep ``GroupQueryAttention``, which
@@ -71,7 +76,7 @@ class PromptAttentionPass(InPlacePass):
         self.counts["nodes"] = 0
         if _one_token(graph):
             return PassResult(model, modified=False)
-        shared: dict[tuple[int, int | None, int, int], _Shared] = {}
+        shared: dict[tuple[int, int | None, int, int, bool], _Shared] = {}
         for node in [n for n in graph if _rewritable(graph, n)]:
             _rewrite(graph, node, shared, self.counts["nodes"])
             self.counts["nodes"] += 1
@@ -93,7 +98,7 @@ def _rewritable(graph: ir.Graph, node: ir.Node) -> bool:
     query, key, value, past_key, past_value = inputs[:5]
     if key is None or value is None or past_key is None or past_value is None:
         return False  # packed QKV, or no cache
-    if any(v is not None for v in inputs[7:10]) or len(node.inputs) > 11:
+    if any(v is not None for v in inputs[7:10]) or len(node.inputs) > 14 or (len(node.inputs) > 11 and node.inputs[11] is not None):
         return False  # cos/sin caches, position ids, head sinks
     for name, neutral in _NEUTRAL.items():
         attribute = node.attributes.get(name)
@@ -105,8 +110,8 @@ def _rewritable(graph: ir.Graph, node: ir.Node) -> bool:
     presents_are_outputs = all(out in graph.outputs for out in node.outputs[1:3])
     if not (pasts_are_inputs and presents_are_outputs):
         return False
-    if query is None or past_key.dtype not in _FLOATS:
-        return False  # a quantized cache (its scales are further inputs, too)
+    if query is None or (past_key.dtype not in _FLOATS and _cache_scales(node) is None):
+        return False  # an fp16 cache, or a quantized one the products don't write (4 bits)
     if query.shape is not None and len(query.shape) == 3 and query.shape[1] == 1:
         return False
     if past_key.shape is None or len(past_key.shape) != 4 or not isinstance(past_key.shape[3], int):
@@ -115,10 +120,28 @@ def _rewritable(graph: ir.Graph, node: ir.Node) -> bool:
     return present is None or len(present) != 4 or present[2] == past_key.shape[2]
 
 
+def _cache_scales(node: ir.Node) -> tuple[ir.Value, ir.Value] | None:
+    """An 8-bit cache's ``k_scale`` and ``v_scale`` (inputs 12 and 13), where the products can write it; else None.
+
+    ONNX Runtime 1.31's kernel writes a new row as ``clamp(rint(x * (1 / scale)), -128, 127)``
+    and attends over every key and value read back as ``q * scale``, the new rows' too
+    (checked against its output and cache: equal codes, outputs within 4e-7).
+    """
+    inputs = list(node.inputs) + [None] * max(0, 14 - len(node.inputs))
+    past, k_scale, v_scale = inputs[3], inputs[12], inputs[13]
+    bits = node.attributes.get("kv_cache_bit_width")
+    types = {node.attributes.get_string(name, "NONE") for name in ("k_quant_type", "v_quant_type")}
+    if past is None or past.dtype != ir.DataType.INT8 or k_scale is None or v_scale is None:
+        return None
+    if bits is None or bits.value != 8 or not types <= {"PER_TENSOR", "PER_CHANNEL"}:
+        return None
+    return k_scale, v_scale
+
+
 class _Shared:
     """What every layer's rewrite reads: whether the call is a prompt, the scatter's indices, the bias."""
 
-    def __init__(self, graph: ir.Graph, node: ir.Node, kv_heads: int, dtype: ir.DataType, number: int) -> None:
+    def __init__(self, graph: ir.Graph, node: ir.Node, kv_heads: int, dtype: ir.DataType, number: int, quantized: bool) -> None:
         query, seqlens, total_int32 = node.inputs[0], node.inputs[5], node.inputs[6]
         bias = node.inputs[10] if len(node.inputs) > 10 else None
         assert query is not None and seqlens is not None and total_int32 is not None
@@ -143,11 +166,15 @@ class _Shared:
                 self._op("Equal", [self._op("ReduceMax", [reach], keepdims=0), total_n]),
             ],
         )
-        # and B > 1: at batch 1, ONNX Runtime 1.31's GroupQueryAttention (its flash path) was as fast or faster
-        several = self._op("And", [self._op("Greater", [tokens_n, one]), self._op("Greater", [batch_n, one])])
-        # and at most LONGEST keys: over longer ones the op's flash path was the faster (16 x 512 1.17x, 8 x 384 1.30x)
-        short = self._op("LessOrEqual", [total_n, ints(graph, _LONGEST)])
-        self.prompt = self._op("And", [self._op("And", [several, ends_at_total]), short])
+        prompt = self._op("And", [self._op("Greater", [tokens_n, one]), ends_at_total])
+        if quantized:  # any rows and keys: the op's 8-bit cache path took 1.6-1.9x the float one's time for a prompt
+            self.prompt = prompt
+        else:
+            # and B > 1: at batch 1, ONNX Runtime 1.31's GroupQueryAttention (its flash path) was as fast or faster;
+            # and at most LONGEST keys: over longer ones the flash path was the faster (16 x 512 1.17x, 8 x 384 1.30x)
+            several = self._op("Greater", [batch_n, one])
+            short = self._op("LessOrEqual", [total_n, ints(graph, _LONGEST)])
+            self.prompt = self._op("And", [self._op("And", [prompt, several]), short])
         steps = self._op("Range", [zero, tokens_n, one])  # [S]
         positions = self._op("Add", [self._op("Unsqueeze", [starts, one]), self._op("Unsqueeze", [steps, zero])])  # [B, S]
         column = self._op("Unsqueeze", [positions, ints(graph, [1, 3])])  # [B, 1, S, 1]
@@ -176,7 +203,15 @@ class _Shared:
         return node.outputs[0]
 
 
-def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None, int, int], _Shared], layer: int) -> None:
+def _one(graph: ir.Graph) -> ir.Value:
+    return initializer(graph, "kvexport.prompt_one_float", np.array(1, np.float32))
+
+
+def _int8_zero(graph: ir.Graph) -> ir.Value:
+    return initializer(graph, "kvexport.prompt_zero_int8", np.array(0, np.int8))
+
+
+def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None, int, int, bool], _Shared], layer: int) -> None:
     """``If(_Shared.prompt)``: the products (then), or the node as it was (else: see the module docstring)."""
     query, key, value, past_key, past_value = node.inputs[:5]
     assert query is not None and key is not None and value is not None and past_key is not None and past_value is not None
@@ -188,13 +223,14 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
     group = heads // kv_heads
     scale_attribute = node.attributes.get("scale")
     scale = float(scale_attribute.value) if scale_attribute is not None and scale_attribute.value else 1 / np.sqrt(size)
-    dtype = past_key.dtype or ir.DataType.FLOAT
+    scales = _cache_scales(node)
+    dtype = (query.dtype if scales is not None else past_key.dtype) or ir.DataType.FLOAT
     bias = node.inputs[10] if len(node.inputs) > 10 else None
-    key_of = (id(node.inputs[6]), id(bias) if bias is not None else None, kv_heads, group)
+    key_of = (id(node.inputs[6]), id(bias) if bias is not None else None, kv_heads, group, scales is not None)
     before: list[ir.Node] = []
     common = shared.get(key_of)
     if common is None:
-        common = shared[key_of] = _Shared(graph, node, kv_heads, dtype, len(shared))
+        common = shared[key_of] = _Shared(graph, node, kv_heads, dtype, len(shared), scales is not None)
         before += common.nodes
     if group > 1 and common.grouped_bias is None:  # [B, 1, G*S, total]: the bias once for each head of a group
         tiled = ir.node("Tile", [common.bias, ints(graph, [1, 1, group, 1])])
@@ -215,12 +251,16 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
 
     first, axis = ints(graph, [0]), ints(graph, [2])
     written, cached = [], []
-    for projection, past in ((key, past_key), (value, past_value)):
+    for index, (projection, past) in enumerate(((key, past_key), (value, past_value))):
         rows = heads_first(projection, kv_heads)
+        if scales is not None:  # int8 codes, as the op writes them; attention reads the cache's values back
+            inverse = op("Reciprocal", [scales[index]])
+            rows = op("QuantizeLinear", [op("Mul", [rows, inverse]), _one(graph), _int8_zero(graph)])
         written.append(op("ScatterND", [past, common.indices, rows]))
         # the cache's first start_0 positions and the new rows: read from the past, whose positions before
         # start_0 the scatter does not write, so the scatter's output (the bound buffer) has no other reader
-        cached.append(op("Concat", [op("Slice", [past, first, common.start, axis]), rows], axis=2))
+        keys = op("Concat", [op("Slice", [past, first, common.start, axis]), rows], axis=2)
+        cached.append(keys if scales is None else op("Mul", [op("Cast", [keys], to=dtype), scales[index]]))
     queries = op("Reshape", [heads_first(query, heads), ints(graph, [0, kv_heads, -1, size])])  # a group's heads stacked
     scores = op("FusedMatMul", [queries, cached[0]], domain=_MS, alpha=scale, transB=1)  # [B, Nkv, G*S, total]
     bias_of_heads = common.grouped_bias if common.grouped_bias is not None else common.bias

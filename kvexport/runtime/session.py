@@ -34,7 +34,7 @@ INT8_KERNELS = ("auto", "u8s8", "u8u8")
 # default, kvexport.passes.PromptAttentionPass) or ONNX Runtime's GroupQueryAttention.
 PROMPT_ATTENTION_VARIABLE = "KVEXPORT_PROMPT_ATTENTION"
 PROMPT_ATTENTIONS = ("products", "gqa")
-CPU_REWRITES_VERSION = 2  # raise it when a CPU rewrite's graph changes: pre-packed caches built by older ones are then rebuilt
+CPU_REWRITES_VERSION = 3  # raise it when a CPU rewrite's graph changes: pre-packed caches built by older ones are then rebuilt
 
 
 @functools.cache

@@ -50,6 +50,12 @@ def test_each_prompt_attention_becomes_an_if_over_products_and_the_op(trained_ex
         assert [n.op_type for n in op] == ["GroupQueryAttention"]
     assert [value.name for value in model.graph.outputs] == outputs  # the presents keep their names and places
 
+    quantized = ir.load(trained_exports["kv-int8"] / "prefill.onnx")  # an int8 cache: written as the op writes it
+    assert PromptAttentionPass()(quantized).modified
+    for branch in (n for n in quantized.graph if n.op_type == "If"):
+        products = branch.attributes["then_branch"].as_graph()
+        assert [n.op_type for n in products].count("QuantizeLinear") == 2 and "ScatterND" in {n.op_type for n in products}
+
     decode = ir.load(trained_exports["int8-pc"] / "decode.onnx")  # one token a row: left to the op
     assert not PromptAttentionPass()(decode).modified
     assert sum(n.op_type == "GroupQueryAttention" for n in decode.graph) == layers
@@ -71,11 +77,11 @@ def _calls(export: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[li
     return [np.array(x, np.float32) for x in logits], cache
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "gpt2 int8 cache"])
 def test_the_products_give_the_ops_logits_and_cache(
     which: str, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    export = trained_exports["none"] if which == "gpt2" else llama_ort
+    export = {"gpt2": trained_exports["none"], "llama": llama_ort, "gpt2 int8 cache": trained_exports["kv-int8"]}[which]
     expected_logits, expected_cache = _calls(export, monkeypatch, "gqa")
     logits, cache = _calls(export, monkeypatch, "products")
     for got, want in zip(logits, expected_logits, strict=True):
@@ -86,13 +92,13 @@ def test_the_products_give_the_ops_logits_and_cache(
             np.testing.assert_allclose(got[row, :, :length], want[row, :, :length], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("which", ["gpt2", "llama"])
+@pytest.mark.parametrize("which", ["gpt2", "llama", "gpt2 int8 cache"])
 def test_pieces_after_a_past_share_a_call_that_the_op_refuses(
     which: str, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Several rows' second pieces, after pasts of one length, in one call: only the products take it (the op needs
     batch 1 for new tokens over a past), and each row's logits are the op's for its piece alone."""
-    export = trained_exports["none"] if which == "gpt2" else llama_ort
+    export = {"gpt2": trained_exports["none"], "llama": llama_ort, "gpt2 int8 cache": trained_exports["kv-int8"]}[which]
     rng = np.random.default_rng(5)
     monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, "products")
     runner = ModelRunner(open_export(export), 3, 64)
@@ -108,7 +114,10 @@ def test_pieces_after_a_past_share_a_call_that_the_op_refuses(
     for index in range(len(runner.cache.past)):
         got = runner.cache.banks.host_view(0, index, (3, *runner.cache.row_shape))[:, :, :20]
         want = alone.cache.banks.host_view(0, index, (3, *alone.cache.row_shape))[:, :, :20]
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+        if got.dtype == np.int8:  # one call's projections round a little differently from three calls': a code may move by 1
+            assert np.abs(got.astype(np.int32) - want).max() <= 1 and np.mean(got != want) < 1e-3
+        else:
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError):  # the op itself refuses the call: the products above are what ran it
         alone.cache._run(alone.session, 0, seconds, 13)
 
