@@ -128,13 +128,15 @@ def _cache_scales(node: ir.Node) -> tuple[ir.Value, ir.Value] | None:
     (checked against its output and cache: equal codes, outputs within 4e-7).
     """
     inputs = list(node.inputs) + [None] * max(0, 14 - len(node.inputs))
-    past, k_scale, v_scale = inputs[3], inputs[12], inputs[13]
+    query, past, k_scale, v_scale = inputs[0], inputs[3], inputs[12], inputs[13]
     bits = node.attributes.get("kv_cache_bit_width")
     types = {node.attributes.get_string(name, "NONE") for name in ("k_quant_type", "v_quant_type")}
-    if past is None or past.dtype != ir.DataType.INT8 or k_scale is None or v_scale is None:
+    if query is None or past is None or past.dtype != ir.DataType.INT8 or k_scale is None or v_scale is None:
         return None
     if bits is None or bits.value != 8 or not types <= {"PER_TENSOR", "PER_CHANNEL"}:
         return None
+    if any(value.dtype != ir.DataType.FLOAT for value in (query, k_scale, v_scale)):
+        return None  # fp32 queries and scales only (kvexport's exporter refuses an fp16 graph with an int8 cache)
     return k_scale, v_scale
 
 
@@ -223,7 +225,8 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
     group = heads // kv_heads
     scale_attribute = node.attributes.get("scale")
     scale = float(scale_attribute.value) if scale_attribute is not None and scale_attribute.value else 1 / np.sqrt(size)
-    scales = _cache_scales(node)
+    found = _cache_scales(node)
+    scales = list(found) if found is not None else None
     dtype = (query.dtype if scales is not None else past_key.dtype) or ir.DataType.FLOAT
     bias = node.inputs[10] if len(node.inputs) > 10 else None
     key_of = (id(node.inputs[6]), id(bias) if bias is not None else None, kv_heads, group, scales is not None)
@@ -254,6 +257,8 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
     for index, (projection, past) in enumerate(((key, past_key), (value, past_value))):
         rows = heads_first(projection, kv_heads)
         if scales is not None:  # int8 codes, as the op writes them; attention reads the cache's values back
+            if node.attributes.get_string("v_quant_type" if index else "k_quant_type", "NONE") == "PER_CHANNEL":
+                scales[index] = op("Reshape", [scales[index], ints(graph, [1, kv_heads, 1, size])])  # [H * D] or [H, D] too
             inverse = op("Reciprocal", [scales[index]])
             rows = op("QuantizeLinear", [op("Mul", [rows, inverse]), _one(graph), _int8_zero(graph)])
         written.append(op("ScatterND", [past, common.indices, rows]))

@@ -352,6 +352,16 @@ def test_a_burst_over_the_token_cap_shares_several_calls_of_even_rows() -> None:
     assert [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill if isinstance(c, PrefillChunk)] == [("g4", 0, 16)]
 
 
+def test_a_group_the_budget_cannot_hold_is_left_to_later_steps() -> None:
+    table = SlotTable(6)
+    scheduler = Scheduler(table, budget=PrefillBudget(16, burst=32), max_queue=8, capacity=64, batch_prompts=True)
+    requests = [Request(f"r{i}", [40 + i] * length, GREEDY) for i, length in enumerate([20, 32, 16, 12, 12, 4])]
+    scheduler.add_all(requests)
+    plan = scheduler.schedule()  # the first group takes the 32 tokens; the next gets no row (it once divided by zero)
+    tokens = sum(len(c.tokens) for call in plan.prefill for c in (call.chunks if isinstance(call, PrefillBatch) else [call]))
+    assert 0 < tokens <= 32
+
+
 def test_a_shared_call_stays_within_its_token_cap_and_only_a_burst_shares_calls() -> None:
     ticks = itertools.count()
     table = SlotTable(5, clock=lambda: float(next(ticks)))

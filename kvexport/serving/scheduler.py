@@ -375,6 +375,8 @@ class Scheduler:
             for first, end in _grouped(pieces):
                 width = min(pieces[first:end])
                 rows = run[first:end][: budget // width]
+                if not rows:
+                    continue
                 per_call = len(rows) if self.batch_tokens is None else max(1, self.batch_tokens // width)
                 for part in _even_parts(rows, -(-len(rows) // per_call)):
                     if len(part) >= 2:

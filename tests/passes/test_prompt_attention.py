@@ -56,6 +56,8 @@ def test_each_prompt_attention_becomes_an_if_over_products_and_the_op(trained_ex
         products = branch.attributes["then_branch"].as_graph()
         assert [n.op_type for n in products].count("QuantizeLinear") == 2 and "ScatterND" in {n.op_type for n in products}
 
+    assert not PromptAttentionPass()(ir.load(trained_exports["kv-int4"] / "prefill.onnx")).modified  # 4 bits: the op
+
     decode = ir.load(trained_exports["int8-pc"] / "decode.onnx")  # one token a row: left to the op
     assert not PromptAttentionPass()(decode).modified
     assert sum(n.op_type == "GroupQueryAttention" for n in decode.graph) == layers
@@ -69,7 +71,7 @@ def _calls(export: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[li
     vocab = runner.vocab_size
     logits = [runner.run_rows(0, [list(rng.integers(0, vocab, 13)) for _ in range(3)])]  # batched: the products
     logits.append(runner.decode([1, 2, 3], [13, 13, 13]).astype(np.float32))
-    logits.append(runner.run_rows(3, [list(rng.integers(0, vocab, 9))]))  # batch 1: the op
+    logits.append(runner.run_rows(3, [list(rng.integers(0, vocab, 9))]))  # batch 1: the op (an int8 cache's: products)
     logits.append(runner.run_piece(3, list(rng.integers(0, vocab, 7)), 9))  # after a past
     logits.append(runner.decode([4, 5, 6, 7], [14, 14, 14, 16]).astype(np.float32))
     logits.append(runner.run_rows(0, [list(rng.integers(0, vocab, 5)) for _ in range(2)]))  # rows reused: written afresh
