@@ -148,7 +148,7 @@ class EngineConfig:
     )
     batch_tokens: int = setting(
         1024,
-        "The most prompt tokens of one call that fresh prompts share (--no-prompt-batching off); a larger burst "
+        "The most prompt tokens of one prefill call that fresh prompts share (unless --no-prompt-batching); a larger burst "
         "shares several calls, each call's first tokens out as it ends. Pieces (at most --chunk tokens) longer than "
         "half of it share no call.",
         flag="--batch-tokens",
