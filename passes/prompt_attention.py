@@ -94,11 +94,11 @@ def _one_token(graph: ir.Graph) -> bool:
 def _rewritable(graph: ir.Graph, node: ir.Node) -> bool:
     if node.domain != _MS or node.op_type != "GroupQueryAttention":
         return False
-    inputs = list(node.inputs) + [None] * max(0, 11 - len(node.inputs))
+    inputs = list(node.inputs) + [None] * max(0, 14 - len(node.inputs))
     query, key, value, past_key, past_value = inputs[:5]
     if key is None or value is None or past_key is None or past_value is None:
         return False  # packed QKV, or no cache
-    if any(v is not None for v in inputs[7:10]) or len(node.inputs) > 14 or (len(node.inputs) > 11 and node.inputs[11] is not None):
+    if any(v is not None for v in (*inputs[7:10], inputs[11])) or len(node.inputs) > 14:
         return False  # cos/sin caches, position ids, head sinks
     for name, neutral in _NEUTRAL.items():
         attribute = node.attributes.get(name)
@@ -110,7 +110,8 @@ def _rewritable(graph: ir.Graph, node: ir.Node) -> bool:
     presents_are_outputs = all(out in graph.outputs for out in node.outputs[1:3])
     if not (pasts_are_inputs and presents_are_outputs):
         return False
-    if query is None or (past_key.dtype not in _FLOATS and _cache_scales(node) is None):
+    quantized = past_key.dtype not in _FLOATS or any(v is not None for v in inputs[12:14])
+    if query is None or (quantized and _cache_scales(node) is None):
         return False  # an fp16 cache, or a quantized one the products don't write (4 bits)
     if query.shape is not None and len(query.shape) == 3 and query.shape[1] == 1:
         return False
@@ -225,8 +226,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
     group = heads // kv_heads
     scale_attribute = node.attributes.get("scale")
     scale = float(scale_attribute.value) if scale_attribute is not None and scale_attribute.value else 1 / np.sqrt(size)
-    found = _cache_scales(node)
-    scales = list(found) if found is not None else None
+    scales = _cache_scales(node)
     dtype = (query.dtype if scales is not None else past_key.dtype) or ir.DataType.FLOAT
     bias = node.inputs[10] if len(node.inputs) > 10 else None
     key_of = (id(node.inputs[6]), id(bias) if bias is not None else None, kv_heads, group, scales is not None)
@@ -256,16 +256,17 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
     written, cached = [], []
     for index, (projection, past) in enumerate(((key, past_key), (value, past_value))):
         rows = heads_first(projection, kv_heads)
-        if scales is not None:  # int8 codes, as the op writes them; attention reads the cache's values back
+        cache_scale = scales[index] if scales is not None else None
+        if cache_scale is not None:  # int8 codes, as the op writes them; attention reads the cache's values back
             if node.attributes.get_string("v_quant_type" if index else "k_quant_type", "NONE") == "PER_CHANNEL":
-                scales[index] = op("Reshape", [scales[index], ints(graph, [1, kv_heads, 1, size])])  # [H * D] or [H, D] too
-            inverse = op("Reciprocal", [scales[index]])
+                cache_scale = op("Reshape", [cache_scale, ints(graph, [1, kv_heads, 1, size])])  # [H * D] or [H, D] too
+            inverse = op("Reciprocal", [cache_scale])
             rows = op("QuantizeLinear", [op("Mul", [rows, inverse]), _one(graph), _int8_zero(graph)])
         written.append(op("ScatterND", [past, common.indices, rows]))
         # the cache's first start_0 positions and the new rows: read from the past, whose positions before
         # start_0 the scatter does not write, so the scatter's output (the bound buffer) has no other reader
         keys = op("Concat", [op("Slice", [past, first, common.start, axis]), rows], axis=2)
-        cached.append(keys if scales is None else op("Mul", [op("Cast", [keys], to=dtype), scales[index]]))
+        cached.append(keys if cache_scale is None else op("Mul", [op("Cast", [keys], to=dtype), cache_scale]))
     queries = op("Reshape", [heads_first(query, heads), ints(graph, [0, kv_heads, -1, size])])  # a group's heads stacked
     scores = op("FusedMatMul", [queries, cached[0]], domain=_MS, alpha=scale, transB=1)  # [B, Nkv, G*S, total]
     bias_of_heads = common.grouped_bias if common.grouped_bias is not None else common.bias
