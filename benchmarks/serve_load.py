@@ -157,6 +157,8 @@ async def run_level(url: str, model: str, vocab: int, concurrency: int, requests
         "request_throughput": len(done) / wall,
         "output_throughput": output / wall,
         "ttft": stats([r.ttft for r in done]),
+        # each request's, in the order sent (the first `concurrency` go out at once): which wave sets the p99
+        "ttfts_ms": [round(r.ttft * 1000, 1) if r.ok else None for r in results],
         "tpot": stats([(r.e2el - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]),
         "itl": stats([gap for r in done for gap in r.itl]),
         "e2el": stats([r.e2el for r in done]),
