@@ -91,10 +91,15 @@ def _one_token(graph: ir.Graph) -> bool:
     return False
 
 
+def _inputs(node: ir.Node) -> list[ir.Value | None]:
+    """The node's inputs padded with None to GroupQueryAttention's 14 (more are left as they are)."""
+    return list(node.inputs) + [None] * max(0, 14 - len(node.inputs))
+
+
 def _rewritable(graph: ir.Graph, node: ir.Node) -> bool:
     if node.domain != _MS or node.op_type != "GroupQueryAttention":
         return False
-    inputs = list(node.inputs) + [None] * max(0, 14 - len(node.inputs))
+    inputs = _inputs(node)
     query, key, value, past_key, past_value = inputs[:5]
     if key is None or value is None or past_key is None or past_value is None:
         return False  # packed QKV, or no cache
@@ -128,7 +133,7 @@ def _cache_scales(node: ir.Node) -> tuple[ir.Value, ir.Value] | None:
     and attends over every key and value read back as ``q * scale``, the new rows' too
     (checked against its output and cache: equal codes, outputs within 4e-7).
     """
-    inputs = list(node.inputs) + [None] * max(0, 14 - len(node.inputs))
+    inputs = _inputs(node)
     query, past, k_scale, v_scale = inputs[0], inputs[3], inputs[12], inputs[13]
     bits = node.attributes.get("kv_cache_bit_width")
     types = {node.attributes.get_string(name, "NONE") for name in ("k_quant_type", "v_quant_type")}
@@ -146,7 +151,7 @@ class _Shared:
 
     def __init__(self, graph: ir.Graph, node: ir.Node, kv_heads: int, dtype: ir.DataType, number: int, quantized: bool) -> None:
         query, seqlens, total_int32 = node.inputs[0], node.inputs[5], node.inputs[6]
-        bias = node.inputs[10] if len(node.inputs) > 10 else None
+        bias = _inputs(node)[10]
         assert query is not None and seqlens is not None and total_int32 is not None
         self.nodes: list[ir.Node] = []
         self.prefix = f"kvexport.prompt{number}_"
@@ -228,7 +233,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
     scale = float(scale_attribute.value) if scale_attribute is not None and scale_attribute.value else 1 / np.sqrt(size)
     scales = _cache_scales(node)
     dtype = (query.dtype if scales is not None else past_key.dtype) or ir.DataType.FLOAT
-    bias = node.inputs[10] if len(node.inputs) > 10 else None
+    bias = _inputs(node)[10]
     key_of = (id(node.inputs[6]), id(bias) if bias is not None else None, kv_heads, group, scales is not None)
     before: list[ir.Node] = []
     common = shared.get(key_of)
