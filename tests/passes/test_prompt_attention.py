@@ -46,6 +46,8 @@ def test_each_prompt_attention_becomes_an_if_over_products_and_the_op(trained_ex
         products = branch.attributes["then_branch"].as_graph()
         op = branch.attributes["else_branch"].as_graph()
         assert {"ScatterND", "FusedMatMul", "Softmax", "MatMul"} <= {n.op_type for n in products}
+        # the queries in two blocks, the first over the keys up to its last query: a Softmax a block
+        assert [n.op_type for n in products].count("Softmax") == 2
         assert "GroupQueryAttention" not in {n.op_type for n in products}
         assert [n.op_type for n in op] == ["GroupQueryAttention"]
     assert [value.name for value in model.graph.outputs] == outputs  # the presents keep their names and places
@@ -86,12 +88,48 @@ def test_the_products_give_the_ops_logits_and_cache(
     export = {"gpt2": trained_exports["none"], "llama": llama_ort, "gpt2 int8 cache": trained_exports["kv-int8"]}[which]
     expected_logits, expected_cache = _calls(export, monkeypatch, "gqa")
     logits, cache = _calls(export, monkeypatch, "products")
+    # an 8-bit cache: the products and the op sum in other orders, so a value at a rounding boundary may take the next
+    # code in one and not in the other (rarely: once in these calls), and one code step moves a logit by up to ~1e-3
+    coded = which.endswith("int8 cache")
     for got, want in zip(logits, expected_logits, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3 if coded else 1e-4)
     lengths = [5, 5, 15, 17]  # what each row holds after the last calls
+    moved = []
     for got, want in zip(cache, expected_cache, strict=True):
         for row, length in enumerate(lengths):
-            np.testing.assert_allclose(got[row, :, :length], want[row, :, :length], rtol=1e-4, atol=1e-5)
+            if coded:
+                moved.append((got[row, :, :length].astype(np.int32) - want[row, :, :length]).ravel())
+            else:
+                np.testing.assert_allclose(got[row, :, :length], want[row, :, :length], rtol=1e-4, atol=1e-5)
+    if coded:
+        codes = np.concatenate(moved)
+        assert np.abs(codes).max() <= 1 and np.mean(codes != 0) < 1e-3
+
+
+@pytest.mark.parametrize("which", ["gpt2", "llama", "gpt2 int8 cache"])
+def test_calls_of_256_tokens_a_row_run_their_queries_in_two_blocks_and_give_the_ops_logits_and_cache(
+    which: str, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """256 tokens a row (the models' longest): the first 128 queries attend over the first 128 keys only."""
+    export = {"gpt2": trained_exports["none"], "llama": llama_ort, "gpt2 int8 cache": trained_exports["kv-int8"]}[which]
+    results = {}
+    for mode in ("gqa", "products"):
+        monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, mode)
+        runner = ModelRunner(open_export(export), 3, 256)
+        rng = np.random.default_rng(11)
+        logits = [runner.run_rows(0, [list(rng.integers(0, runner.vocab_size, 256)) for _ in range(2)])]  # the products
+        logits.append(runner.run_rows(2, [list(rng.integers(0, runner.vocab_size, 256))]))  # the op (an int8 cache's: products)
+        cache = [runner.cache.banks.host_view(0, i, (3, *runner.cache.row_shape)).copy() for i in range(len(runner.cache.past))]
+        results[mode] = ([np.array(x, np.float32) for x in logits], cache)
+    coded = which.endswith("int8 cache")
+    for got, want in zip(results["products"][0], results["gqa"][0], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3 if coded else 1e-4)
+    for got, want in zip(results["products"][1], results["gqa"][1], strict=True):
+        if coded:  # a code may move by one (see above)
+            moved = got[:, :, :256].astype(np.int32) - want[:, :, :256]
+            assert np.abs(moved).max() <= 1 and np.mean(moved != 0) < 1e-3
+        else:
+            np.testing.assert_allclose(got[:, :, :256], want[:, :, :256], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("which", ["gpt2", "llama", "gpt2 int8 cache"])
