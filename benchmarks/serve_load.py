@@ -452,7 +452,10 @@ def main(argv: list[str] | None = None) -> int:
                     servers[f"kvexport {label} {name_}"] = (url, process, exports[label].name)
                 if args.kvexport_before is not None:
                     before_log = args.work / f"serve-{label.replace(' ', '-')}-before.log"
-                    before_export = format_1_copy(exports[label], args.work / f"before-{exports[label].name}")
+                    before_export = exports[label]
+                    if json.loads((before_export / "kvexport.json").read_text())["model"].get("family", "gpt2") == "gpt2":
+                        # GPT-2 in format 1, for a checkout older than the families; another family needs a newer one
+                        before_export = format_1_copy(exports[label], args.work / f"before-{exports[label].name}")
                     url, process = start_kvexport(before_export, args.slots, args.context, before_log, checkout=args.kvexport_before.resolve())
                     servers[f"kvexport {label} (before)"] = (url, process, before_export.name)
             if not args.no_llama:
