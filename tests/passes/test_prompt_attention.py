@@ -17,7 +17,7 @@ import onnx_ir as ir
 import pytest
 
 from kvexport import export_model
-from kvexport.passes import PromptAttentionPass
+from kvexport.passes import PromptAttentionPass, prompt_attention
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.opened import open_export
 from kvexport.runtime.session import PROMPT_ATTENTION_VARIABLE
@@ -132,12 +132,16 @@ def test_calls_of_256_tokens_a_row_run_their_queries_in_two_blocks_and_give_the_
             np.testing.assert_allclose(got[:, :, :256], want[:, :, :256], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("block_tokens", [None, 2])
 @pytest.mark.parametrize("which", ["gpt2", "llama", "gpt2 int8 cache"])
 def test_pieces_after_a_past_share_a_call_that_the_op_refuses(
-    which: str, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
+    which: str, block_tokens: int | None, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Several rows' second pieces, after pasts of one length, in one call: only the products take it (the op needs
-    batch 1 for new tokens over a past), and each row's logits are the op's for its piece alone."""
+    batch 1 for new tokens over a past), and each row's logits are the op's for its piece alone. With blocks of at
+    least 2 tokens, the 7-token pieces run in two blocks after their pasts (the first over the past and its own 3)."""
+    if block_tokens is not None:
+        monkeypatch.setattr(prompt_attention, "_BLOCK_TOKENS", block_tokens)
     export = {"gpt2": trained_exports["none"], "llama": llama_ort, "gpt2 int8 cache": trained_exports["kv-int8"]}[which]
     rng = np.random.default_rng(5)
     monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, "products")
