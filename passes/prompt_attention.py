@@ -277,8 +277,8 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
         nodes.append(made)
         return made.outputs[0]
 
-    def heads_first(projection: ir.Value, count: int) -> ir.Value:  # [B, S, count * D] -> [B, count, S, D]
-        return op("Transpose", [op("Reshape", [projection, ints(graph, [0, 0, count, size])])], perm=[0, 2, 1, 3])
+    def heads_first(projection: ir.Value, count: int, width: int = size) -> ir.Value:  # [B, S, count * W] -> [B, count, S, W]
+        return op("Transpose", [op("Reshape", [projection, ints(graph, [0, 0, count, width])])], perm=[0, 2, 1, 3])
 
     first, axis = ints(graph, [0]), ints(graph, [2])
     written, cached = [], []
@@ -296,8 +296,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
         keys = op("Concat", [op("Slice", [past, first, common.start, axis]), rows], axis=2)
         cached.append(keys if cache_scale is None else op("Mul", [op("Cast", [keys], to=dtype), cache_scale]))
     # [B, Nkv, S * G, D]: row s * G + g is token s of query head kv * G + g, so a block of tokens is a block of rows
-    grouped = op("Reshape", [query, ints(graph, [0, 0, kv_heads, group * size])])
-    queries = op("Reshape", [op("Transpose", [grouped], perm=[0, 2, 1, 3]), ints(graph, [0, kv_heads, -1, size])])
+    queries = op("Reshape", [heads_first(query, kv_heads, group * size), ints(graph, [0, kv_heads, -1, size])])
     range_value = initializer(graph, f"kvexport.prompt_range_{dtype.name.lower()}", np.array(_RANGE, dtype.numpy()))
     blocks = []
     for index, (first_row, end_row, keys_end, bias_of_block) in enumerate(common.blocks):
