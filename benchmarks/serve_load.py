@@ -65,6 +65,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import family_compare as family
 import llama_cpp_compare as llama
 
+from kvexport.bundle.manifest import read_manifest
 from kvexport.export.calibration import copy_with_quantized_cache
 from kvexport.export.quantization import cache_quantization
 
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.kvexport_before is not None:
                     before_log = args.work / f"serve-{label.replace(' ', '-')}-before.log"
                     before_export = exports[label]
-                    if json.loads((before_export / "kvexport.json").read_text())["model"].get("family", "gpt2") == "gpt2":
+                    if read_manifest(before_export).family == "gpt2":
                         # GPT-2 in format 1, for a checkout older than the families; another family needs a newer one
                         before_export = format_1_copy(exports[label], args.work / f"before-{exports[label].name}")
                     url, process = start_kvexport(before_export, args.slots, args.context, before_log, checkout=args.kvexport_before.resolve())
