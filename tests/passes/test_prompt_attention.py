@@ -81,6 +81,27 @@ def _calls(export: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[li
     return [np.array(x, np.float32) for x in logits], cache
 
 
+def _assert_like_the_op(
+    logits: list[np.ndarray], expected_logits: list[np.ndarray], cache: list[np.ndarray], expected_cache: list[np.ndarray], lengths: list[int]
+) -> None:
+    """The products' logits and cache rows (row i's first ``lengths[i]`` positions of each cache tensor) against the op's.
+
+    An 8-bit cache: the products and the op sum in other orders, so a value at a rounding boundary may take the next
+    code in one and not in the other (rarely: once in these tests' calls), and one code step moves a logit by up to
+    ~1e-3; each cache tensor's codes may move by one, in under 0.1% of them.
+    """
+    coded = cache[0].dtype == np.int8
+    for got, want in zip(logits, expected_logits, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3 if coded else 1e-4)
+    for got, want in zip(cache, expected_cache, strict=True):
+        if coded:
+            moved = np.concatenate([(got[row, :, :n].astype(np.int32) - want[row, :, :n]).ravel() for row, n in enumerate(lengths)])
+            assert np.abs(moved).max() <= 1 and np.mean(moved != 0) < 1e-3
+        else:
+            for row, n in enumerate(lengths):
+                np.testing.assert_allclose(got[row, :, :n], want[row, :, :n], rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("which", ["gpt2", "llama", "gpt2 int8 cache"])
 def test_the_products_give_the_ops_logits_and_cache(
     which: str, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
@@ -88,22 +109,7 @@ def test_the_products_give_the_ops_logits_and_cache(
     export = {"gpt2": trained_exports["none"], "llama": llama_ort, "gpt2 int8 cache": trained_exports["kv-int8"]}[which]
     expected_logits, expected_cache = _calls(export, monkeypatch, "gqa")
     logits, cache = _calls(export, monkeypatch, "products")
-    # an 8-bit cache: the products and the op sum in other orders, so a value at a rounding boundary may take the next
-    # code in one and not in the other (rarely: once in these calls), and one code step moves a logit by up to ~1e-3
-    coded = which.endswith("int8 cache")
-    for got, want in zip(logits, expected_logits, strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3 if coded else 1e-4)
-    lengths = [5, 5, 15, 17]  # what each row holds after the last calls
-    moved = []
-    for got, want in zip(cache, expected_cache, strict=True):
-        for row, length in enumerate(lengths):
-            if coded:
-                moved.append((got[row, :, :length].astype(np.int32) - want[row, :, :length]).ravel())
-            else:
-                np.testing.assert_allclose(got[row, :, :length], want[row, :, :length], rtol=1e-4, atol=1e-5)
-    if coded:
-        codes = np.concatenate(moved)
-        assert np.abs(codes).max() <= 1 and np.mean(codes != 0) < 1e-3
+    _assert_like_the_op(logits, expected_logits, cache, expected_cache, [5, 5, 15, 17])  # what each row holds at the end
 
 
 @pytest.mark.parametrize("which", ["gpt2", "llama", "gpt2 int8 cache"])
@@ -121,15 +127,8 @@ def test_calls_of_256_tokens_a_row_run_their_queries_in_two_blocks_and_give_the_
         logits.append(runner.run_rows(2, [list(rng.integers(0, runner.vocab_size, 256))]))  # the op (an int8 cache's: products)
         cache = [runner.cache.banks.host_view(0, i, (3, *runner.cache.row_shape)).copy() for i in range(len(runner.cache.past))]
         results[mode] = ([np.array(x, np.float32) for x in logits], cache)
-    coded = which.endswith("int8 cache")
-    for got, want in zip(results["products"][0], results["gqa"][0], strict=True):
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-3 if coded else 1e-4)
-    for got, want in zip(results["products"][1], results["gqa"][1], strict=True):
-        if coded:  # a code may move by one (see above)
-            moved = got[:, :, :256].astype(np.int32) - want[:, :, :256]
-            assert np.abs(moved).max() <= 1 and np.mean(moved != 0) < 1e-3
-        else:
-            np.testing.assert_allclose(got[:, :, :256], want[:, :, :256], rtol=1e-4, atol=1e-5)
+    (logits, cache), (expected_logits, expected_cache) = results["products"], results["gqa"]
+    _assert_like_the_op(logits, expected_logits, cache, expected_cache, [256] * 3)
 
 
 @pytest.mark.parametrize("block_tokens", [None, 2])
