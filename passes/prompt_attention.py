@@ -7,7 +7,7 @@ slowly: sixteen 128-token GPT-2 prompts took 10 ms a layer on 2 AVX-512 cores, w
 flash path is as fast as the products or faster, and so it is over more than 256 keys
 (sixteen 512-token prompts took 1.17x its time as products). :class:`PromptAttentionPass`
 turns each such node into ``If(S > 1 and B > 1 and every row's tokens end at the mask's
-width and (the width is at most 256 or the rows have a past))``:
+width and the width is at most 256)``:
 
 - then, the products: the new keys and values as ``[B, Nkv, S, D]`` (``Reshape``,
   ``Transpose``), written into the cache by ``ScatterND`` at each row's positions. The cache
@@ -20,7 +20,7 @@ width and (the width is at most 256 or the rows have a past))``:
   query heads of a KV group as rows ``[B, Nkv, S * G, D]``, token by token), one bias that
   is ``lowest`` where a key is in a query's future and the node's padding bias elsewhere
   (built once for all layers), every score raised to at least its row's largest less 80
-  (see :func:`_rewrite`; ``floor=False`` leaves that out), ``Softmax``, and the product with the values, transposed to
+  (see :func:`_rewrite`), ``Softmax``, and the product with the values, transposed to
   ``[B, S, Nkv, G * D]`` straight into the ``If``'s output (a ``Reshape`` after the ``If``
   makes either branch's ``[B, S, N * D]``: one last in the branch made ONNX Runtime copy
   its result into that output, and the GPT-2 call of eight 128-token prompts took
@@ -31,14 +31,8 @@ width and (the width is at most 256 or the rows have a past))``:
   with an 8-bit cache 0.92x (2 cores, AVX-512 VNNI; four blocks gained no more, and at 128
   tokens a row or fewer blocks gained nothing, so those calls keep one);
 - else, the node as it was: decode calls (one token a row), one row, rows whose tokens do
-  not all end at the mask's width (pieces after pasts of different lengths), and fresh
-  prompts over more than 256 keys.
-
-Rows after a past of one length (a burst's second pieces) take the products at any width:
-the op runs new tokens over a past at batch 1 only, and four 256-token second pieces in one
-call took 0.87x the time of four calls of the op (SmolLM2-135M, 2 Zen 5 cores). Where every
-layer's node was rewritten, the pass sets the model's metadata ``kvexport.rows_after_past``
-(:data:`ROWS_AFTER_PAST`), so a runtime knows it may send such calls.
+  not all end at the mask's width (pieces after pasts of different lengths), and calls over
+  more than 256 keys.
 
 A row's new tokens go where the node puts them: after its ``seqlens_k + 1 - S`` cached
 tokens, or at 0 for a first prompt (whose rows may be right padded). An 8-bit cache
@@ -67,9 +61,6 @@ from onnx_ir.passes import InPlacePass, PassResult
 from .values import initializer, ints
 
 _MS = "com.microsoft"
-# the model's metadata key the pass sets when it rewrote every layer's attention: a call of several rows, each after a
-# past of one length, then runs (the op alone refuses one); the runtime reads it from the session (the pre-packed graph too)
-ROWS_AFTER_PAST = "kvexport.rows_after_past"
 _PAST_PREFIX = "past."
 # fp32 only: in fp16 a padding bias of fp16's lowest plus a negative score overflows to -inf, and a padded
 # row of -inf would give NaN; CPU sessions of fp16 graphs keep the op
@@ -85,10 +76,8 @@ _NEUTRAL = {"do_rotary": 0, "local_window_size": -1, "softcap": 0.0, "smooth_sof
 class PromptAttentionPass(InPlacePass):
     """Each prompt ``GroupQueryAttention`` over an in-place ``past.*`` cache as ``ScatterND`` and matrix products."""
 
-    def __init__(self, *, floor: bool = True) -> None:
-        """``floor``: raise every score to at least its row's largest less 80 before ``Softmax`` (see :func:`_rewrite`)."""
+    def __init__(self) -> None:
         super().__init__()
-        self.floor = floor
         self.counts: dict[str, int] = {"nodes": 0}
 
     def call(self, model: ir.Model) -> PassResult:
@@ -99,10 +88,8 @@ class PromptAttentionPass(InPlacePass):
             return PassResult(model, modified=False)
         shared: dict[tuple[int, int | None, int, int, bool], _Shared] = {}
         for node in [n for n in graph if _rewritable(graph, n)]:
-            _rewrite(graph, node, shared, self.counts["nodes"], self.floor)
+            _rewrite(graph, node, shared, self.counts["nodes"])
             self.counts["nodes"] += 1
-        if self.counts["nodes"] and not any(n.op_type == "GroupQueryAttention" for n in graph):
-            model.metadata_props[ROWS_AFTER_PAST] = "products"  # every layer's: several rows after a past may share a call
         return PassResult(model, modified=self.counts["nodes"] > 0)
 
 
@@ -202,12 +189,10 @@ class _Shared:
             self.prompt = prompt
         else:
             # and B > 1: at batch 1, ONNX Runtime 1.31's GroupQueryAttention (its flash path) was as fast or faster;
-            # and fresh prompts over at most LONGEST keys: over longer ones the op's first-prompt path was the faster
-            # (16 x 512 1.17x, 8 x 384 1.30x); rows after a past at any length, which the op refuses at B > 1
+            # and at most LONGEST keys: over longer ones the flash path was the faster (16 x 512 1.17x, 8 x 384 1.30x)
             several = self._op("Greater", [batch_n, one])
             short = self._op("LessOrEqual", [total_n, ints(graph, _LONGEST)])
-            after_past = self._op("Greater", [self._op("Reshape", [self.start, scalar]), zero])
-            self.prompt = self._op("And", [self._op("And", [prompt, several]), self._op("Or", [short, after_past])])
+            self.prompt = self._op("And", [self._op("And", [prompt, several]), short])
         steps = self._op("Range", [zero, tokens_n, one])  # [S]
         positions = self._op("Add", [self._op("Unsqueeze", [starts, one]), self._op("Unsqueeze", [steps, zero])])  # [B, S]
         column = self._op("Unsqueeze", [positions, ints(graph, [1, 3])])  # [B, 1, S, 1]
@@ -262,9 +247,7 @@ def _int8_zero(graph: ir.Graph) -> ir.Value:
     return initializer(graph, "kvexport.prompt_zero_int8", np.array(0, np.int8))
 
 
-def _rewrite(
-    graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None, int, int, bool], _Shared], layer: int, floor: bool
-) -> None:
+def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None, int, int, bool], _Shared], layer: int) -> None:
     """``If(_Shared.prompt)``: the products (then), or the node as it was (else: see the module docstring)."""
     query, key, value, past_key, past_value = node.inputs[:5]
     assert query is not None and key is not None and value is not None and past_key is not None and past_value is not None
@@ -322,13 +305,10 @@ def _rewrite(
         keys, values = (c if last else op("Slice", [c, first, keys_end, axis]) for c in cached)
         scores = op("FusedMatMul", [rows, keys], domain=_MS, alpha=scale, transB=1)  # [B, Nkv, S_b * G, K_b]
         biased = op("Add", [scores, bias_of_block])
-        # with floor, no score more than 80 below its row's largest: exp(-80) is 1.8e-35 of the largest weight, nothing in
-        # fp32, and it keeps Softmax's exponentials normal; from -87 down they are denormal (every key in a query's future),
-        # and on an Intel CPU ONNX Runtime's Softmax ran 7-14x slower for it
-        if floor:
-            lowest_kept = op("Sub", [op("ReduceMax", [biased, ints(graph, [-1])], keepdims=1), range_value])
-            biased = op("Max", [biased, lowest_kept])
-        weights = op("Softmax", [biased], axis=-1)
+        # no score more than 80 below its row's largest: exp(-80) is 1.8e-35 of the largest weight, nothing in fp32, and
+        # it keeps Softmax's exponentials normal; from -87 down they are denormal, and ONNX Runtime's Softmax ran 7-14x slower
+        floor = op("Sub", [op("ReduceMax", [biased, ints(graph, [-1])], keepdims=1), range_value])
+        weights = op("Softmax", [op("Max", [biased, floor])], axis=-1)
         blocks.append(op("MatMul", [weights, values]))  # [B, Nkv, S_b * G, D]
     mixed = op("Concat", blocks, axis=2) if len(blocks) > 1 else blocks[0]
     # [B, S, Nkv, G * D], the Transpose writing the If's output: a last Reshape to [B, S, N * D] in the branch made ONNX

@@ -52,7 +52,6 @@ from kvexport.runtime.session import (
     cpu_flags_line,
     cpu_graph,
     prompt_attention_products,
-    prompt_scores_floor,
     session_options,
     signed_int8_weights,
 )
@@ -72,7 +71,7 @@ def cache_key(directory: Path, manifest: Manifest) -> str:
     """A key that changes with ONNX Runtime's version, the CPU, the graphs and the weights."""
     digest = hashlib.sha256()
     kernel = "u8s8" if signed_int8_weights() else "u8u8"  # how 8-bit per-channel weights are packed
-    attention = ("products" if prompt_scores_floor() else "products, no floor") if prompt_attention_products() else "gqa"  # how a prompt's attention runs
+    attention = "products" if prompt_attention_products() else "gqa"  # how a prompt's attention runs
     rewrites = f"rewrites {CPU_REWRITES_VERSION}"
     digest.update(f"ort {ort.__version__}\n{_cpu_signature()}\n{kernel}\n{attention}\n{rewrites}\n{manifest.weights_sha256}\n".encode())
     for graph in GRAPH_NAMES:

@@ -34,7 +34,7 @@ INT8_KERNELS = ("auto", "u8s8", "u8u8")
 # default, kvexport.passes.PromptAttentionPass) or ONNX Runtime's GroupQueryAttention.
 PROMPT_ATTENTION_VARIABLE = "KVEXPORT_PROMPT_ATTENTION"
 PROMPT_ATTENTIONS = ("products", "gqa")
-CPU_REWRITES_VERSION = 4  # raise it when a CPU rewrite's graph changes: pre-packed caches built by older ones are then rebuilt
+CPU_REWRITES_VERSION = 3  # raise it when a CPU rewrite's graph changes: pre-packed caches built by older ones are then rebuilt
 
 
 @functools.cache
@@ -112,29 +112,6 @@ def cpu_flags_line() -> str | None:
             return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "").strip()
     except OSError:
         return None
-
-
-@functools.cache
-def cpu_vendor() -> str | None:
-    """The CPU's ``vendor_id`` in ``/proc/cpuinfo`` (``GenuineIntel``, ``AuthenticAMD``); None where there is none."""
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            line = next((line for line in cpuinfo if line.startswith("vendor_id")), None)
-    except OSError:
-        return None
-    return None if line is None else line.partition(":")[2].strip()
-
-
-def prompt_scores_floor() -> bool:
-    """Whether a prompt's attention products raise each score to at least its row's largest less 80 (before ``Softmax``).
-
-    The scores of keys in a query's future make ``Softmax``'s exponentials denormal. ONNX
-    Runtime's ``Softmax`` ran 7-14x slower for them on an Intel CPU, and the floor keeps them
-    normal. AMD's x86 CPUs run denormals at full speed: on 2 Zen 5 cores the products without
-    the floor took 0.96-0.98x the time of a prompt call (SmolLM2-135M; ``Softmax`` no slower),
-    so there it is left out (:class:`kvexport.passes.PromptAttentionPass`'s ``floor``).
-    """
-    return not (platform.machine() in ("x86_64", "AMD64") and cpu_vendor() == "AuthenticAMD")
 
 
 def cpu_flags() -> frozenset[str]:
@@ -240,7 +217,7 @@ def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | Non
     if signed_int8_weights() if signed is None else signed:
         modified |= SignedChannelsPass()(model).modified
     if prompt_attention_products() if products is None else products:
-        modified |= PromptAttentionPass(floor=prompt_scores_floor())(model).modified
+        modified |= PromptAttentionPass()(model).modified
     return modified
 
 

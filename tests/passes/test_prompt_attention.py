@@ -18,11 +18,9 @@ import pytest
 
 from kvexport import export_model
 from kvexport.passes import PromptAttentionPass, prompt_attention
-from kvexport.runtime import session
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.opened import open_export
 from kvexport.runtime.session import PROMPT_ATTENTION_VARIABLE
-from kvexport.serving import runner as serving_runner
 from kvexport.serving.runner import ModelRunner
 
 TRAINED_LLAMA = Path(__file__).parents[1] / "data" / "tiny-trained-llama"
@@ -53,8 +51,6 @@ def test_each_prompt_attention_becomes_an_if_over_products_and_the_op(trained_ex
         assert "GroupQueryAttention" not in {n.op_type for n in products}
         assert [n.op_type for n in op] == ["GroupQueryAttention"]
     assert [value.name for value in model.graph.outputs] == outputs  # the presents keep their names and places
-    # every layer rewritten: the model says a call of rows after a past may run (the runner's key is its own copy)
-    assert model.metadata_props[prompt_attention.ROWS_AFTER_PAST] == "products" and serving_runner.ROWS_AFTER_PAST == prompt_attention.ROWS_AFTER_PAST
 
     quantized = ir.load(trained_exports["kv-int8"] / "prefill.onnx")  # an int8 cache: written as the op writes it
     assert PromptAttentionPass()(quantized).modified
@@ -62,9 +58,7 @@ def test_each_prompt_attention_becomes_an_if_over_products_and_the_op(trained_ex
         products = branch.attributes["then_branch"].as_graph()
         assert [n.op_type for n in products].count("QuantizeLinear") == 2 and "ScatterND" in {n.op_type for n in products}
 
-    int4 = ir.load(trained_exports["kv-int4"] / "prefill.onnx")
-    assert not PromptAttentionPass()(int4).modified  # 4 bits: the op
-    assert prompt_attention.ROWS_AFTER_PAST not in int4.metadata_props
+    assert not PromptAttentionPass()(ir.load(trained_exports["kv-int4"] / "prefill.onnx")).modified  # 4 bits: the op
 
     decode = ir.load(trained_exports["int8-pc"] / "decode.onnx")  # one token a row: left to the op
     assert not PromptAttentionPass()(decode).modified
@@ -137,32 +131,26 @@ def test_calls_of_256_tokens_a_row_run_their_queries_in_two_blocks_and_give_the_
     _assert_like_the_op(logits, expected_logits, cache, expected_cache, [256] * 3)
 
 
-@pytest.mark.parametrize(("block_tokens", "longest"), [(None, None), (2, None), (None, 16)])
+@pytest.mark.parametrize("block_tokens", [None, 2])
 @pytest.mark.parametrize("which", ["gpt2", "llama", "gpt2 int8 cache"])
 def test_pieces_after_a_past_share_a_call_that_the_op_refuses(
-    which: str, block_tokens: int | None, longest: int | None, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
+    which: str, block_tokens: int | None, trained_exports: dict[str, Path], llama_ort: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Several rows' second pieces, after pasts of one length, in one call: only the products take it (the op needs
     batch 1 for new tokens over a past), and each row's logits are the op's for its piece alone. With blocks of at
-    least 2 tokens, the 7-token pieces run in two blocks after their pasts (the first over the past and its own 3).
-    With the fresh prompts' limit at 16 keys, the 20 keys of these calls are over it: rows after a past take the
-    products at any width all the same."""
+    least 2 tokens, the 7-token pieces run in two blocks after their pasts (the first over the past and its own 3)."""
     if block_tokens is not None:
         monkeypatch.setattr(prompt_attention, "_BLOCK_TOKENS", block_tokens)
-    if longest is not None:
-        monkeypatch.setattr(prompt_attention, "_LONGEST", longest)
     export = {"gpt2": trained_exports["none"], "llama": llama_ort, "gpt2 int8 cache": trained_exports["kv-int8"]}[which]
     rng = np.random.default_rng(5)
     monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, "products")
     runner = ModelRunner(open_export(export), 3, 64)
-    assert runner.can_batch_after_past
     firsts = [list(rng.integers(0, runner.vocab_size, 13)) for _ in range(3)]
     seconds = np.array([rng.integers(0, runner.vocab_size, 7) for _ in range(3)], np.int64)
     runner.run_rows(0, firsts)
-    together = runner.run_rows(0, seconds.tolist(), 13)  # rows 0..2, positions 13..19, one call
+    together = runner.cache._run(runner.session, 0, seconds, 13)  # rows 0..2, positions 13..19, one call
     monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, "gqa")
     alone = ModelRunner(open_export(export), 3, 64)
-    assert not alone.can_batch_after_past
     alone.run_rows(0, firsts)
     expected = np.stack([alone.run_piece(row, list(seconds[row]), 13) for row in range(3)])
     np.testing.assert_allclose(together, expected, rtol=1e-4, atol=1e-4)
@@ -174,24 +162,7 @@ def test_pieces_after_a_past_share_a_call_that_the_op_refuses(
         else:
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError):  # the op itself refuses the call: the products above are what ran it
-        alone.run_rows(0, seconds.tolist(), 13)
-
-
-@pytest.mark.parametrize("floor", [True, False])
-def test_with_or_without_the_scores_floor_the_products_give_the_ops_logits_and_cache(
-    floor: bool, llama_ort: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The floor (each score at least its row's largest less 80) is left out where denormals run at full speed (AMD's
-    x86 CPUs) and kept elsewhere: the graph has its ``ReduceMax`` and ``Max`` or not, and the numbers are the op's."""
-    monkeypatch.setattr(session, "prompt_scores_floor", lambda: floor)
-    model = ir.load(llama_ort / "prefill.onnx")
-    assert session.cpu_rewrites(model, signed=False, products=True)
-    for branch in (n for n in model.graph if n.op_type == "If"):
-        kinds = [n.op_type for n in branch.attributes["then_branch"].as_graph()]
-        assert (kinds.count("ReduceMax"), kinds.count("Max")) == ((2, 2) if floor else (0, 0))  # one a block
-    expected_logits, expected_cache = _calls(llama_ort, monkeypatch, "gqa")
-    logits, cache = _calls(llama_ort, monkeypatch, "products")
-    _assert_like_the_op(logits, expected_logits, cache, expected_cache, [5, 5, 15, 17])
+        alone.cache._run(alone.session, 0, seconds, 13)
 
 
 def test_left_padded_prompts_generate_the_same_tokens(trained_exports: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
