@@ -20,8 +20,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -106,6 +107,41 @@ def test_requests_reaching_an_idle_engine_one_by_one_are_gathered_into_one_prefi
         got = [h.result()[0] for h in handles]
         stats = engine.stats()
     assert got == want and stats.batched_prompts == 3
+
+
+def test_requests_arriving_during_a_bursts_step_join_its_next_shared_call(trained_exports: dict[str, Path]) -> None:
+    """Four 48-token prompts plan a step of one shared call (their first 16 tokens) and eight calls at batch 1. Four
+    more arrive while the shared call runs: the step ends there, and the next shares their first pieces at once,
+    before the first four's rest. Every request keeps its own tokens."""
+    export = trained_exports["int8-pc"]
+    early = [HELDOUT_IDS[start : start + 48] for start in (100, 700, 1300, 1900)]
+    late = [HELDOUT_IDS[start : start + 16] for start in (2500, 3100, 3700, 4300)]
+    alone = Generator(export)
+    want = [alone.generate([p], 6, eos_token_id=-1)[0, len(p) :].tolist() for p in early + late]
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with Engine(export, slots=8, max_context=96, chunk=16, batch_tokens=64) as engine:
+        calls: list[tuple[str, int, int]] = []  # (kind, first slot, start), in the order they ran
+        run_rows, run_piece = engine.runner.run_rows, engine.runner.run_piece
+        late_handles: list[Any] = []
+
+        def rows(first: int, pieces: Sequence[Sequence[int]]) -> np.ndarray:
+            calls.append(("rows", first, 0))
+            logits = run_rows(first, pieces)
+            if first == 0 and not late_handles:  # the burst's first call has run: the others arrive
+                late_handles.extend(engine.submit_all([(p, greedy) for p in late]))
+            return logits
+
+        def piece(slot: int, tokens: Sequence[int], start: int) -> np.ndarray:
+            calls.append(("piece", slot, start))
+            return run_piece(slot, tokens, start)
+
+        engine.runner.run_rows, engine.runner.run_piece = rows, piece  # type: ignore[method-assign]
+        got = [h.result()[0] for h in engine.submit_all([(p, greedy) for p in early])]
+        got += [h.result()[0] for h in late_handles]  # submitted before the first four's first call returned
+        stats = engine.stats()
+    assert got == want and stats.batched_prompts == 8
+    # planned together, the first four's rest would have run before the late four's shared call
+    assert calls[:3] == [("rows", 0, 0), ("rows", 4, 0), ("piece", 0, 16)]
 
 
 def test_more_requests_than_slots_queue_and_keep_their_tokens(trained_exports: dict[str, Path]) -> None:

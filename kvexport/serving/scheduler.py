@@ -156,6 +156,7 @@ class StepPlan:
     cancelled: list[Request] = field(default_factory=list)  # cancelled once admitted (their slots stay held until they end)
     prefixes: list[PrefixJob] = field(default_factory=list)  # prefill whole, then pin
     prefill: list[PrefillChunk | PrefillBatch] = field(default_factory=list)  # the calls, in order
+    burst: bool = False  # planned in a burst (no more streams running than prompts prefilling, batch_prompts)
 
 
 @dataclass
@@ -336,7 +337,7 @@ class Scheduler:
         budget = self.budget.tokens(running=running, prefilling=len(prefilling))
         starts = {request.id: request.prefilled for request in prefilling}
         # only in a burst: while more streams run, the small budget goes to the oldest prompt first
-        bursting = self.batch_prompts and running <= len(prefilling)
+        bursting = plan.burst = self.batch_prompts and running <= len(prefilling)
         for batch in self._batches(prefilling, budget) if bursting else ():
             plan.prefill.append(batch)
             budget -= batch.tokens
