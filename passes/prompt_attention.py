@@ -45,6 +45,14 @@ for the float cache's op). Nodes with rotary inside, a local window, a softcap, 
 caches, an fp16 or a 4-bit cache are left alone, as are graphs whose ``input_ids`` are one
 token a row and nodes whose cache is not a ``past.*`` input.
 
+With an 8-bit cache every call of several tokens a row runs as the products, so several rows
+after a past of one length (a burst's second pieces) may share a call, which the op refuses:
+four 256-token second pieces after 256 took 0.80-0.91x the time of four calls (SmolLM2-135M,
+2 Zen 5 cores, as the engine runs them). The pass then sets the model's metadata
+``kvexport.rows_after_past`` (:data:`ROWS_AFTER_PAST`) for the runtime. Not with a float
+cache: there such a call needs the products over more than 256 keys, and four of them took
+0.98x the time of four calls of the op, so a row after a past keeps the op.
+
 The runtime applies it when it opens an in-place graph on CPU
 (:func:`kvexport.runtime.session.cpu_graph`), so exports keep ``GroupQueryAttention``, which
 CUDA and other runtimes want. ``counts["nodes"]`` says how many were rewritten.
@@ -61,6 +69,9 @@ from onnx_ir.passes import InPlacePass, PassResult
 from .values import initializer, ints
 
 _MS = "com.microsoft"
+# the model's metadata key the pass sets where every layer's attention takes several rows after a past (an 8-bit cache's
+# products; the op refuses such a call); the runtime reads it from the session's model (kvexport.serving.runner)
+ROWS_AFTER_PAST = "kvexport.rows_after_past"
 _PAST_PREFIX = "past."
 # fp32 only: in fp16 a padding bias of fp16's lowest plus a negative score overflows to -inf, and a padded
 # row of -inf would give NaN; CPU sessions of fp16 graphs keep the op
@@ -87,9 +98,13 @@ class PromptAttentionPass(InPlacePass):
         if _one_token(graph):
             return PassResult(model, modified=False)
         shared: dict[tuple[int, int | None, int, int, bool], _Shared] = {}
-        for node in [n for n in graph if _rewritable(graph, n)]:
+        nodes = [n for n in graph if _rewritable(graph, n)]
+        every_call = bool(nodes) and all(_cache_scales(n) is not None for n in nodes)  # before the rewrite moves them
+        for node in nodes:
             _rewrite(graph, node, shared, self.counts["nodes"])
             self.counts["nodes"] += 1
+        if every_call and not any(n.op_type == "GroupQueryAttention" for n in graph):
+            model.metadata_props[ROWS_AFTER_PAST] = "products"
         return PassResult(model, modified=self.counts["nodes"] > 0)
 
 

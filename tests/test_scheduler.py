@@ -305,6 +305,53 @@ def test_a_burst_of_fresh_prompts_shares_calls_and_the_rest_goes_on_at_batch_one
     assert [table.length(r.slot) for r in requests] == lengths
 
 
+@pytest.mark.parametrize("after_past", [False, True])
+def test_a_bursts_later_pieces_share_calls_where_the_runner_takes_rows_after_a_past(after_past: bool) -> None:
+    """Four 64-token prompts in pieces of 16 and a 40-token one: the first pieces share a call; with ``batch_after_past``
+    the pieces after each round's pasts do too, round after round within the step's budget, the 40-token prompt in
+    them until its rest is short, and what no other row shares goes on at batch 1."""
+    table = SlotTable(6)
+    scheduler = Scheduler(
+        table, budget=PrefillBudget(16, burst=4096), max_queue=8, capacity=64, batch_prompts=True, batch_after_past=after_past
+    )
+    requests = [Request(f"r{i}", [30 + i] * n, GREEDY) for i, n in enumerate([64, 64, 64, 64, 40])]
+    scheduler.add_all(requests)
+    plan = scheduler.schedule()
+    shared = [
+        ([c.request.id for c in call.chunks], call.start, len(call.chunks[0].tokens)) for call in plan.prefill if isinstance(call, PrefillBatch)
+    ]
+    alone = [(c.request.id, c.start, len(c.tokens)) for c in plan.prefill if isinstance(c, PrefillChunk)]
+    rows = ["r0", "r1", "r2", "r3", "r4"]
+    if after_past:
+        assert shared == [(rows, 0, 16), (rows, 16, 16), (rows[:4], 32, 16), (rows[:4], 48, 16)]
+        assert alone == [("r4", 32, 8)]
+        assert all(c.start == call.start for call in plan.prefill if isinstance(call, PrefillBatch) for c in call.chunks)
+    else:
+        assert shared == [(rows, 0, 16)]
+        assert alone == [(f"r{i}", start, 16) for i in range(4) for start in (16, 32, 48)] + [("r4", 16, 16), ("r4", 32, 8)]
+    for call in plan.prefill:
+        for chunk in call.chunks if isinstance(call, PrefillBatch) else [call]:
+            assert chunk.tokens == chunk.request.prompt[chunk.start : chunk.start + len(chunk.tokens)]
+            scheduler.prefilled(chunk)
+    assert all(r.status is Status.RUNNING for r in requests)
+    assert [table.length(r.slot) for r in requests] == [64, 64, 64, 64, 40]
+
+
+def test_pieces_after_pasts_of_different_lengths_share_no_call() -> None:
+    table = SlotTable(4)
+    scheduler = Scheduler(table, budget=PrefillBudget(16, burst=32), max_queue=8, capacity=64, batch_prompts=True, batch_after_past=True)
+    requests = [Request(f"r{i}", [40 + i] * 48, GREEDY) for i in range(2)]
+    scheduler.add_all(requests)
+    first = scheduler.schedule()  # 32 tokens: the two first pieces in one call
+    assert [type(call) for call in first.prefill] == [PrefillBatch]
+    for chunk in first.prefill[0].chunks:
+        scheduler.prefilled(chunk)
+    scheduler.prefilled(PrefillChunk(requests[1], 16, requests[1].prompt[16:24]))  # as if r1 had gone on alone
+    plan = scheduler.schedule()  # r0 holds 16 tokens, r1 24: no shared call
+    assert plan.prefill and all(isinstance(c, PrefillChunk) for c in plan.prefill)
+    assert [(c.request.id, c.start) for c in plan.prefill] == [("r0", 16), ("r0", 32)]  # the oldest first, at batch 1
+
+
 def test_a_shared_call_takes_only_fresh_prompts_and_the_rows_its_budget_holds() -> None:
     ticks = itertools.count()
     table = SlotTable(4, clock=lambda: float(next(ticks)))

@@ -136,20 +136,22 @@ class SlotCache:
         """
         return self._run(session, row, np.array([piece], np.int64), start)[0]
 
-    def run_rows(self, session: ort.InferenceSession, first: int, pieces: Sequence[Sequence[int]]) -> np.ndarray:
-        """Run ``pieces``, each a whole first piece of one prompt and all one length, in rows ``first..`` (one call).
+    def run_rows(self, session: ort.InferenceSession, first: int, pieces: Sequence[Sequence[int]], start: int = 0) -> np.ndarray:
+        """Run ``pieces``, all one length, in rows ``first..`` after the ``start`` tokens each row holds (one call).
 
         GroupQueryAttention runs a batch of several tokens a row only when no row has a past
-        (its first-prompt path), so every row starts at position 0 and the pieces are one
-        length: no padding, each row's last position is its own. The keys and values land
-        in each row's positions ``0..``; returns each row's logits after each token (an
-        ``--all-logits`` graph) or after the last: [rows, n or 1, V], fp32. A row's logits are
-        the ones :meth:`run_piece` gives for its piece alone.
+        (its first-prompt path), so with ``start`` 0 every row starts at position 0; rows
+        after a past of ``start`` tokens need a graph whose every attention the CPU products
+        run (an 8-bit cache's: ``kvexport.rows_after_past`` in its metadata; the op alone refuses the call). The
+        pieces are one length: no padding, each row's last position is its own. The keys and
+        values land in each row's positions ``start..``; returns each row's logits after each
+        token (an ``--all-logits`` graph) or after the last: [rows, n or 1, V], fp32. A row's
+        logits are the ones :meth:`run_piece` gives for its piece alone.
         """
         length = len(pieces[0])
         if any(len(piece) != length for piece in pieces):
             raise ValueError(f"pieces of {sorted({len(piece) for piece in pieces})} tokens: one call takes pieces of one length")
-        return self._run(session, first, np.array(pieces, np.int64), 0)
+        return self._run(session, first, np.array(pieces, np.int64), start)
 
     def _run(self, session: ort.InferenceSession, first: int, ids: np.ndarray, start: int) -> np.ndarray:
         """``ids`` ([rows, n]) into rows ``first..`` after the ``start`` tokens each holds; logits [rows, n or 1, V], fp32."""

@@ -124,7 +124,8 @@ class EngineStats:
     kept for registered prefixes; ``drafted_tokens`` / ``accepted_tokens`` the speculative
     drafts proposed and kept; ``mixed_steps`` the decode steps that ran in one call with a
     prompt chunk (``EngineConfig.mixed_step``); ``batched_prompts`` the prompts whose first
-    piece ran in one call with others' (``EngineConfig.batch_prompts``).
+    piece ran in one call with others' (``EngineConfig.batch_prompts``), ``batched_pieces``
+    the later pieces (after a past) that did.
     """
 
     slots: int
@@ -142,12 +143,13 @@ class EngineStats:
     accepted_tokens: int = 0
     mixed_steps: int = 0
     batched_prompts: int = 0
+    batched_pieces: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
 _COUNTERS = (
     "steps", "prompt_tokens", "generated_tokens", "prefix_hits", "cached_tokens", "drafted_tokens", "accepted_tokens", "mixed_steps",
-    "batched_prompts",
+    "batched_prompts", "batched_pieces",
 )
 
 
@@ -219,6 +221,7 @@ class Engine:
             capacity=self.capacity,
             draft_tokens=config.draft_tokens,
             batch_prompts=config.batch_prompts and self.runner.can_batch_prompts,
+            batch_after_past=config.batch_prompts and self.runner.can_batch_after_past,
             batch_tokens=min(config.batch_tokens, all_logits_tokens(config.chunk, dims.vocab_size))
             if self.manifest.all_logits
             else config.batch_tokens,
@@ -553,14 +556,14 @@ class Engine:
         return self._prefilled(chunk, logits, time.perf_counter() - started)
 
     def _prefill_batch(self, batch: PrefillBatch) -> None:
-        """Fresh prompts' first pieces in one call; each row as :meth:`_prefill`'s would be, its first token if it ends the prompt.
+        """Prompts' pieces in one call; each row as :meth:`_prefill`'s would be, its first token if it ends the prompt.
 
         Every row is recorded, a request cancelled since the plan too: the call wrote its
         rows. The call's time is not the budget's measure of a prompt token (one row's).
         """
-        logits = self.runner.run_rows(batch.first, [chunk.tokens for chunk in batch.chunks])
+        logits = self.runner.run_rows(batch.first, [chunk.tokens for chunk in batch.chunks], batch.start)
         with self._lock:
-            self._counters["batched_prompts"] += len(batch.chunks)
+            self._counters["batched_pieces" if batch.start else "batched_prompts"] += len(batch.chunks)
         outputs = OutputBatch()
         for chunk, rows in zip(batch.chunks, logits, strict=True):
             outputs.extend(self._prefilled(chunk, rows))

@@ -86,6 +86,7 @@ class ServerMetrics:
             ("kvexport_decode_steps", "Batched decode calls.", stats.steps),
             ("kvexport_mixed_steps", "Decode steps run in one call with a prompt chunk (--mixed-step).", stats.mixed_steps),
             ("kvexport_batched_prompts", "Prompts whose first piece ran in one call with other prompts'.", stats.batched_prompts),
+            ("kvexport_batched_pieces", "Later prompt pieces (after a past) that ran in one call with other prompts'.", stats.batched_pieces),
             ("kvexport_spec_draft_tokens", "Speculative tokens proposed by the drafter.", stats.drafted_tokens),
             ("kvexport_spec_accepted_tokens", "Speculative tokens the model kept.", stats.accepted_tokens),
         ):

@@ -27,6 +27,8 @@ from kvexport.runtime.cache import SlotCache, numpy_dtype
 from kvexport.runtime.opened import OpenedExport
 from kvexport.runtime.session import open_mixed_session, open_session, session_options
 
+# the metadata key PromptAttentionPass sets (kvexport.passes.prompt_attention.ROWS_AFTER_PAST; the passes load with onnx_ir)
+ROWS_AFTER_PAST = "kvexport.rows_after_past"
 DECODE_PREFIX = "decode."  # the mixed graph's decode half: decode.attention_mask, decode.past.*, decode.present.* (passes/mixed_step.py)
 
 
@@ -86,9 +88,24 @@ class ModelRunner:
         """Whether fresh prompts' first pieces may share one call (:meth:`run_rows`): CPU (unmeasured on CUDA)."""
         return self.cache.banks.device == "cpu"
 
-    def run_rows(self, first: int, pieces: Sequence[Sequence[int]]) -> np.ndarray:
-        """Fresh prompts' first pieces, all one length, into slots ``first..`` in one call; logits [rows, n or 1, V] (fp32)."""
-        return self.cache.run_rows(self.session, first, pieces)
+    @property
+    def can_batch_after_past(self) -> bool:
+        """Whether pieces after a past of one length may share one call too (``run_rows`` with a ``start``).
+
+        Where every attention of the session's graph runs such a call as the CPU products
+        (an 8-bit cache's; :class:`kvexport.passes.PromptAttentionPass` marks the graph):
+        ``GroupQueryAttention`` itself refuses new tokens over a past at batch > 1.
+        """
+        metadata = self.session.get_modelmeta().custom_metadata_map
+        return self.can_batch_prompts and metadata.get(ROWS_AFTER_PAST) == "products"
+
+    def run_rows(self, first: int, pieces: Sequence[Sequence[int]], start: int = 0) -> np.ndarray:
+        """Pieces all one length into slots ``first..``, each after the ``start`` tokens its slot holds, in one call.
+
+        ``start`` 0: fresh prompts' first pieces; later pieces where :attr:`can_batch_after_past`.
+        Returns the logits [rows, n or 1, V] (fp32).
+        """
+        return self.cache.run_rows(self.session, first, pieces, start)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One call over slots ``0..len(tokens)-1``: row i feeds ``tokens[i]`` at ``positions[i]``.

@@ -126,12 +126,13 @@ class PrefillChunk:
 
 @dataclass(frozen=True)
 class PrefillBatch:
-    """Fresh prompts' first pieces, all one length, in consecutive slots: one call (``Scheduler(batch_prompts=True)``).
+    """Prompts' pieces, all one length and after pasts of one length, in consecutive slots: one call (``Scheduler(batch_prompts=True)``).
 
     GroupQueryAttention runs several tokens a row in one call only when no row has a past
-    (its first-prompt path), so only a prompt's first piece, from position 0, may share a
-    call; the rest of a longer prompt follows at batch 1. Rows are slots
-    ``first..first+len(chunks)-1``, in that order.
+    (its first-prompt path), so a piece after a past shares a call only where the runner's
+    graph runs every attention as the CPU products (``Scheduler(batch_after_past=True)``);
+    elsewhere only a prompt's first piece, from position 0, does, and the rest of a longer
+    prompt follows at batch 1. Rows are slots ``first..first+len(chunks)-1``, in that order.
     """
 
     chunks: tuple[PrefillChunk, ...]
@@ -140,6 +141,11 @@ class PrefillBatch:
     def first(self) -> int:
         """The first row's slot."""
         return self.chunks[0].request.slot
+
+    @property
+    def start(self) -> int:
+        """The tokens each row holds before its piece (one count for every row)."""
+        return self.chunks[0].start
 
     @property
     def tokens(self) -> int:
@@ -225,6 +231,9 @@ class Scheduler:
         batch_tokens: the most prompt tokens of one shared call, over its rows (None: the
             step's budget); a larger group shares several calls. An ``--all-logits``
             graph's call returns logits for each token.
+        batch_after_past: with ``batch_prompts``, later pieces share calls too: those of
+            prompts in consecutive slots that hold as many tokens each (a burst's second
+            pieces), where the runner can (``ModelRunner.can_batch_after_past``).
 
     """
 
@@ -238,9 +247,11 @@ class Scheduler:
         draft_tokens: int = DEFAULT_DRAFT_TOKENS,
         batch_prompts: bool = False,
         batch_tokens: int | None = None,
+        batch_after_past: bool = False,
     ) -> None:
         self.table = table
         self.batch_prompts = batch_prompts
+        self.batch_after_past = batch_after_past
         self.batch_tokens = batch_tokens
         self.budget = budget
         self.max_queue = max_queue
@@ -338,10 +349,13 @@ class Scheduler:
         starts = {request.id: request.prefilled for request in prefilling}
         # only in a burst: while more streams run, the small budget goes to the oldest prompt first
         bursting = plan.burst = self.batch_prompts and running <= len(prefilling)
-        for batch in self._batches(prefilling, budget) if bursting else ():
-            plan.prefill.append(batch)
-            budget -= batch.tokens
-            starts.update((chunk.request.id, len(chunk.tokens)) for chunk in batch.chunks)
+        while bursting:  # rounds of shared calls: a round's rows then hold as many tokens, and their next pieces may share too
+            batches = self._batches(prefilling, starts, budget)
+            for batch in batches:
+                plan.prefill.append(batch)
+                budget -= batch.tokens
+                starts.update((chunk.request.id, chunk.start + len(chunk.tokens)) for chunk in batch.chunks)
+            bursting = bool(batches) and self.batch_after_past
         for request in prefilling:
             start = starts[request.id]
             while budget and start < len(request.prompt):  # pieces of at most chunk tokens, in order
@@ -351,28 +365,33 @@ class Scheduler:
                 budget -= len(piece)
         return plan
 
-    def _batches(self, prefilling: Sequence[Request], budget: int) -> list[PrefillBatch]:
-        """The fresh prompts' first pieces that share calls, within ``budget`` tokens.
+    def _batches(self, prefilling: Sequence[Request], starts: dict[str, int], budget: int) -> list[PrefillBatch]:
+        """The prompts' next pieces that share calls, within ``budget`` tokens, each prompt's after its ``starts`` tokens.
 
         A fresh prompt (nothing of it in its slot yet) offers a first piece of at most
-        ``chunk`` tokens. Runs of consecutive slots are cut into groups, each a call of its
-        rows' pieces cut to the group's shortest: the cut that batches the most tokens
-        (:func:`_grouped`), where each call, and each piece cut short (its rest is one
-        more call), costs :data:`CALL_COST` tokens. A group is trimmed to the rows the budget holds; a
-        prompt longer than its group's pieces goes on at batch 1 (its rows then have a past).
-        A group over ``batch_tokens`` is split into that many calls more, of as even a number
-        of rows as divide it; a call left with one row is left out (it runs at batch 1).
+        ``chunk`` tokens; with ``batch_after_past``, a prompt partly in its slot offers its
+        next piece too. Runs of consecutive slots whose prompts hold as many tokens are cut
+        into groups, each a call of its rows' pieces cut to the group's shortest: the cut
+        that batches the most tokens (:func:`_grouped`), where each call, and each piece cut
+        short (its rest is one more call), costs :data:`CALL_COST` tokens. A group is
+        trimmed to the rows the budget holds; the rest of a prompt longer than its group's
+        pieces goes on in later calls. A group over ``batch_tokens`` is split into that many
+        calls more, of as even a number of rows as divide it; a call left with one row is
+        left out (it runs at batch 1).
         """
-        fresh = sorted((r for r in prefilling if r.prefilled == 0 and not r.cancelled), key=lambda r: r.slot)
+        offered = (
+            r for r in prefilling if not r.cancelled and starts[r.id] < len(r.prompt) and (starts[r.id] == 0 or self.batch_after_past)
+        )
         runs: list[list[Request]] = []
-        for request in fresh:
-            if runs and request.slot == runs[-1][-1].slot + 1:
+        for request in sorted(offered, key=lambda r: r.slot):
+            if runs and request.slot == runs[-1][-1].slot + 1 and starts[request.id] == starts[runs[-1][-1].id]:
                 runs[-1].append(request)
             else:
                 runs.append([request])
         batches = []
         for run in runs:
-            pieces = [min(len(r.prompt), self.budget.chunk) for r in run]
+            start = starts[run[0].id]
+            pieces = [min(len(r.prompt) - start, self.budget.chunk) for r in run]
             for first, end in _grouped(pieces):
                 width = min(pieces[first:end])
                 rows = run[first:end][: budget // width]
@@ -381,7 +400,7 @@ class Scheduler:
                 per_call = len(rows) if self.batch_tokens is None else max(1, self.batch_tokens // width)
                 for part in _even_parts(rows, -(-len(rows) // per_call)):
                     if len(part) >= 2:
-                        batches.append(PrefillBatch(tuple(PrefillChunk(r, 0, r.prompt[:width]) for r in part)))
+                        batches.append(PrefillBatch(tuple(PrefillChunk(r, start, r.prompt[start : start + width]) for r in part)))
                         budget -= width * len(part)
         return batches
 

@@ -21,6 +21,7 @@ from kvexport.passes import PromptAttentionPass, prompt_attention
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.opened import open_export
 from kvexport.runtime.session import PROMPT_ATTENTION_VARIABLE
+from kvexport.serving import runner as serving_runner
 from kvexport.serving.runner import ModelRunner
 
 TRAINED_LLAMA = Path(__file__).parents[1] / "data" / "tiny-trained-llama"
@@ -51,14 +52,20 @@ def test_each_prompt_attention_becomes_an_if_over_products_and_the_op(trained_ex
         assert "GroupQueryAttention" not in {n.op_type for n in products}
         assert [n.op_type for n in op] == ["GroupQueryAttention"]
     assert [value.name for value in model.graph.outputs] == outputs  # the presents keep their names and places
+    assert prompt_attention.ROWS_AFTER_PAST not in model.metadata_props  # a float cache: a row after a past keeps the op
 
     quantized = ir.load(trained_exports["kv-int8"] / "prefill.onnx")  # an int8 cache: written as the op writes it
     assert PromptAttentionPass()(quantized).modified
     for branch in (n for n in quantized.graph if n.op_type == "If"):
         products = branch.attributes["then_branch"].as_graph()
         assert [n.op_type for n in products].count("QuantizeLinear") == 2 and "ScatterND" in {n.op_type for n in products}
+    # every call of several tokens a row as the products: the model says rows after a past may share a call (the
+    # runner reads the key from its own copy)
+    assert quantized.metadata_props[prompt_attention.ROWS_AFTER_PAST] == "products"
+    assert serving_runner.ROWS_AFTER_PAST == prompt_attention.ROWS_AFTER_PAST
 
-    assert not PromptAttentionPass()(ir.load(trained_exports["kv-int4"] / "prefill.onnx")).modified  # 4 bits: the op
+    int4 = ir.load(trained_exports["kv-int4"] / "prefill.onnx")
+    assert not PromptAttentionPass()(int4).modified and prompt_attention.ROWS_AFTER_PAST not in int4.metadata_props  # 4 bits: the op
 
     decode = ir.load(trained_exports["int8-pc"] / "decode.onnx")  # one token a row: left to the op
     assert not PromptAttentionPass()(decode).modified
@@ -145,12 +152,14 @@ def test_pieces_after_a_past_share_a_call_that_the_op_refuses(
     rng = np.random.default_rng(5)
     monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, "products")
     runner = ModelRunner(open_export(export), 3, 64)
+    assert runner.can_batch_after_past == (which == "gpt2 int8 cache")  # the engine sends such calls with an 8-bit cache only
     firsts = [list(rng.integers(0, runner.vocab_size, 13)) for _ in range(3)]
     seconds = np.array([rng.integers(0, runner.vocab_size, 7) for _ in range(3)], np.int64)
     runner.run_rows(0, firsts)
-    together = runner.cache._run(runner.session, 0, seconds, 13)  # rows 0..2, positions 13..19, one call
+    together = runner.run_rows(0, seconds.tolist(), 13)  # rows 0..2, positions 13..19, one call
     monkeypatch.setenv(PROMPT_ATTENTION_VARIABLE, "gqa")
     alone = ModelRunner(open_export(export), 3, 64)
+    assert not alone.can_batch_after_past
     alone.run_rows(0, firsts)
     expected = np.stack([alone.run_piece(row, list(seconds[row]), 13) for row in range(3)])
     np.testing.assert_allclose(together, expected, rtol=1e-4, atol=1e-4)
@@ -162,7 +171,7 @@ def test_pieces_after_a_past_share_a_call_that_the_op_refuses(
         else:
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     with pytest.raises(RuntimeError):  # the op itself refuses the call: the products above are what ran it
-        alone.cache._run(alone.session, 0, seconds, 13)
+        alone.run_rows(0, seconds.tolist(), 13)
 
 
 def test_left_padded_prompts_generate_the_same_tokens(trained_exports: dict[str, Path], monkeypatch: pytest.MonkeyPatch) -> None:
