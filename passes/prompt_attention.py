@@ -45,10 +45,12 @@ for the float cache's op). Nodes with rotary inside, a local window, a softcap, 
 caches, an fp16 or a 4-bit cache are left alone, as are graphs whose ``input_ids`` are one
 token a row and nodes whose cache is not a ``past.*`` input.
 
-With an 8-bit cache every call of several tokens a row runs as the products, so several rows
-after a past of one length (a burst's second pieces) may share a call, which the op refuses:
-four 256-token second pieces after 256 took 0.80-0.91x the time of four calls (SmolLM2-135M,
-2 Zen 5 cores, as the engine runs them). The pass then sets the model's metadata
+With an 8-bit cache, a call of several tokens a row runs as the products whenever all its
+rows end at the mask's width. So several rows after a past of one length (a burst's second
+pieces) may share a call, which the op refuses. Rows after pasts of different lengths still
+reach the op, which refuses them as well, so the engine sends only equal ones. Four 256-token
+second pieces after 256 took 0.80-0.91x the time of four calls (SmolLM2-135M, 2 Zen 5 cores,
+as the engine runs them). The pass then sets the model's metadata
 ``kvexport.rows_after_past`` (:data:`ROWS_AFTER_PAST`) for the runtime. Not with a float
 cache: there such a call needs the products over more than 256 keys, and four of them took
 0.98x the time of four calls of the op, so a row after a past keeps the op.
@@ -103,6 +105,7 @@ class PromptAttentionPass(InPlacePass):
         for node in nodes:
             _rewrite(graph, node, shared, self.counts["nodes"])
             self.counts["nodes"] += 1
+        # the top level only: kvexport's graphs keep their attention there (a node in a subgraph would go unseen)
         if every_call and not any(n.op_type == "GroupQueryAttention" for n in graph):
             model.metadata_props[ROWS_AFTER_PAST] = "products"
         return PassResult(model, modified=self.counts["nodes"] > 0)
