@@ -230,7 +230,6 @@ class Engine:
         self._listeners: list[EngineListener] = []
         self._ids_counter = itertools.count()
         self._lock = threading.Lock()
-        self._waiting_at_plan = 0  # requests left waiting by the step's plan (see _arrived)
         self._wake = threading.Condition(self._lock)
         self._closing = False
         self._counters = dict.fromkeys(_COUNTERS, 0)
@@ -441,7 +440,6 @@ class Engine:
                     if not self.scheduler.active and not self.scheduler.prefix_jobs:  # a burst may be starting
                         self._gather()
                     plan = self.scheduler.schedule()
-                    self._waiting_at_plan = len(self.scheduler.waiting)
                     for _, placement in plan.admitted:
                         if placement.reused:
                             self._counters["prefix_hits"] += 1
@@ -492,7 +490,7 @@ class Engine:
         last = plan.prefill[-1] if plan.prefill else None
         mixed = last if isinstance(last, PrefillChunk) and self.runner.mixed_session is not None else None
         for index, chunk in enumerate(plan.prefill):
-            if plan.burst and index and self._arrived():  # the rest of the plan is planned again, with them
+            if plan.burst and index and self._arrived(plan):  # the rest of the plan is planned again, with them
                 break
             if isinstance(chunk, PrefillBatch):
                 self._prefill_batch(chunk)
@@ -508,8 +506,8 @@ class Engine:
             self._update(self._prefill(chunk))
         self._update(self._decode())
 
-    def _arrived(self) -> bool:
-        """Whether requests came since the step was planned, with slots free for them.
+    def _arrived(self, plan: StepPlan) -> bool:
+        """Whether requests came since ``plan`` was made, with slots free for them.
 
         A burst over HTTP reaches the engine over tens of ms, and a step that prefills a
         burst runs for a second or more (up to ``BURST_TOKENS`` tokens): requests that miss
@@ -520,7 +518,7 @@ class Engine:
         or as 1 then 15 (the first one's two pieces, 265 ms, ran before the rest were admitted).
         """
         with self._lock:
-            return len(self.scheduler.waiting) > self._waiting_at_plan and bool(self.table.free(self.scheduler.active))
+            return len(self.scheduler.waiting) > plan.waiting and bool(self.table.free(self.scheduler.active))
 
     def _update(self, outputs: OutputBatch) -> None:
         """Hand a step's outputs to the scheduler and the listeners, then give the callers their events."""

@@ -129,8 +129,9 @@ class PrefillBatch:
     """Prompts' pieces, all one length and after pasts of one length, in consecutive slots: one call (``Scheduler(batch_prompts=True)``).
 
     GroupQueryAttention runs several tokens a row in one call only when no row has a past
-    (its first-prompt path), so a piece after a past shares a call only where the runner's
-    graph runs every attention as the CPU products (``Scheduler(batch_after_past=True)``);
+    (its first-prompt path), so a piece after a past shares a call only where every attention
+    of the runner's graph takes such a call as the CPU products (an 8-bit cache's;
+    ``Scheduler(batch_after_past=True)``);
     elsewhere only a prompt's first piece, from position 0, does, and the rest of a longer
     prompt follows at batch 1. Rows are slots ``first..first+len(chunks)-1``, in that order.
     """
@@ -163,6 +164,7 @@ class StepPlan:
     prefixes: list[PrefixJob] = field(default_factory=list)  # prefill whole, then pin
     prefill: list[PrefillChunk | PrefillBatch] = field(default_factory=list)  # the calls, in order
     burst: bool = False  # planned in a burst (no more streams running than prompts prefilling, batch_prompts)
+    waiting: int = 0  # requests the plan left waiting (more later: some came since)
 
 
 @dataclass
@@ -363,6 +365,7 @@ class Scheduler:
                 plan.prefill.append(PrefillChunk(request, start, piece))
                 start += len(piece)
                 budget -= len(piece)
+        plan.waiting = len(self.waiting)
         return plan
 
     def _batches(self, prefilling: Sequence[Request], starts: dict[str, int], budget: int) -> list[PrefillBatch]:
