@@ -173,7 +173,8 @@ def _last_position_logits(model: ir.Model) -> bool:
 
     The head is the MatMul / Gemm / MatMulNBits that makes ``logits`` (through Reshapes, as
     when a Gemm is flattened around), or a per-channel int8 head, ``Mul(MatMulIntegerToFloat(
-    QuantizeLinear(Div(x, r))), r)``; the [batch, sequence, E] activation it reads is sliced
+    QuantizeLinear(x, r, ...)), r)`` (or ``QuantizeLinear(Div(x, r))``, before opset 21); the
+    [batch, sequence, E] activation it reads is sliced
     to its last row for every node of the head that reads it (the row scale's too).
     """
     graph = model.graph
@@ -185,7 +186,7 @@ def _last_position_logits(model: ir.Model) -> bool:
         return False
     if head.op_type == "Mul":
         head = _row_quantized_input(head)
-    if head is None or head.op_type not in ("MatMul", "MatMulNBits", "Gemm", "Div"):
+    if head is None or head.op_type not in ("MatMul", "MatMulNBits", "Gemm", "Div", "QuantizeLinear"):
         return False
     hidden = head.inputs[0]
     flatten = hidden.producer() if hidden is not None else None
@@ -208,15 +209,19 @@ def _last_position_logits(model: ir.Model) -> bool:
 
 
 def _row_quantized_input(scaled: ir.Node) -> ir.Node | None:
-    """The ``Div`` that scales a per-channel head's activation rows, from the head's last ``Mul``.
+    """The node that reads a per-channel head's activation rows first, from the head's last ``Mul``.
 
-    ``quantize_weights`` writes ``Mul(MatMulIntegerToFloat(QuantizeLinear(Div(x, r), ...)), r)``;
-    the ``Div`` reads ``x`` first, as the other heads do. None when the ``Mul`` is not that.
+    ``quantize_weights`` writes ``Mul(MatMulIntegerToFloat(QuantizeLinear(x, r, ..., block_size)), r)``
+    (opset 21), or ``Mul(MatMulIntegerToFloat(QuantizeLinear(Div(x, r), ...)), r)``: the
+    ``QuantizeLinear`` or the ``Div`` reads ``x`` first, as the other heads do. None when the
+    ``Mul`` is not that.
     """
     node: ir.Node | None = scaled
     for op_type in ("Mul", "MatMulIntegerToFloat", "QuantizeLinear"):
         if node is None or node.op_type != op_type or not node.inputs or node.inputs[0] is None:
             return None
+        if op_type == "QuantizeLinear" and "block_size" in node.attributes:
+            return node
         node = node.inputs[0].producer()
     return node if node is not None and node.op_type == "Div" else None
 

@@ -212,6 +212,31 @@ def test_cpu_sessions_read_8_bit_channels_as_int8_where_asked(tmp_path, monkeypa
         open_session(path, "cpu")
 
 
+def test_each_row_is_quantized_by_one_blocked_quantize_linear_to_numpys_codes() -> None:
+    """An opset-18 graph becomes opset 21 so that one ``QuantizeLinear`` (a block of ``K`` per
+    row) divides each row by its scale: no ``Div``. Its codes are numpy's ``rint(x / scale) +
+    128`` exactly, for rows of any size, one all zeros, and values on a half step (ties to even)."""
+    rng = np.random.default_rng(3)
+    k, n = 96, 40
+    model, name = _product((rng.standard_normal((k, n)) / 8).astype(np.float32), 6)
+    QuantizeWeightsPass(QuantizationConfig(bits=8, per_channel=True, channel_bits=8))(model)
+    assert model.opset_imports[""] == 21
+    ops = [node.op_type for node in model.graph]
+    assert "Div" not in ops and ops.count("QuantizeLinear") == 1
+    quantize = next(node for node in model.graph if node.op_type == "QuantizeLinear")
+    assert quantize.attributes.get_int("block_size") == k and quantize.attributes.get_int("axis") == -1
+    model.graph.outputs.append(quantize.outputs[0])
+    x = (rng.standard_normal((6, k)) * np.array([1e-3, 1, 30, 1, 1, 1])[:, None]).astype(np.float32)
+    x[3] = 0.0
+    x[4, :3] = [127.0, 0.5, 2.5]  # scale 1: half steps land on ties
+    x[4, 3:] = 0.0
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    codes = session.run(None, {name: x})[1]
+    scale = np.maximum(np.abs(x).max(axis=-1, keepdims=True) * np.float32(1 / 127), np.float32(1e-30))
+    np.testing.assert_array_equal(codes, (np.clip(np.rint(x / scale), -128, 127) + 128).astype(np.uint8))
+    assert codes[4, :3].tolist() == [255, 128, 130]
+
+
 @pytest.mark.parametrize(
     "signed",
     [False, pytest.param(True, marks=pytest.mark.skipif(not VNNI, reason="uint8 x int8 sums in int32 only on VNNI hosts"))],
