@@ -553,7 +553,7 @@ def _row_quantized_product(
     channels: _Channels,
     bias: ir.Value | None,
     *,
-    blocked: bool = True,
+    blocked: bool = False,
 ) -> list[ir.Node]:
     """``X @ W (+ bias)`` with int8 ``W`` (a scale per column) and each row of ``X`` quantized alone.
 
@@ -569,8 +569,9 @@ def _row_quantized_product(
     ``K`` values per scale (its zero point expanded to the scales' shape, as the operator
     asks). Without it, ``QuantizeLinear(X / r, 1, 128)``: the same codes (identical on
     SmolLM2's and GPT-2's shapes), but the ``Div`` is a pass of its own. On 2 AVX-512 cores
-    the one operator took 0.3-0.6x the two's time at 1,024 rows of 576 or 1,536 values,
-    0.6-0.9x at one to sixteen rows (with the ``Shape`` and ``Expand`` of the zero point).
+    the one operator took 0.3-0.6x the two's time at 1,024 rows of 576 or 1,536 values; at
+    one to sixteen rows (with the ``Shape`` and ``Expand`` of the zero points) a decode step
+    took the same time either way.
 
     Unlike ``DynamicQuantizeMatMul`` (one activation scale per call), a row's result does
     not depend on the other rows of the call: on the rows batched beside it, or on how its
