@@ -1118,5 +1118,23 @@ def import_command(
         click.echo("  no checkpoint given: verify needs --model; kvexport check and generate work as they are")
 
 
+@main.command("build-kernels")
+@click.option(
+    "--ort-include",
+    type=click.Path(path_type=Path, file_okay=False),
+    default=None,
+    help="A folder with ONNX Runtime's onnxruntime_cxx_api.h [default: Debian's libonnxruntime-dev 1.21, downloaded once].",
+)
+@click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Where to write the library [default: the cache the runtime looks in].")
+def build_kernels_command(ort_include: Path | None, out: Path | None) -> None:
+    """Build kvexport's CPU kernels (a decode attention for ONNX Runtime); CPU sessions use them once built."""
+    from kvexport.runtime.kernels import KERNELS_VARIABLE, build, default_library
+
+    library = _run(lambda: build(ort_include, out))
+    click.echo(f"built {library}")
+    if library != default_library():
+        click.echo(f"  the runtime uses it with {KERNELS_VARIABLE}={library}")
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from .cache_names import CacheSlot
     from .choices import Attention
     from .cleanup import CleanupPass
+    from .decode_attention import DecodeAttentionPass
     from .errors import PassInputError
     from .fold_shapes import FoldShapesPass
     from .fuse_attention import FuseAttentionPass
@@ -43,6 +44,7 @@ _LAZY = {
     "Attention": ".choices",
     "CacheSlot": ".cache_names",
     "CleanupPass": ".cleanup",
+    "DecodeAttentionPass": ".decode_attention",
     "FoldShapesPass": ".fold_shapes",
     "FuseAttentionPass": ".fuse_attention",
     "FuseOrtBlockPass": ".fuse_ort_block",
@@ -82,6 +84,7 @@ __all__ = [
     "CacheQuantization",
     "CacheSlot",
     "CleanupPass",
+    "DecodeAttentionPass",
     "FoldShapesPass",
     "FuseAttentionPass",
     "FuseOrtBlockPass",

@@ -2,7 +2,7 @@
 # Create .venv (if missing) and install kvexport with the export extra (torch, transformers),
 # the serve extra (FastAPI, uvicorn, prometheus-client), Ray Serve (the ray extra)
 # and its test tools into it, and Debian's chromium and chromium-driver for the playground's
-# browser test (as root, when they are missing).
+# browser test (as root, when they are missing), and kvexport's CPU kernels.
 # torch is pinned first: its CPU build lies on the CI machines' disk, while an unpinned
 # torch on a fresh venv may pull a multi-GB CUDA build.
 set -euo pipefail
@@ -13,6 +13,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[export,serve,test]"
+# kvexport's CPU decode kernel (a custom-op library for ONNX Runtime), built once into ~/.cache/kvexport:
+# ONNX Runtime's C API headers come from Debian's libonnxruntime-dev package (downloaded once, SHA-256 pinned)
+.venv/bin/kvexport build-kernels >/dev/null
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq

@@ -46,6 +46,7 @@ import onnxruntime as ort
 
 from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError, first_line
+from kvexport.runtime.kernels import library_path
 from kvexport.runtime.session import (
     CPU_REWRITES_VERSION,
     cpu_disabled_optimizers,
@@ -73,7 +74,9 @@ def cache_key(directory: Path, manifest: Manifest) -> str:
     kernel = "u8s8" if signed_int8_weights() else "u8u8"  # how 8-bit per-channel weights are packed
     attention = "products" if prompt_attention_products() else "gqa"  # how a prompt's attention runs
     rewrites = f"rewrites {CPU_REWRITES_VERSION}"
-    digest.update(f"ort {ort.__version__}\n{_cpu_signature()}\n{kernel}\n{attention}\n{rewrites}\n{manifest.weights_sha256}\n".encode())
+    library = library_path()  # kvexport's decode kernel, where it is built, and which build
+    kernels = "no kernels" if library is None else hashlib.sha256(library.read_bytes()).hexdigest()
+    digest.update(f"ort {ort.__version__}\n{_cpu_signature()}\n{kernel}\n{attention}\n{rewrites}\n{kernels}\n{manifest.weights_sha256}\n".encode())
     for graph in GRAPH_NAMES:
         digest.update((directory / manifest.graphs[graph].file).read_bytes())
     return f"ort{ort.__version__}-{digest.hexdigest()[:16]}"

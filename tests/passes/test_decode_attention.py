@@ -1,0 +1,216 @@
+"""DecodeAttentionPass and kvexport's decode kernel (``kvexport.DecodeAttention``).
+
+The kernel is checked against ONNX Runtime's own ``GroupQueryAttention`` over the same
+inputs (outputs and the cache it leaves, in place and not), with rows of different lengths,
+a padding bias with holes, a local window, and one and three query heads a KV head. The
+pass is checked on the graphs (an ``If`` a layer, the op kept for prompts, nothing to do
+twice, quantized caches and caches that grow left alone) and through the runner, against
+the same export with the kernel switched off. The library is built if it is not (the
+suite's set-up builds it: ``scripts/install.sh``), so the rest of the suite's parity tests
+against PyTorch run through it too.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from kvexport import export_model
+from kvexport.errors import KvexportError
+from kvexport.passes import DecodeAttentionPass, PromptAttentionPass, decode_attention
+from kvexport.runtime import kernels
+from kvexport.runtime.opened import open_export
+from kvexport.runtime.session import cpu_graph, session_options
+from kvexport.serving.runner import ModelRunner
+
+TRAINED_LLAMA = Path(__file__).parents[1] / "data" / "tiny-trained-llama"
+
+
+@pytest.fixture(scope="module")
+def library() -> Path:
+    """The built kernel library (built here where the set-up did not)."""
+    return kernels.library_path() or kernels.build()
+
+
+@pytest.fixture(scope="module")
+def llama_ort(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("decode-attention-llama") / "out"
+    export_model(out, str(TRAINED_LLAMA), target="ort-cpu")
+    return out
+
+
+def _attention_session(library: Path, kernel: bool, rows: int, heads: int, kv_heads: int, size: int, capacity: int, window: int) -> ort.InferenceSession:
+    """One attention node over a bound cache: kvexport's kernel or ONNX Runtime's op."""
+    float_ = TensorProto.FLOAT
+    inputs = [
+        helper.make_tensor_value_info("q", float_, [rows, 1, heads * size]),
+        helper.make_tensor_value_info("k", float_, [rows, 1, kv_heads * size]),
+        helper.make_tensor_value_info("v", float_, [rows, 1, kv_heads * size]),
+        helper.make_tensor_value_info("past_key", float_, [rows, kv_heads, capacity, size]),
+        helper.make_tensor_value_info("past_value", float_, [rows, kv_heads, capacity, size]),
+        helper.make_tensor_value_info("seqlens", TensorProto.INT32, [rows]),
+        helper.make_tensor_value_info("total", TensorProto.INT32, []),
+        helper.make_tensor_value_info("bias", float_, [rows, 1, 1, "T"]),
+    ]
+    outputs = [
+        helper.make_tensor_value_info("out", float_, [rows, 1, heads * size]),
+        helper.make_tensor_value_info("present_key", float_, [rows, kv_heads, capacity, size]),
+        helper.make_tensor_value_info("present_value", float_, [rows, kv_heads, capacity, size]),
+    ]
+    attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": 0.0 if kernel else 1 / np.sqrt(size), "local_window_size": window}
+    if kernel:  # scale 0: the kernel's own 1/sqrt(D)
+        node = helper.make_node(
+            "DecodeAttention", ["q", "k", "v", "past_key", "past_value", "seqlens", "bias"], ["out", "present_key", "present_value"], domain="kvexport", **attributes
+        )
+    else:
+        node = helper.make_node(
+            "GroupQueryAttention",
+            ["q", "k", "v", "past_key", "past_value", "seqlens", "total", "", "", "", "bias"],
+            ["out", "present_key", "present_value"],
+            domain="com.microsoft",
+            **attributes,
+        )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1), helper.make_opsetid("kvexport", 1)]
+    model = helper.make_model(helper.make_graph([node], "attention", inputs, outputs), opset_imports=opsets, ir_version=10)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "window", "in_place"),
+    [(9, 3, -1, True), (4, 4, -1, True), (6, 2, 5, True), (9, 3, -1, False)],
+    ids=["three heads a group", "one head a group", "a local window", "present not the past's buffer"],
+)
+def test_the_kernel_gives_group_query_attentions_output_and_cache(library: Path, heads: int, kv_heads: int, window: int, in_place: bool) -> None:
+    rows, size, capacity = 5, 64, 48
+    rng = np.random.default_rng(heads * 10 + kv_heads + window)
+    lengths = np.array([0, 1, 17, 40, 47], np.int32)  # seqlens_k: the new token's position; the first row's is its first
+    total = int(lengths.max()) + 1
+    mask = np.ones((rows, total), bool)
+    mask[3, 2:6] = False  # holes in a row (left padding, or a slot's gap), as the runner's mask has them
+    mask[4, :20] = False
+    bias = np.where(mask, 0, np.finfo(np.float32).min).astype(np.float32)[:, None, None, :]
+    feeds = {
+        "q": rng.standard_normal((rows, 1, heads * size)).astype(np.float32),
+        "k": rng.standard_normal((rows, 1, kv_heads * size)).astype(np.float32),
+        "v": rng.standard_normal((rows, 1, kv_heads * size)).astype(np.float32),
+        "seqlens": lengths,
+        "total": np.array(total, np.int32),
+        "bias": bias,
+    }
+    cache = {name: rng.standard_normal((rows, kv_heads, capacity, size)).astype(np.float32) for name in ("past_key", "past_value")}
+    results = {}
+    for kernel in (False, True):
+        session = _attention_session(library, kernel, rows, heads, kv_heads, size, capacity, window)
+        binding = session.io_binding()
+        for name, array in feeds.items():  # total: the op's input; the kernel's graph has it unread
+            binding.bind_cpu_input(name, array)
+        binding.bind_output("out")
+        buffers = {name: ort.OrtValue.ortvalue_from_numpy(array.copy()) for name, array in cache.items()}
+        for name, buffer in buffers.items():
+            binding.bind_ortvalue_input(name, buffer)
+            if in_place:
+                binding.bind_ortvalue_output(name.replace("past", "present"), buffer)
+            else:
+                binding.bind_output(name.replace("past", "present"))
+        session.run_with_iobinding(binding)
+        bound = ["out", "present_key", "present_value"]  # in the order they were bound
+        produced = dict(zip(bound, binding.copy_outputs_to_cpu(), strict=True))
+        if not in_place:  # the past is read, not written
+            for name, buffer in buffers.items():
+                np.testing.assert_array_equal(buffer.numpy(), cache[name])
+        results[kernel] = produced
+    np.testing.assert_allclose(results[True]["out"], results[False]["out"], rtol=1e-5, atol=2e-6)
+    for name in ("present_key", "present_value"):
+        for row, last in enumerate(lengths):  # every position up to the new token's: the past's, and the new row
+            np.testing.assert_array_equal(results[True][name][row, :, : last + 1], results[False][name][row, :, : last + 1])
+    # the new token's key went where the op put it, and it is the call's key
+    np.testing.assert_array_equal(results[True]["present_key"][2, :, 17], feeds["k"][2, 0].reshape(kv_heads, size))
+
+
+def test_the_pass_puts_the_kernel_behind_an_if_of_one_token_a_row(llama_ort: Path, trained_exports: dict[str, Path]) -> None:
+    prefill = ir.load(llama_ort / "prefill.onnx")
+    layers = sum(n.op_type == "GroupQueryAttention" for n in prefill.graph)
+    outputs = [value.name for value in prefill.graph.outputs]
+    assert PromptAttentionPass()(prefill).modified  # the runtime's order: the products first, then this pass
+    result = DecodeAttentionPass()(prefill)
+    assert result.modified and layers > 0
+    nodes = list(ir.traversal.RecursiveGraphIterator(prefill.graph))
+    kernels_ = [n for n in nodes if n.op_type == decode_attention.OP_TYPE]
+    assert len(kernels_) == layers and all(n.domain == decode_attention.DOMAIN for n in kernels_)
+    assert sum(n.op_type == "GroupQueryAttention" for n in nodes) == layers  # prompts keep the op, in the else branches
+    for node in kernels_:
+        assert node.attributes["num_heads"].value == 4 and node.attributes["kv_num_heads"].value == 2
+    assert [value.name for value in prefill.graph.outputs] == outputs
+    assert prefill.opset_imports[decode_attention.DOMAIN] == 1
+    assert not DecodeAttentionPass()(prefill).modified  # rewritten once: its else branches keep the op
+
+    decode = ir.load(llama_ort / "decode.onnx")  # one token a row at the top level
+    assert DecodeAttentionPass()(decode).modified
+    assert sum(n.op_type == decode_attention.OP_TYPE for n in ir.traversal.RecursiveGraphIterator(decode.graph)) == layers
+
+    for left_alone in ("kv-int8", "kv-int4"):  # quantized caches: the op
+        assert not DecodeAttentionPass()(ir.load(trained_exports[left_alone] / "decode.onnx")).modified
+
+
+def test_a_cache_that_grows_keeps_the_op(llama_ort: Path) -> None:
+    """A present longer than its past (a concat cache: the call's rows appended) is not the kernel's in-place buffer."""
+    model = ir.load(llama_ort / "decode.onnx")
+    for value in model.graph.outputs:
+        if value.name.startswith("present.") and value.shape is not None:
+            dims = list(value.shape)
+            value.shape = ir.Shape([*dims[:2], f"{dims[2]}_plus_1", dims[3]])
+    assert any(n.op_type == "GroupQueryAttention" for n in model.graph)
+    assert not DecodeAttentionPass()(model).modified
+
+
+def _calls(export: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Logits of prompts, pieces and decode steps, and the cache they leave, with the kernels ``mode`` (auto or off)."""
+    monkeypatch.setenv(kernels.KERNELS_VARIABLE, mode)
+    runner = ModelRunner(open_export(export), 4, 64)
+    rng = np.random.default_rng(5)
+    vocab = runner.vocab_size
+    logits = [runner.run_rows(0, [list(rng.integers(0, vocab, 13)) for _ in range(3)])]
+    logits.append(runner.decode([1, 2, 3], [13, 13, 13]))
+    logits.append(runner.run_rows(3, [list(rng.integers(0, vocab, 9))]))
+    logits.append(runner.run_piece(3, list(rng.integers(0, vocab, 7)), 9))
+    for step in range(3):  # rows of different lengths
+        logits.append(runner.decode([4 + step, 5, 6, 7], [14 + step, 14 + step, 14 + step, 16 + step]))
+    cache = [runner.cache.banks.host_view(0, i, (4, *runner.cache.row_shape)).copy() for i in range(len(runner.cache.past))]
+    return [np.array(x, np.float32) for x in logits], cache
+
+
+def test_decode_calls_through_the_kernel_give_the_ops_logits_and_cache(library: Path, llama_ort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(kernels.KERNELS_VARIABLE, str(library))
+    graph = cpu_graph(llama_ort / "prefill.onnx", session_options())  # what the runner's session loads
+    assert isinstance(graph, bytes) and decode_attention.OP_TYPE.encode() in graph
+    expected_logits, expected_cache = _calls(llama_ort, monkeypatch, "off")
+    logits, cache = _calls(llama_ort, monkeypatch, str(library))
+    for got, want in zip(logits, expected_logits, strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=2e-5)
+    for got, want in zip(cache, expected_cache, strict=True):
+        for row, n in enumerate([17, 17, 17, 19]):
+            np.testing.assert_allclose(got[row, :, :n], want[row, :, :n], rtol=1e-4, atol=2e-5)
+
+
+def test_build_and_the_variable_refuse_what_is_missing_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cli = [sys.executable, "-m", "kvexport.cli"]
+    done = subprocess.run([*cli, "build-kernels", "--ort-include", str(tmp_path)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"Error: --ort-include {tmp_path}: no onnxruntime_cxx_api.h there"]
+    assert not list(tmp_path.iterdir())
+    missing = tmp_path / "nothing.so"
+    monkeypatch.setenv(kernels.KERNELS_VARIABLE, str(missing))
+    with pytest.raises(KvexportError, match=f"KVEXPORT_KERNELS={missing}: no such library"):
+        kernels.library_path()
+    monkeypatch.setenv(kernels.KERNELS_VARIABLE, "off")
+    assert kernels.library_path() is None
