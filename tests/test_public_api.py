@@ -42,6 +42,7 @@ def test_passes_public_names() -> None:
         "CacheQuantization",
         "CacheSlot",
         "CleanupPass",
+        "DecodeAttentionPass",
         "FoldShapesPass",
         "FuseAttentionPass",
         "FuseOrtBlockPass",
