@@ -18,10 +18,10 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from .cache_attention import CacheAttentionPass
     from .cache_names import CacheSlot
     from .choices import Attention
     from .cleanup import CleanupPass
-    from .decode_attention import DecodeAttentionPass
     from .errors import PassInputError
     from .fold_shapes import FoldShapesPass
     from .fuse_attention import FuseAttentionPass
@@ -44,7 +44,6 @@ _LAZY = {
     "Attention": ".choices",
     "CacheSlot": ".cache_names",
     "CleanupPass": ".cleanup",
-    "DecodeAttentionPass": ".decode_attention",
     "FoldShapesPass": ".fold_shapes",
     "FuseAttentionPass": ".fuse_attention",
     "FuseOrtBlockPass": ".fuse_ort_block",
@@ -54,6 +53,7 @@ _LAZY = {
     "PassReport": ".pipeline",
     "build_pipeline": ".pipeline",
     "run_pipeline": ".pipeline",
+    "CacheAttentionPass": ".cache_attention",
     "CacheQuantization": ".quantize_cache",
     "QuantizeCacheError": ".quantize_cache",
     "QuantizeCachePass": ".quantize_cache",
@@ -80,11 +80,11 @@ __all__ = [
     "DEFAULT_REWRITE_PASSES",
     "PASS_NAMES",
     "Attention",
+    "CacheAttentionPass",
     "CacheNamingError",
     "CacheQuantization",
     "CacheSlot",
     "CleanupPass",
-    "DecodeAttentionPass",
     "FoldShapesPass",
     "FuseAttentionPass",
     "FuseOrtBlockPass",

@@ -35,7 +35,7 @@ INT8_KERNELS = ("auto", "u8s8", "u8u8")
 # default, kvexport.passes.PromptAttentionPass) or ONNX Runtime's GroupQueryAttention.
 PROMPT_ATTENTION_VARIABLE = "KVEXPORT_PROMPT_ATTENTION"
 PROMPT_ATTENTIONS = ("products", "gqa")
-_DECODE_KERNEL = b"DecodeAttention"  # kvexport.passes.decode_attention.OP_TYPE, as it appears in a graph's bytes
+_KERNEL = b"CacheAttention"  # kvexport.passes.cache_attention.OP_TYPE, as it appears in a graph's bytes
 CPU_REWRITES_VERSION = 4  # raise it when a CPU rewrite's graph changes: pre-packed caches built by older ones are then rebuilt
 
 
@@ -178,9 +178,10 @@ def cpu_graph(graph_path: Path, options: ort.SessionOptions) -> str | bytes:
     """What a CPU session of ``graph_path`` loads: its path, or the graph rewritten for this CPU.
 
     Where :func:`signed_int8_weights` holds, per-channel weights are read as int8; where
-    :func:`prompt_attention_products` holds, a prompt's attention runs as products; where
-    kvexport's kernels are built (:func:`kvexport.runtime.kernels.library_path`), a decode
-    call's attention runs through its kernel, and ``options`` registers the library. The
+    kvexport's kernels are built (:func:`kvexport.runtime.kernels.library_path`), attention
+    over an fp32 in-place cache runs through its kernel, and ``options`` registers the
+    library; where :func:`prompt_attention_products` holds, the rest of a prompt's attention
+    (an 8-bit cache's) runs as products. The
     rewritten graph comes as bytes, and ``options`` is told where its data file is: only
     the graph is read here, the weights stay in the export's data file, and ONNX Runtime
     folds the int8 codes from them when the session loads.
@@ -188,10 +189,10 @@ def cpu_graph(graph_path: Path, options: ort.SessionOptions) -> str | bytes:
     kernels = library_path()
     rewritten = _cpu_rewrite(graph_path, kernels)
     text = rewritten if rewritten is not None else graph_path.read_bytes()
-    if _DECODE_KERNEL in text:  # rewritten here, or a pre-packed graph saved after the rewrite
+    if _KERNEL in text:  # rewritten here, or a pre-packed graph saved after the rewrite
         if kernels is None:
             raise ManifestError(
-                f"{graph_path}: this graph runs kvexport's decode kernel, which is not built here "
+                f"{graph_path}: this graph runs kvexport's attention kernel, which is not built here "
                 f"(or {KERNELS_VARIABLE}=off); run kvexport build-kernels"
             )
         options.register_custom_ops_library(str(kernels))
@@ -207,35 +208,37 @@ def _cpu_rewrite(graph_path: Path, kernels: Path | None) -> bytes | None:
     attention = b"GroupQueryAttention" in text
     signed = b"MatMulIntegerToFloat" in text and signed_int8_weights()
     products = attention and prompt_attention_products()
-    decode = attention and kernels is not None
-    if not (signed or products or decode):
+    kernel = attention and kernels is not None
+    if not (signed or products or kernel):
         return None
     try:  # onnx_ir and the passes load here, for the graphs they rewrite only
         import onnx_ir as ir
     except ImportError:
         return None
     model = ir.load(graph_path)
-    if not cpu_rewrites(model, signed=signed, products=products, decode=decode):
+    if not cpu_rewrites(model, signed=signed, products=products, kernel=kernel):
         return None
     return ir.to_proto(model).SerializeToString()
 
 
-def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | None = None, decode: bool | None = None) -> bool:
+def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | None = None, kernel: bool | None = None) -> bool:
     """Apply the CPU rewrites to ``model`` (an ``onnx_ir`` model) in place; whether any changed it.
 
-    ``signed`` / ``products`` / ``decode`` default to :func:`signed_int8_weights` /
-    :func:`prompt_attention_products` / whether kvexport's kernels are built. A session of
-    a model rewritten with ``decode`` needs the library registered (:func:`cpu_graph` does).
+    ``signed`` / ``products`` / ``kernel`` default to :func:`signed_int8_weights` /
+    :func:`prompt_attention_products` / whether kvexport's kernels are built. The kernel
+    takes every attention it can first; the products take what is left (an 8-bit cache's).
+    A session of a model the kernel rewrote needs the library registered (:func:`cpu_graph`
+    does).
     """
-    from kvexport.passes import DecodeAttentionPass, PromptAttentionPass, SignedChannelsPass
+    from kvexport.passes import CacheAttentionPass, PromptAttentionPass, SignedChannelsPass
 
     modified = False
     if signed_int8_weights() if signed is None else signed:
         modified |= SignedChannelsPass()(model).modified
+    if library_path() is not None if kernel is None else kernel:
+        modified |= CacheAttentionPass()(model).modified
     if prompt_attention_products() if products is None else products:
         modified |= PromptAttentionPass()(model).modified
-    if library_path() is not None if decode is None else decode:  # after the products: it rewrites their else branches
-        modified |= DecodeAttentionPass()(model).modified
     return modified
 
 
@@ -284,8 +287,8 @@ def open_mixed_session(
     options = options or session_options()
     if resolve_provider(provider) == "cpu":  # its prompt half runs at batch 1, where the op is the faster
         kernels = library_path()
-        if cpu_rewrites(model, products=False, decode=kernels is not None) and kernels is not None:
-            if any(node.op_type == "DecodeAttention" for node in ir.traversal.RecursiveGraphIterator(model.graph)):
+        if cpu_rewrites(model, products=False, kernel=kernels is not None) and kernels is not None:
+            if any(node.op_type == "CacheAttention" for node in ir.traversal.RecursiveGraphIterator(model.graph)):
                 options.register_custom_ops_library(str(kernels))
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
     return _inference_session(ir.to_proto(model).SerializeToString(), graph_path, provider, options, "its mixed step")

@@ -20,11 +20,18 @@ from kvexport import export_model
 from kvexport.passes import PromptAttentionPass, prompt_attention
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.opened import open_export
+from kvexport.runtime.kernels import KERNELS_VARIABLE
 from kvexport.runtime.session import PROMPT_ATTENTION_VARIABLE
 from kvexport.serving import runner as serving_runner
 from kvexport.serving.runner import ModelRunner
 
 TRAINED_LLAMA = Path(__file__).parents[1] / "data" / "tiny-trained-llama"
+
+
+@pytest.fixture(autouse=True)
+def _without_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compare the products with the op: kvexport's kernel, where built, would take both's place."""
+    monkeypatch.setenv(KERNELS_VARIABLE, "off")
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,10 @@
 """kvexport's own CPU kernels for ONNX Runtime: a custom-op library, built once per machine.
 
-One op for now, ``kvexport.DecodeAttention`` (``decode_attention.cc``): a decode call's
-attention over the in-place fp32 cache, where ONNX Runtime 1.31's CPU
-``GroupQueryAttention`` reads the cache at about half the rate the cores stream it. The
-runtime uses it where the library is built (:func:`library_path`): CPU sessions then run a
-call of one token a row through it (:class:`kvexport.passes.DecodeAttentionPass`), and
-every other call through the op as before. Exports do not change.
+One op for now, ``kvexport.CacheAttention`` (``cache_attention.cc``): attention over the
+in-place fp32 cache, for decode calls and prompts, in place of ONNX Runtime 1.31's CPU
+``GroupQueryAttention`` (why: :mod:`kvexport.passes.cache_attention`). The runtime uses it
+where the library is built (:func:`library_path`): CPU sessions then run those nodes
+through it (:class:`kvexport.passes.CacheAttentionPass`). Exports do not change.
 
 :func:`build` compiles it with the machine's C++ compiler against ONNX Runtime's C API
 headers, which no PyPI wheel ships: they come from Debian's ``libonnxruntime-dev`` package
@@ -31,7 +30,7 @@ from pathlib import Path
 
 from kvexport.errors import KvexportError, first_line
 
-SOURCE = Path(__file__).with_name("decode_attention.cc")
+SOURCE = Path(__file__).with_name("cache_attention.cc")
 KERNELS_VARIABLE = "KVEXPORT_KERNELS"
 DOMAIN = "kvexport"
 # Debian's package of ONNX Runtime's headers (trixie, amd64; headers are the same on every architecture)
@@ -39,7 +38,7 @@ HEADERS_URL = "http://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxrunti
 HEADERS_SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
 _HEADER_DIR = "usr/include/onnxruntime"
 # -ffast-math compiles only: linking with it would add crtfastmath, which sets flush-to-zero for the whole process.
-# It lets the exponentials vectorize (glibc's libmvec) and the dot products reassociate: 2x the kernel's speed.
+# It lets the exponentials vectorize (glibc's libmvec) and the sums reassociate: 2x the decode path's speed.
 _COMPILE_FLAGS = ("-O3", "-std=c++17", "-fPIC", "-fopenmp-simd", "-ffast-math", "-fvisibility=hidden")
 
 

@@ -1,13 +1,15 @@
-"""DecodeAttentionPass and kvexport's decode kernel (``kvexport.DecodeAttention``).
+"""CacheAttentionPass and kvexport's attention kernel (``kvexport.CacheAttention``).
 
 The kernel is checked against ONNX Runtime's own ``GroupQueryAttention`` over the same
-inputs (outputs and the cache it leaves, in place and not), with rows of different lengths,
-a padding bias with holes, a local window, and one and three query heads a KV head. The
-pass is checked on the graphs (an ``If`` a layer, the op kept for prompts, nothing to do
-twice, quantized caches and caches that grow left alone) and through the runner, against
-the same export with the kernel switched off. The library is built if it is not (the
-suite's set-up builds it: ``scripts/install.sh``), so the rest of the suite's parity tests
-against PyTorch run through it too.
+inputs (outputs and the cache it leaves, in place and not): decode calls with rows of
+different lengths, a prompt piece after a past, fresh prompts batched with a right-padded
+row, a padding bias with holes, a local window, one and three query heads a KV head, head
+sizes the AVX-512 tiles take and one they do not. The pass is checked on the graphs (the
+kernel in each attention's place, the products left what the kernel can't take, quantized
+caches and caches that grow kept on the op) and through the runner, against the same
+export with the kernel switched off. The library is built if it is not (the suite's set-up
+builds it: ``scripts/install.sh``), so the rest of the suite's parity tests against PyTorch
+run through it too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from onnx import TensorProto, helper
 
 from kvexport import export_model
 from kvexport.errors import KvexportError
-from kvexport.passes import DecodeAttentionPass, PromptAttentionPass, decode_attention
+from kvexport.passes import CacheAttentionPass, PromptAttentionPass, cache_attention
 from kvexport.runtime import kernels
 from kvexport.runtime.opened import open_export
 from kvexport.runtime.session import cpu_graph, session_options
@@ -41,33 +43,35 @@ def library() -> Path:
 
 @pytest.fixture(scope="module")
 def llama_ort(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("decode-attention-llama") / "out"
+    out = tmp_path_factory.mktemp("cache-attention-llama") / "out"
     export_model(out, str(TRAINED_LLAMA), target="ort-cpu")
     return out
 
 
-def _attention_session(library: Path, kernel: bool, rows: int, heads: int, kv_heads: int, size: int, capacity: int, window: int) -> ort.InferenceSession:
+def _attention_session(
+    library: Path, kernel: bool, rows: int, tokens: int, heads: int, kv_heads: int, size: int, capacity: int, window: int
+) -> ort.InferenceSession:
     """One attention node over a bound cache: kvexport's kernel or ONNX Runtime's op."""
     float_ = TensorProto.FLOAT
     inputs = [
-        helper.make_tensor_value_info("q", float_, [rows, 1, heads * size]),
-        helper.make_tensor_value_info("k", float_, [rows, 1, kv_heads * size]),
-        helper.make_tensor_value_info("v", float_, [rows, 1, kv_heads * size]),
+        helper.make_tensor_value_info("q", float_, [rows, tokens, heads * size]),
+        helper.make_tensor_value_info("k", float_, [rows, tokens, kv_heads * size]),
+        helper.make_tensor_value_info("v", float_, [rows, tokens, kv_heads * size]),
         helper.make_tensor_value_info("past_key", float_, [rows, kv_heads, capacity, size]),
         helper.make_tensor_value_info("past_value", float_, [rows, kv_heads, capacity, size]),
         helper.make_tensor_value_info("seqlens", TensorProto.INT32, [rows]),
         helper.make_tensor_value_info("total", TensorProto.INT32, []),
-        helper.make_tensor_value_info("bias", float_, [rows, 1, 1, "T"]),
+        helper.make_tensor_value_info("bias", float_, [rows, 1, tokens, "T"]),
     ]
     outputs = [
-        helper.make_tensor_value_info("out", float_, [rows, 1, heads * size]),
+        helper.make_tensor_value_info("out", float_, [rows, tokens, heads * size]),
         helper.make_tensor_value_info("present_key", float_, [rows, kv_heads, capacity, size]),
         helper.make_tensor_value_info("present_value", float_, [rows, kv_heads, capacity, size]),
     ]
     attributes = {"num_heads": heads, "kv_num_heads": kv_heads, "scale": 0.0 if kernel else 1 / np.sqrt(size), "local_window_size": window}
     if kernel:  # scale 0: the kernel's own 1/sqrt(D)
         node = helper.make_node(
-            "DecodeAttention", ["q", "k", "v", "past_key", "past_value", "seqlens", "bias"], ["out", "present_key", "present_value"], domain="kvexport", **attributes
+            "CacheAttention", ["q", "k", "v", "past_key", "past_value", "seqlens", "bias"], ["out", "present_key", "present_value"], domain="kvexport", **attributes
         )
     else:
         node = helper.make_node(
@@ -85,32 +89,43 @@ def _attention_session(library: Path, kernel: bool, rows: int, heads: int, kv_he
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
 
-@pytest.mark.parametrize(
-    ("heads", "kv_heads", "window", "in_place"),
-    [(9, 3, -1, True), (4, 4, -1, True), (6, 2, 5, True), (9, 3, -1, False)],
-    ids=["three heads a group", "one head a group", "a local window", "present not the past's buffer"],
-)
-def test_the_kernel_gives_group_query_attentions_output_and_cache(library: Path, heads: int, kv_heads: int, window: int, in_place: bool) -> None:
-    rows, size, capacity = 5, 64, 48
-    rng = np.random.default_rng(heads * 10 + kv_heads + window)
-    lengths = np.array([0, 1, 17, 40, 47], np.int32)  # seqlens_k: the new token's position; the first row's is its first
+# (query heads, KV heads, head size, tokens a row, seqlens_k a row, local window, present bound to the past's buffer)
+CASES = {
+    "decode, three heads a group": (9, 3, 64, 1, [0, 1, 17, 40, 47], -1, True),
+    "decode, one head a group": (4, 4, 64, 1, [0, 1, 17, 40, 47], -1, True),
+    "decode, a local window": (6, 2, 64, 1, [0, 1, 17, 40, 47], 5, True),
+    "decode, present not the past's buffer": (9, 3, 64, 1, [0, 1, 17, 40, 47], -1, False),
+    "a piece after a past": (9, 3, 64, 37, [100], -1, True),
+    "a piece after a past, a local window": (6, 2, 64, 21, [60], 9, True),
+    "fresh prompts, one right padded": (9, 3, 64, 40, [39, 20, 39], -1, True),
+    "a piece, head size 48 (no tiles)": (4, 2, 48, 19, [70], -1, False),
+    "a piece, head size 128": (4, 1, 128, 33, [90], -1, True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_kernel_gives_group_query_attentions_output_and_cache(library: Path, case: str) -> None:
+    heads, kv_heads, size, tokens, seqlens, window, in_place = CASES[case]
+    rows, capacity = len(seqlens), 128
+    rng = np.random.default_rng(len(case))
+    lengths = np.array(seqlens, np.int32)  # a row's last position; its tokens end there (a first prompt's may be padded)
     total = int(lengths.max()) + 1
     mask = np.ones((rows, total), bool)
-    mask[3, 2:6] = False  # holes in a row (left padding, or a slot's gap), as the runner's mask has them
-    mask[4, :20] = False
+    mask[0, 1:3] = False  # holes in a row (left padding, or a slot's gap), as the runner's mask has them
+    mask[-1, : min(20, total - 1)] = False
     bias = np.where(mask, 0, np.finfo(np.float32).min).astype(np.float32)[:, None, None, :]
     feeds = {
-        "q": rng.standard_normal((rows, 1, heads * size)).astype(np.float32),
-        "k": rng.standard_normal((rows, 1, kv_heads * size)).astype(np.float32),
-        "v": rng.standard_normal((rows, 1, kv_heads * size)).astype(np.float32),
+        "q": rng.standard_normal((rows, tokens, heads * size)).astype(np.float32),
+        "k": rng.standard_normal((rows, tokens, kv_heads * size)).astype(np.float32),
+        "v": rng.standard_normal((rows, tokens, kv_heads * size)).astype(np.float32),
         "seqlens": lengths,
         "total": np.array(total, np.int32),
-        "bias": bias,
+        "bias": np.ascontiguousarray(np.broadcast_to(bias, (rows, 1, tokens, total))),  # the op wants the tokens' axis whole
     }
     cache = {name: rng.standard_normal((rows, kv_heads, capacity, size)).astype(np.float32) for name in ("past_key", "past_value")}
     results = {}
     for kernel in (False, True):
-        session = _attention_session(library, kernel, rows, heads, kv_heads, size, capacity, window)
+        session = _attention_session(library, kernel, rows, tokens, heads, kv_heads, size, capacity, window)
         binding = session.io_binding()
         for name, array in feeds.items():  # total: the op's input; the kernel's graph has it unread
             binding.bind_cpu_input(name, array)
@@ -124,42 +139,50 @@ def test_the_kernel_gives_group_query_attentions_output_and_cache(library: Path,
                 binding.bind_output(name.replace("past", "present"))
         session.run_with_iobinding(binding)
         bound = ["out", "present_key", "present_value"]  # in the order they were bound
-        produced = dict(zip(bound, binding.copy_outputs_to_cpu(), strict=True))
+        results[kernel] = dict(zip(bound, binding.copy_outputs_to_cpu(), strict=True))
         if not in_place:  # the past is read, not written
             for name, buffer in buffers.items():
                 np.testing.assert_array_equal(buffer.numpy(), cache[name])
-        results[kernel] = produced
-    np.testing.assert_allclose(results[True]["out"], results[False]["out"], rtol=1e-5, atol=2e-6)
-    for name in ("present_key", "present_value"):
-        for row, last in enumerate(lengths):  # every position up to the new token's: the past's, and the new row
+    for row, last in enumerate(lengths):
+        past = max(0, int(last) + 1 - tokens)
+        valid = int(last) + 1 - past  # a right-padded first prompt's queries past its last position are the op's own
+        # and so are those that see no key the mask keeps (left padding's own queries: the op gives zeros there)
+        seen = [s for s in range(valid) if mask[row, : past + s + 1].any()]
+        assert len(seen) >= valid // 2
+        np.testing.assert_allclose(results[True]["out"][row, seen], results[False]["out"][row, seen], rtol=1e-5, atol=2e-6)
+        for name in ("present_key", "present_value"):  # every position up to the row's last: the past's, and the new rows
             np.testing.assert_array_equal(results[True][name][row, :, : last + 1], results[False][name][row, :, : last + 1])
-    # the new token's key went where the op put it, and it is the call's key
-    np.testing.assert_array_equal(results[True]["present_key"][2, :, 17], feeds["k"][2, 0].reshape(kv_heads, size))
+        # the call's keys went where the op put them
+        np.testing.assert_array_equal(
+            results[True]["present_key"][row, :, past : past + valid], feeds["k"][row, :valid].reshape(valid, kv_heads, size).transpose(1, 0, 2)
+        )
 
 
-def test_the_pass_puts_the_kernel_behind_an_if_of_one_token_a_row(llama_ort: Path, trained_exports: dict[str, Path]) -> None:
+def test_the_pass_puts_the_kernel_in_each_attentions_place(llama_ort: Path, trained_exports: dict[str, Path]) -> None:
     prefill = ir.load(llama_ort / "prefill.onnx")
     layers = sum(n.op_type == "GroupQueryAttention" for n in prefill.graph)
     outputs = [value.name for value in prefill.graph.outputs]
-    assert PromptAttentionPass()(prefill).modified  # the runtime's order: the products first, then this pass
-    result = DecodeAttentionPass()(prefill)
+    result = CacheAttentionPass()(prefill)
     assert result.modified and layers > 0
-    nodes = list(ir.traversal.RecursiveGraphIterator(prefill.graph))
-    kernels_ = [n for n in nodes if n.op_type == decode_attention.OP_TYPE]
-    assert len(kernels_) == layers and all(n.domain == decode_attention.DOMAIN for n in kernels_)
-    assert sum(n.op_type == "GroupQueryAttention" for n in nodes) == layers  # prompts keep the op, in the else branches
+    kernels_ = [n for n in prefill.graph if n.op_type == cache_attention.OP_TYPE]
+    assert len(kernels_) == layers and all(n.domain == cache_attention.DOMAIN for n in kernels_)
+    assert not any(n.op_type in ("GroupQueryAttention", "If") for n in prefill.graph)
     for node in kernels_:
         assert node.attributes["num_heads"].value == 4 and node.attributes["kv_num_heads"].value == 2
-    assert [value.name for value in prefill.graph.outputs] == outputs
-    assert prefill.opset_imports[decode_attention.DOMAIN] == 1
-    assert not DecodeAttentionPass()(prefill).modified  # rewritten once: its else branches keep the op
+        assert len(node.inputs) == 7 and node.inputs[6] is not None  # the padding bias, total_sequence_length left out
+    assert [value.name for value in prefill.graph.outputs] == outputs  # the presents keep their names and places
+    assert prefill.opset_imports[cache_attention.DOMAIN] == 1
+    assert not CacheAttentionPass()(prefill).modified and not PromptAttentionPass()(prefill).modified  # nothing left
 
-    decode = ir.load(llama_ort / "decode.onnx")  # one token a row at the top level
-    assert DecodeAttentionPass()(decode).modified
-    assert sum(n.op_type == decode_attention.OP_TYPE for n in ir.traversal.RecursiveGraphIterator(decode.graph)) == layers
+    decode = ir.load(llama_ort / "decode.onnx")  # one token a row
+    assert CacheAttentionPass()(decode).modified
+    assert sum(n.op_type == cache_attention.OP_TYPE for n in decode.graph) == layers
 
-    for left_alone in ("kv-int8", "kv-int4"):  # quantized caches: the op
-        assert not DecodeAttentionPass()(ir.load(trained_exports[left_alone] / "decode.onnx")).modified
+    for quantized in ("kv-int8", "kv-int4"):  # quantized caches: the op (and the products, for an 8-bit one's prompts)
+        model = ir.load(trained_exports[quantized] / "prefill.onnx")
+        assert not CacheAttentionPass()(model).modified
+    gpt2 = ir.load(trained_exports["int8-pc"] / "prefill.onnx")  # GPT-2: one KV head a query head
+    assert CacheAttentionPass()(gpt2).modified and not any(n.op_type == "GroupQueryAttention" for n in gpt2.graph)
 
 
 def test_a_cache_that_grows_keeps_the_op(llama_ort: Path) -> None:
@@ -170,11 +193,11 @@ def test_a_cache_that_grows_keeps_the_op(llama_ort: Path) -> None:
             dims = list(value.shape)
             value.shape = ir.Shape([*dims[:2], f"{dims[2]}_plus_1", dims[3]])
     assert any(n.op_type == "GroupQueryAttention" for n in model.graph)
-    assert not DecodeAttentionPass()(model).modified
+    assert not CacheAttentionPass()(model).modified
 
 
 def _calls(export: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """Logits of prompts, pieces and decode steps, and the cache they leave, with the kernels ``mode`` (auto or off)."""
+    """Logits of batched prompts, a piece after a past, decode steps, and the cache they leave, with the kernels ``mode``."""
     monkeypatch.setenv(kernels.KERNELS_VARIABLE, mode)
     runner = ModelRunner(open_export(export), 4, 64)
     rng = np.random.default_rng(5)
@@ -189,10 +212,10 @@ def _calls(export: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[li
     return [np.array(x, np.float32) for x in logits], cache
 
 
-def test_decode_calls_through_the_kernel_give_the_ops_logits_and_cache(library: Path, llama_ort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_calls_through_the_kernel_give_the_ops_logits_and_cache(library: Path, llama_ort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.KERNELS_VARIABLE, str(library))
     graph = cpu_graph(llama_ort / "prefill.onnx", session_options())  # what the runner's session loads
-    assert isinstance(graph, bytes) and decode_attention.OP_TYPE.encode() in graph
+    assert isinstance(graph, bytes) and cache_attention.OP_TYPE.encode() in graph
     expected_logits, expected_cache = _calls(llama_ort, monkeypatch, "off")
     logits, cache = _calls(llama_ort, monkeypatch, str(library))
     for got, want in zip(logits, expected_logits, strict=True):

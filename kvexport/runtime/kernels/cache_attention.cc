@@ -1,0 +1,439 @@
+// kvexport's CPU attention over an in-place fp32 cache, for ONNX Runtime: decode calls and prompts.
+//
+// The op `kvexport.CacheAttention` means what com.microsoft.GroupQueryAttention means over a
+// shared past/present buffer, without rotary, softcap or head sink:
+//   inputs  query [B, S, N*D], key [B, S, Nkv*D], value [B, S, Nkv*D],
+//           past_key [B, Nkv, C, D], past_value [B, Nkv, C, D], seqlens_k [B] (int32: a row's last position),
+//           attention_bias (optional) [B or 1, N or 1, S or 1, T] added to the scores
+//   outputs output [B, S, N*D], present_key, present_value [B, Nkv, C, D]
+//   attributes num_heads, kv_num_heads, scale (0: 1/sqrt(D)), local_window_size (-1: none)
+// A row's S new keys and values go after its max(0, seqlens_k + 1 - S) cached ones (a first
+// prompt's rows may be right padded); query s attends to the positions up to its own and to
+// seqlens_k, the last local_window_size of them where that is set. Where present is bound to
+// past's buffer (the in-place cache) only the new rows are written. Several rows after pasts
+// of different lengths are taken too (the op refuses them).
+//
+// Why (2 Zen 5 cores; kvexport/passes/cache_attention.py has the numbers):
+// - one token a row: ONNX Runtime 1.31.1's op reads the fp32 cache at about 22 GB/s where the
+//   cores stream 38 GB/s, and every query head reads its group's keys again. Here a task takes
+//   a row's KV head and reads each key and value once for the group's query heads.
+// - several: the op scores every key, the queries' future too. Here a task takes 16 queries
+//   of a row's KV head (their rows are the queries x the group's heads) over the keys up to its
+//   last query only, as AVX-512 register tiles: scores against the keys transposed once a
+//   call, then the weighted sum of the values.
+// The tasks run on the session's own intra-op threads.
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Problem {
+  const float* query;
+  float* output;
+  const float* past_key;    // present's buffer once the new rows are in it
+  const float* past_value;
+  const int32_t* seqlens;
+  const float* bias;  // null, or [bias_b, bias_h, 1, bias_t]
+  int64_t bias_b, bias_h, bias_t;
+  int64_t heads, kv_heads, head_size, capacity, window;
+  float scale;
+};
+
+// One row's KV head: scores of its group's query heads, softmax, the weighted sum of values.
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores) {
+  const int64_t D = p.head_size, G = p.heads / p.kv_heads;
+  const int64_t last = p.seqlens[b];
+  const int64_t start = p.window > 0 ? std::max<int64_t>(0, last + 1 - p.window) : 0;
+  const int64_t n = last + 1 - start;
+  scores.resize(static_cast<size_t>(G * n));
+  const float* keys = p.past_key + ((b * p.kv_heads + kvh) * p.capacity + start) * D;
+  const float* values = p.past_value + ((b * p.kv_heads + kvh) * p.capacity + start) * D;
+  const float* q = p.query + (b * p.heads + kvh * G) * D;
+  for (int64_t t = 0; t < n; ++t) {
+    const float* k = keys + t * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * k[d];
+      scores[g * n + t] = dot * p.scale;
+    }
+  }
+  if (p.bias != nullptr) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = kvh * G + g;
+      const float* row = p.bias + ((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : h)) * p.bias_t + start;
+      for (int64_t t = 0; t < n; ++t) scores[g * n + t] += row[t];
+    }
+  }
+  float* out = p.output + (b * p.heads + kvh * G) * D;
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n;
+    float top = std::numeric_limits<float>::lowest();  // finite: built with -ffast-math
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    const float inverse = 1.0f / sum;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inverse;
+    std::fill(out + g * D, out + (g + 1) * D, 0.0f);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const float* v = values + t * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float weight = scores[g * n + t];
+      float* og = out + g * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) og[d] += weight * v[d];
+    }
+  }
+}
+
+void attend_task(void* data, size_t index) {
+  thread_local std::vector<float> scores;
+  const Problem& p = *static_cast<const Problem*>(data);
+  const auto i = static_cast<int64_t>(index);
+  attend(p, i / p.kv_heads, i % p.kv_heads, scores);
+}
+
+
+// ---- several tokens a row: queries in blocks, keys transposed once a row's KV head ----
+constexpr int64_t kQueryBlock = 16;  // queries a task; its rows are the block's queries x the group's heads
+
+struct Prompt {
+  const float* query;  // [B, S, N*D]
+  float* output;
+  const float* keys_t;  // [B, Nkv, D, T_pad]: the cache's keys transposed, up to each row's last
+  const float* values;  // present's values [B, Nkv, C, D]
+  const int32_t* seqlens;
+  const float* bias;
+  int64_t bias_b, bias_h, bias_s, bias_t;
+  int64_t tokens, heads, kv_heads, head_size, capacity, window, t_pad, blocks;
+  float scale;
+};
+
+inline int64_t past_of(const Prompt& p, int64_t b) { return std::max<int64_t>(0, p.seqlens[b] + 1 - p.tokens); }
+
+// scores[r][t] = scale * q_r . k_t for 8 rows and 32 keys at a time (16 accumulators); rows padded to 8, keys to 32
+__attribute__((target("avx512f"))) void scores_avx512(const float* const* q, const float* kt, int64_t t_pad, int64_t D,
+                                                       int64_t keys, float scale, float* scores, int64_t stride, int64_t rows) {
+  constexpr int kRows = 8;
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const float* qr[kRows];
+    for (int i = 0; i < kRows; ++i) qr[i] = q[std::min<int64_t>(r0 + i, rows - 1)];
+    for (int64_t t0 = 0; t0 < keys; t0 += 32) {
+      __m512 a[kRows][2];
+      for (auto& row : a) row[0] = row[1] = _mm512_setzero_ps();
+      const float* k = kt + t0;
+      for (int64_t d = 0; d < D; ++d, k += t_pad) {
+        const __m512 k0 = _mm512_loadu_ps(k), k1 = _mm512_loadu_ps(k + 16);
+#pragma GCC unroll 8
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 x = _mm512_set1_ps(qr[i][d]);
+          a[i][0] = _mm512_fmadd_ps(x, k0, a[i][0]);
+          a[i][1] = _mm512_fmadd_ps(x, k1, a[i][1]);
+        }
+      }
+      const int64_t n = std::min<int64_t>(kRows, rows - r0);
+      for (int64_t i = 0; i < n; ++i) {
+        float* o = scores + (r0 + i) * stride + t0;
+        _mm512_storeu_ps(o, _mm512_mul_ps(a[i][0], s));
+        _mm512_storeu_ps(o + 16, _mm512_mul_ps(a[i][1], s));
+      }
+    }
+  }
+}
+
+void scores_generic(const float* const* q, const float* kt, int64_t t_pad, int64_t D, int64_t keys, float scale,
+                    float* scores, int64_t stride, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = scores + r * stride;
+    std::fill(o, o + keys, 0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = q[r][d];
+      const float* k = kt + d * t_pad;
+#pragma omp simd
+      for (int64_t t = 0; t < keys; ++t) o[t] += x * k[t];
+    }
+#pragma omp simd
+    for (int64_t t = 0; t < keys; ++t) o[t] *= scale;
+  }
+}
+
+// out_r = sum_t w[r][t] v_t / sum_r for 6 rows at a time (24 accumulators), 64 values of a row at a time
+__attribute__((target("avx512f"))) void weighted_avx512(const float* weights, int64_t stride, int64_t from, int64_t keys,
+                                                         const float* values, int64_t D, float* const* out,
+                                                         const float* inverses, int64_t rows) {
+  constexpr int kRows = 6;
+  for (int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const int64_t n = std::min<int64_t>(kRows, rows - r0);
+    const float* w[kRows];
+    for (int i = 0; i < kRows; ++i) w[i] = weights + std::min<int64_t>(r0 + i, rows - 1) * stride;
+    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+      __m512 acc[kRows][4];
+      for (auto& row : acc)
+        for (auto& a : row) a = _mm512_setzero_ps();
+      for (int64_t t = from; t < keys; ++t) {
+        const float* v = values + t * D + d0;
+        const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                     v3 = _mm512_loadu_ps(v + 48);
+#pragma GCC unroll 6
+        for (int i = 0; i < kRows; ++i) {
+          const __m512 x = _mm512_set1_ps(w[i][t]);
+          acc[i][0] = _mm512_fmadd_ps(x, v0, acc[i][0]);
+          acc[i][1] = _mm512_fmadd_ps(x, v1, acc[i][1]);
+          acc[i][2] = _mm512_fmadd_ps(x, v2, acc[i][2]);
+          acc[i][3] = _mm512_fmadd_ps(x, v3, acc[i][3]);
+        }
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        const __m512 inverse = _mm512_set1_ps(inverses[r0 + i]);
+        for (int64_t j = 0; j < 4; ++j) _mm512_storeu_ps(out[r0 + i] + d0 + 16 * j, _mm512_mul_ps(acc[i][j], inverse));
+      }
+    }
+  }
+}
+
+void weighted_generic(const float* weights, int64_t stride, int64_t from, int64_t keys, const float* values, int64_t D,
+                      float* const* out, const float* inverses, int64_t rows) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* o = out[r];
+    std::fill(o, o + D, 0.0f);
+    for (int64_t t = from; t < keys; ++t) {
+      const float w = weights[r * stride + t];
+      const float* v = values + t * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += w * v[d];
+    }
+#pragma omp simd
+    for (int64_t d = 0; d < D; ++d) o[d] *= inverses[r];
+  }
+}
+
+const bool kAvx512 = __builtin_cpu_supports("avx512f");
+
+__attribute__((target_clones("avx512f", "avx2", "default")))  // the softmax's loops (and libmvec's exp) at the CPU's width
+void prompt_task(void* data, size_t index) {
+  thread_local std::vector<float> scores;
+  thread_local std::vector<const float*> queries;
+  thread_local std::vector<float*> outs;
+  thread_local std::vector<float> inverses;
+  const Prompt& p = *static_cast<const Prompt*>(data);
+  const int64_t D = p.head_size, G = p.heads / p.kv_heads, S = p.tokens, N = p.heads;
+  const auto i = static_cast<int64_t>(index);
+  const int64_t block = i % p.blocks, kvh = (i / p.blocks) % p.kv_heads, b = i / (p.blocks * p.kv_heads);
+  const int64_t first = block * kQueryBlock, count = std::min(kQueryBlock, S - first);
+  const int64_t past = past_of(p, b), last_key = p.seqlens[b];
+  // keys the block reads: up to its last query's position (or the row's last key)
+  const int64_t keys = std::min(past + first + count - 1, last_key) + 1;
+  const int64_t stride = (keys + 31) / 32 * 32;
+  const int64_t rows = count * G;
+  scores.resize(static_cast<size_t>(rows * stride));
+  queries.resize(static_cast<size_t>(rows));
+  outs.resize(static_cast<size_t>(rows));
+  inverses.resize(static_cast<size_t>(rows));
+  for (int64_t s = 0; s < count; ++s)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t at = ((b * S + first + s) * N + kvh * G + g) * D;
+      queries[s * G + g] = p.query + at;
+      outs[s * G + g] = p.output + at;
+    }
+  const float* kt = p.keys_t + (b * p.kv_heads + kvh) * D * p.t_pad;
+  if (kAvx512 && D % 16 == 0)
+    scores_avx512(queries.data(), kt, p.t_pad, D, keys, p.scale, scores.data(), stride, rows);
+  else
+    scores_generic(queries.data(), kt, p.t_pad, D, keys, p.scale, scores.data(), stride, rows);
+  int64_t from = keys;
+  for (int64_t s = 0; s < count; ++s) {
+    const int64_t position = past + first + s;
+    const int64_t end = std::min(position, last_key) + 1;
+    const int64_t start = p.window > 0 ? std::max<int64_t>(0, position + 1 - p.window) : 0;
+    from = std::min(from, start);
+    for (int64_t g = 0; g < G; ++g) {
+      float* row = scores.data() + (s * G + g) * stride;
+      if (p.bias != nullptr) {
+        const int64_t h = kvh * G + g;
+        const float* add = p.bias + (((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : h)) * p.bias_s +
+                                     (p.bias_s == 1 ? 0 : first + s)) * p.bias_t;
+#pragma omp simd
+        for (int64_t t = start; t < end; ++t) row[t] += add[t];
+      }
+      float top = std::numeric_limits<float>::lowest();
+      for (int64_t t = start; t < end; ++t) top = std::max(top, row[t]);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = start; t < end; ++t) {
+        row[t] = std::exp(row[t] - top);
+        sum += row[t];
+      }
+      inverses[s * G + g] = 1.0f / sum;  // applied to the weighted sum: one pass less over the scores
+      std::fill(row, row + start, 0.0f);
+      std::fill(row + end, row + keys, 0.0f);
+    }
+  }
+  const float* values = p.values + (b * p.kv_heads + kvh) * p.capacity * D;
+  if (kAvx512 && D % 64 == 0)
+    weighted_avx512(scores.data(), stride, from, keys, values, D, outs.data(), inverses.data(), rows);
+  else
+    weighted_generic(scores.data(), stride, from, keys, values, D, outs.data(), inverses.data(), rows);
+}
+
+struct Transpose {
+  const float* keys;  // present [B, Nkv, C, D]
+  float* keys_t;      // [B, Nkv, D, T_pad]
+  const int32_t* seqlens;
+  int64_t kv_heads, capacity, head_size, t_pad;
+};
+
+void transpose_task(void* data, size_t index) {
+  const Transpose& p = *static_cast<const Transpose*>(data);
+  const auto i = static_cast<int64_t>(index);
+  const int64_t b = i / p.kv_heads, D = p.head_size;
+  const int64_t keys = p.seqlens[b] + 1;
+  const float* from = p.keys + i * p.capacity * D;
+  float* to = p.keys_t + i * D * p.t_pad;
+  for (int64_t t0 = 0; t0 < keys; t0 += 16) {  // 16 keys at a time: the reads stay in a few lines
+    const int64_t n = std::min<int64_t>(16, keys - t0);
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = 0; t < n; ++t) to[d * p.t_pad + t0 + t] = from[(t0 + t) * D + d];
+  }
+  for (int64_t d = 0; d < D; ++d) std::fill(to + d * p.t_pad + keys, to + (d + 1) * p.t_pad, 0.0f);
+}
+
+struct CacheAttentionKernel {
+  int64_t heads, kv_heads, window;
+  float scale;
+
+  CacheAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
+    Ort::ConstKernelInfo kernel_info(info);
+    heads = kernel_info.GetAttribute<int64_t>("num_heads");
+    kv_heads = kernel_info.GetAttribute<int64_t>("kv_num_heads");
+    scale = kernel_info.GetAttribute<float>("scale");
+    window = kernel_info.GetAttribute<int64_t>("local_window_size");
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads != 0)
+      throw std::invalid_argument("CacheAttention: num_heads must be a positive multiple of kv_num_heads");
+  }
+
+  void Compute(OrtKernelContext* raw) {
+    Ort::KernelContext context(raw);
+    auto query = context.GetInput(0), key = context.GetInput(1), value = context.GetInput(2);
+    auto past_key = context.GetInput(3), past_value = context.GetInput(4), seqlens = context.GetInput(5);
+    const auto q_shape = query.GetTensorTypeAndShapeInfo().GetShape();
+    const auto cache_shape = past_key.GetTensorTypeAndShapeInfo().GetShape();
+    if (q_shape.size() != 3 || cache_shape.size() != 4)
+      throw std::invalid_argument("CacheAttention: queries [B, S, N*D] over a [B, Nkv, C, D] cache");
+    const int64_t B = q_shape[0], S = q_shape[1], D = cache_shape[3], C = cache_shape[2];
+    if (q_shape[2] != heads * D || cache_shape[0] != B || cache_shape[1] != kv_heads)
+      throw std::invalid_argument("CacheAttention: the query's and the cache's shapes disagree with the heads");
+    const int32_t* lengths = seqlens.GetTensorData<int32_t>();
+    int64_t longest = 0;
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t past = std::max<int64_t>(0, lengths[b] + 1 - S);
+      if (lengths[b] < 0 || past + S > C)
+        throw std::out_of_range("CacheAttention: seqlens_k " + std::to_string(lengths[b]) + " puts the call's tokens outside the cache's " +
+                                std::to_string(C) + " positions");
+      longest = std::max<int64_t>(longest, lengths[b] + 1);
+    }
+
+    auto output = context.GetOutput(0, q_shape);
+    auto present_key = context.GetOutput(1, cache_shape);
+    auto present_value = context.GetOutput(2, cache_shape);
+    float* pk = present_key.GetTensorMutableData<float>();
+    float* pv = present_value.GetTensorMutableData<float>();
+    const size_t cache_bytes = static_cast<size_t>(B * kv_heads * C * D) * sizeof(float);
+    if (pk != past_key.GetTensorData<float>()) std::memcpy(pk, past_key.GetTensorData<float>(), cache_bytes);
+    if (pv != past_value.GetTensorData<float>()) std::memcpy(pv, past_value.GetTensorData<float>(), cache_bytes);
+    const float* k = key.GetTensorData<float>();
+    const float* v = value.GetTensorData<float>();
+    for (int64_t b = 0; b < B; ++b) {  // the call's rows after each row's past: where the op writes them
+      const int64_t past = std::max<int64_t>(0, lengths[b] + 1 - S);
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t h = 0; h < kv_heads; ++h) {
+          const int64_t at = ((b * kv_heads + h) * C + past + s) * D, from = ((b * S + s) * kv_heads + h) * D;
+          std::memcpy(pk + at, k + from, static_cast<size_t>(D) * sizeof(float));
+          std::memcpy(pv + at, v + from, static_cast<size_t>(D) * sizeof(float));
+        }
+    }
+    const float used_scale = scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(D));
+    const float* bias_data = nullptr;
+    std::vector<int64_t> bias_shape{1, 1, 1, 0};
+    if (context.GetInputCount() > 6) {
+      auto bias = context.GetInput(6);
+      if (bias != nullptr) {
+        bias_shape = bias.GetTensorTypeAndShapeInfo().GetShape();
+        if (bias_shape.size() != 4 || (bias_shape[0] != 1 && bias_shape[0] != B) ||
+            (bias_shape[1] != 1 && bias_shape[1] != heads) || (bias_shape[2] != 1 && bias_shape[2] != S))
+          throw std::invalid_argument("CacheAttention: attention_bias must be [B or 1, N or 1, S or 1, T]");
+        if (longest > bias_shape[3])
+          throw std::out_of_range("CacheAttention: attention_bias is narrower than a row's positions");
+        bias_data = bias.GetTensorData<float>();
+      }
+    }
+    if (S > 1) {
+      const int64_t t_pad = (longest + 31) / 32 * 32;
+      std::vector<float> keys_t(static_cast<size_t>(B * kv_heads * D * t_pad));
+      Transpose transpose{pk, keys_t.data(), lengths, kv_heads, C, D, t_pad};
+      context.ParallelFor(transpose_task, static_cast<size_t>(B * kv_heads), 0, &transpose);
+      const int64_t blocks = (S + kQueryBlock - 1) / kQueryBlock;
+      Prompt prompt{query.GetTensorData<float>(), output.GetTensorMutableData<float>(), keys_t.data(), pv, lengths,
+                    bias_data, bias_shape[0], bias_shape[1], bias_shape[2], bias_shape[3],
+                    S, heads, kv_heads, D, C, window, t_pad, blocks, used_scale};
+      context.ParallelFor(prompt_task, static_cast<size_t>(B * kv_heads * blocks), 0, &prompt);
+      return;
+    }
+    Problem problem{query.GetTensorData<float>(), output.GetTensorMutableData<float>(), pk, pv, lengths,
+                    bias_data, bias_shape[0], bias_shape[1], bias_shape[3], heads, kv_heads, D, C, window, used_scale};
+    context.ParallelFor(attend_task, static_cast<size_t>(B * kv_heads), 0, &problem);
+  }
+};
+
+struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp, CacheAttentionKernel> {
+  void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new CacheAttentionKernel(api, info); }
+  const char* GetName() const { return "CacheAttention"; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 7; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 6 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                      : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
+                                                                                const OrtApiBase* api_base) {
+  static CacheAttentionOp op;
+  static std::once_flag initialized;
+  std::call_once(initialized, [api_base] { Ort::InitApi(api_base->GetApi(ORT_API_VERSION)); });
+  try {
+    static Ort::CustomOpDomain domain{"kvexport"};
+    static std::once_flag added;
+    std::call_once(added, [] { domain.Add(&op); });
+    Ort::UnownedSessionOptions(options).Add(domain);
+  } catch (const std::exception& error) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, error.what());
+  }
+  return nullptr;
+}
