@@ -19,8 +19,8 @@ import pytest
 from kvexport import export_model
 from kvexport.passes import PromptAttentionPass, prompt_attention
 from kvexport.runtime.generator import Generator
-from kvexport.runtime.opened import open_export
 from kvexport.runtime.kernels import KERNELS_VARIABLE
+from kvexport.runtime.opened import open_export
 from kvexport.runtime.session import PROMPT_ATTENTION_VARIABLE
 from kvexport.serving import runner as serving_runner
 from kvexport.serving.runner import ModelRunner
