@@ -57,7 +57,9 @@ cache: there such a call needs the products over more than 256 keys, and four of
 
 The runtime applies it when it opens an in-place graph on CPU
 (:func:`kvexport.runtime.session.cpu_graph`), so exports keep ``GroupQueryAttention``, which
-CUDA and other runtimes want. ``counts["nodes"]`` says how many were rewritten.
+CUDA and other runtimes want. Where kvexport's own kernel is built,
+:class:`~kvexport.passes.CacheAttentionPass` runs first and takes every fp32 node, so this
+pass rewrites what is left (an 8-bit cache's). ``counts["nodes"]`` says how many were rewritten.
 """
 
 from __future__ import annotations

@@ -169,7 +169,9 @@ def test_pieces_after_a_past_share_a_call_that_the_op_refuses(
     assert not alone.can_batch_after_past
     alone.run_rows(0, firsts)
     expected = np.stack([alone.run_piece(row, list(seconds[row]), 13) for row in range(3)])
-    np.testing.assert_allclose(together, expected, rtol=1e-4, atol=1e-4)
+    coded = runner.cache.banks.host_view(0, 0, (3, *runner.cache.row_shape)).dtype == np.int8
+    # an 8-bit cache: a code at a rounding edge may move by one (below), and one code step moves a logit by up to ~1e-3
+    np.testing.assert_allclose(together, expected, rtol=1e-4, atol=2e-3 if coded else 1e-4)
     for index in range(len(runner.cache.past)):
         got = runner.cache.banks.host_view(0, index, (3, *runner.cache.row_shape))[:, :, :20]
         want = alone.cache.banks.host_view(0, index, (3, *alone.cache.row_shape))[:, :, :20]
