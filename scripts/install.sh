@@ -15,7 +15,9 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[export,serve,test]"
 # kvexport's CPU decode kernel (a custom-op library for ONNX Runtime), built once into ~/.cache/kvexport:
 # ONNX Runtime's C API headers come from Debian's libonnxruntime-dev package (downloaded once, SHA-256 pinned)
-.venv/bin/kvexport build-kernels >/dev/null
+if ! .venv/bin/kvexport build-kernels >/dev/null; then
+  echo "note: kvexport's CPU attention kernel was not built (above); CPU sessions keep ONNX Runtime's attention" >&2
+fi
 if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     apt-get update -qq

@@ -237,3 +237,19 @@ def test_build_and_the_variable_refuse_what_is_missing_in_one_line(tmp_path: Pat
         kernels.library_path()
     monkeypatch.setenv(kernels.KERNELS_VARIABLE, "off")
     assert kernels.library_path() is None
+
+
+def test_the_kernel_refuses_tokens_outside_the_cache(library: Path) -> None:
+    session = _attention_session(library, True, 1, 1, 4, 2, 64, 8, -1)
+    feeds = {
+        "q": np.zeros((1, 1, 4 * 64), np.float32),
+        "k": np.zeros((1, 1, 2 * 64), np.float32),
+        "v": np.zeros((1, 1, 2 * 64), np.float32),
+        "past_key": np.zeros((1, 2, 8, 64), np.float32),
+        "past_value": np.zeros((1, 2, 8, 64), np.float32),
+        "seqlens": np.array([8], np.int32),  # position 8 of a cache of 8
+        "total": np.array(9, np.int32),
+        "bias": np.zeros((1, 1, 1, 9), np.float32),
+    }
+    with pytest.raises(Exception, match="CacheAttention: seqlens_k 8 puts the call's tokens outside the cache's 8 positions"):
+        session.run(None, feeds)
