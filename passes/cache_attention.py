@@ -36,6 +36,8 @@ from __future__ import annotations
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
+from .values import stand_in
+
 _MS = "com.microsoft"
 DOMAIN = "kvexport"  # the custom op's domain (kvexport.runtime.kernels registers it)
 OP_TYPE = "CacheAttention"
@@ -112,11 +114,5 @@ def _replace(graph: ir.Graph, node: ir.Node, number: int) -> None:
     )
     graph.insert_before(node, kernel)
     for index, (old, new) in enumerate(zip(node.outputs, kernel.outputs, strict=True)):
-        new.shape, new.type, new.name = old.shape, old.type, f"kvexport.cache_attention{number}_{index}"
-        if old in graph.outputs:  # a present (or a branch's output): the kernel's output takes its name and place
-            position, name = list(graph.outputs).index(old), old.name
-            old.name = f"{name}.replaced"
-            graph.outputs[position], new.name = new, name
-        else:
-            old.replace_all_uses_with(new)
+        stand_in(graph, old, new, f"kvexport.cache_attention{number}_{index}")  # a present keeps its name and place
     graph.remove(node, safe=True)

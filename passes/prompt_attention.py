@@ -70,7 +70,7 @@ import numpy as np
 import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
-from .values import initializer, ints
+from .values import initializer, ints, stand_in
 
 _MS = "com.microsoft"
 # the model's metadata key the pass sets where every layer's attention takes several rows after a past (an 8-bit cache's
@@ -348,11 +348,5 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
     branch.outputs[0].type, branch.outputs[0].name = node.outputs[0].type, f"{prefix}heads"  # its rank differs by branch
     outputs = [flat.outputs[0], *branch.outputs[1:]]
     for index, (old, new) in enumerate(zip(node.outputs[:3], outputs, strict=True)):
-        new.shape, new.type, new.name = old.shape, old.type, f"{prefix}out{index}"
-        if old in graph.outputs:  # a present: the branch's output takes its name and place
-            position, name = list(graph.outputs).index(old), old.name
-            old.name = f"{name}.replaced"
-            graph.outputs[position], new.name = new, name
-        else:
-            old.replace_all_uses_with(new)
+        stand_in(graph, old, new, f"{prefix}out{index}")  # a present: the branch's output takes its name and place
     graph.remove(node, safe=True)

@@ -33,6 +33,19 @@ def take_graph_output(graph: ir.Graph, old: ir.Value, new: ir.Value, shape: ir.S
     new.name, new.shape = name, shape
 
 
+def stand_in(graph: ir.Graph, old: ir.Value, new: ir.Value, name: str) -> None:
+    """``new`` (named ``name``, with ``old``'s shape and type) stands for ``old``, a replaced node's output.
+
+    As a graph output (a present, or a subgraph's output) it takes ``old``'s name and place
+    (:func:`take_graph_output`); elsewhere it takes ``old``'s readers.
+    """
+    new.shape, new.type, new.name = old.shape, old.type, name
+    if old in graph.outputs:
+        take_graph_output(graph, old, new, old.shape)
+    else:
+        old.replace_all_uses_with(new)
+
+
 def ints(graph: ir.Graph, value: int | list[int]) -> ir.Value:
     """A shared int64 initializer holding ``value`` (a scalar or a 1-D list), named by its values."""
     array = np.array(value, np.int64)
