@@ -1127,7 +1127,7 @@ def import_command(
 )
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Where to write the library [default: the cache the runtime looks in].")
 def build_kernels_command(ort_include: Path | None, out: Path | None) -> None:
-    """Build kvexport's CPU kernels (a decode attention for ONNX Runtime); CPU sessions use them once built."""
+    """Build kvexport's CPU kernels (attention over the in-place fp32 cache, for ONNX Runtime); CPU sessions use them once built."""
     from kvexport.runtime.kernels import KERNELS_VARIABLE, build, default_library
 
     library = _run(lambda: build(ort_include, out))

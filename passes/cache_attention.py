@@ -23,7 +23,7 @@ does not send those (sharing such calls gained nothing: 0.97-1.00x).
 :class:`CacheAttentionPass` replaces each fp32 ``GroupQueryAttention`` over an in-place
 cache (a ``past.*`` or ``decode.past.*`` value whose ``present`` has its shape) without
 rotary, softcap, smooth softmax, cos/sin caches, position ids, head sink, quantized cache
-or scores output by the kernel, with the same inputs (less ``total_sequence_length``) and
+or scores output, with no window or one of a position or more, by the kernel, with the same inputs (less ``total_sequence_length``) and
 outputs. The runtime applies it when it opens a graph on CPU and the kernel library is
 built, before :class:`~kvexport.passes.PromptAttentionPass`, which then takes what is left
 (an 8-bit cache); the library is registered with the session there
@@ -80,6 +80,9 @@ def _replaceable(node: ir.Node, presents: dict[str, ir.Value]) -> bool:
         attribute = node.attributes.get(name)
         if attribute is not None and attribute.value != neutral:
             return False
+    window = node.attributes.get("local_window_size")
+    if window is not None and window.value != -1 and window.value < 1:
+        return False  # a window of no positions (the kernel reads 0 as none)
     if any(v.dtype != ir.DataType.FLOAT for v in (query, key, value, past_key, past_value)):
         return False
     bias = inputs[10]

@@ -98,6 +98,7 @@ CASES = {
     "a piece after a past": (9, 3, 64, 37, [100], -1, True),
     "a piece after a past, a local window": (6, 2, 64, 21, [60], 9, True),
     "fresh prompts, one right padded": (9, 3, 64, 40, [39, 20, 39], -1, True),
+    "fresh prompts, one right padded far past its window": (6, 2, 64, 64, [5, 63], 4, True),
     "a piece, head size 48 (no tiles)": (4, 2, 48, 19, [70], -1, False),
     "a piece, head size 128": (4, 1, 128, 33, [90], -1, True),
 }
@@ -143,6 +144,7 @@ def test_the_kernel_gives_group_query_attentions_output_and_cache(library: Path,
         if not in_place:  # the past is read, not written
             for name, buffer in buffers.items():
                 np.testing.assert_array_equal(buffer.numpy(), cache[name])
+    assert np.isfinite(results[True]["out"]).all()  # padding queries too: they see what the row's last sees
     for row, last in enumerate(lengths):
         past = max(0, int(last) + 1 - tokens)
         valid = int(last) + 1 - past  # a right-padded first prompt's queries past its last position are the op's own
@@ -194,6 +196,19 @@ def test_a_cache_that_grows_keeps_the_op(llama_ort: Path) -> None:
             value.shape = ir.Shape([*dims[:2], f"{dims[2]}_plus_1", dims[3]])
     assert any(n.op_type == "GroupQueryAttention" for n in model.graph)
     assert not CacheAttentionPass()(model).modified
+
+
+def test_a_window_of_no_positions_keeps_the_op(llama_ort: Path) -> None:
+    """``local_window_size`` 0 is the op's (a window of no positions); the kernel reads 0 as none, so it is not taken."""
+    model = ir.load(llama_ort / "decode.onnx")
+    for node in model.graph:
+        if node.op_type == "GroupQueryAttention":
+            node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", 0)
+    assert not CacheAttentionPass()(model).modified
+    for node in model.graph:  # a window of a position or more is taken
+        if node.op_type == "GroupQueryAttention":
+            node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", 1)
+    assert CacheAttentionPass()(model).modified
 
 
 def _calls(export: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[list[np.ndarray], list[np.ndarray]]:

@@ -97,18 +97,28 @@ def fetch_headers(root: Path | None = None) -> Path:
         ) from exc
     if hashlib.sha256(package).hexdigest() != HEADERS_SHA256:
         raise KernelBuildError(f"{HEADERS_URL}: the download's SHA-256 is not the pinned one; not used")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".extracting-"))
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(dir=target.parent, prefix=".extracting-"))
+    except OSError as exc:
+        raise KernelBuildError(f"can't write ONNX Runtime's headers under {target.parent}: {first_line(exc)}") from exc
     try:
         with tarfile.open(fileobj=io.BytesIO(_deb_member(package, b"data.tar"))) as data:
             members = [m for m in data.getmembers() if m.isfile() and m.name.lstrip("./").startswith(_HEADER_DIR + "/")]
             data.extractall(work, members=members, filter="data")
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(work, target)
+        if not (work / _HEADER_DIR / "onnxruntime_cxx_api.h").is_file():
+            raise KernelBuildError(f"{HEADERS_URL}: no {_HEADER_DIR}/onnxruntime_cxx_api.h in the package")
+        if not (include / "onnxruntime_cxx_api.h").is_file():  # another build may have put them there meanwhile
+            shutil.rmtree(target, ignore_errors=True)  # a broken earlier extraction
+            try:
+                os.replace(work, target)
+            except OSError:
+                if not (include / "onnxruntime_cxx_api.h").is_file():
+                    raise
+    except (ValueError, TypeError, tarfile.TarError, OSError) as exc:  # a damaged archive, a Python without lzma or tar filters, the disk
+        raise KernelBuildError(f"can't unpack ONNX Runtime's headers from {HEADERS_URL}: {first_line(exc)}") from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if not (include / "onnxruntime_cxx_api.h").is_file():
-        raise KernelBuildError(f"{HEADERS_URL}: no {_HEADER_DIR}/onnxruntime_cxx_api.h in the package")
     return include
 
 
@@ -140,7 +150,10 @@ def build(include: Path | None = None, output: Path | None = None, *, compiler: 
     elif not (include / "onnxruntime_cxx_api.h").is_file():
         raise KernelBuildError(f"--ort-include {include}: no onnxruntime_cxx_api.h there")
     output = output or default_library()
-    output.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise KernelBuildError(f"can't write {output}: {first_line(exc)}") from exc
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=".building-") as work:
         objects = Path(work) / "kernels.o"
         library = Path(work) / output.name
@@ -152,5 +165,8 @@ def build(include: Path | None = None, output: Path | None = None, *, compiler: 
             if done.returncode != 0:
                 lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or [""]
                 raise KernelBuildError(f"building the kernels failed: {lines[0].strip()[:300]}")
-        os.replace(library, output)
+        try:
+            os.replace(library, output)
+        except OSError as exc:
+            raise KernelBuildError(f"can't write {output}: {first_line(exc)}") from exc
     return output

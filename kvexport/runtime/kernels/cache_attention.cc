@@ -128,7 +128,7 @@ struct Prompt {
   float scale;
 };
 
-inline int64_t past_of(const Prompt& p, int64_t b) { return std::max<int64_t>(0, p.seqlens[b] + 1 - p.tokens); }
+inline int64_t past_of(const Prompt& p, int64_t b) { return std::max<int64_t>(0, static_cast<int64_t>(p.seqlens[b]) + 1 - p.tokens); }
 
 // scores[r][t] = scale * q_r . k_t for 8 rows and 32 keys at a time (16 accumulators); rows padded to 8, keys to 32
 __attribute__((target("avx512f"))) void scores_avx512(const float* const* q, const float* kt, int64_t t_pad, int64_t D,
@@ -262,8 +262,9 @@ void prompt_task(void* data, size_t index) {
     scores_generic(queries.data(), kt, p.t_pad, D, keys, p.scale, scores.data(), stride, rows);
   int64_t from = keys;
   for (int64_t s = 0; s < count; ++s) {
-    const int64_t position = past + first + s;
-    const int64_t end = std::min(position, last_key) + 1;
+    // a right-padded row's padding queries (past its last key) see what its last query sees
+    const int64_t position = std::min(past + first + s, last_key);
+    const int64_t end = position + 1;
     const int64_t start = p.window > 0 ? std::max<int64_t>(0, position + 1 - p.window) : 0;
     from = std::min(from, start);
     for (int64_t g = 0; g < G; ++g) {
@@ -306,7 +307,7 @@ void transpose_task(void* data, size_t index) {
   const Transpose& p = *static_cast<const Transpose*>(data);
   const auto i = static_cast<int64_t>(index);
   const int64_t b = i / p.kv_heads, D = p.head_size;
-  const int64_t keys = p.seqlens[b] + 1;
+  const int64_t keys = static_cast<int64_t>(p.seqlens[b]) + 1;
   const float* from = p.keys + i * p.capacity * D;
   float* to = p.keys_t + i * D * p.t_pad;
   for (int64_t t0 = 0; t0 < keys; t0 += 16) {  // 16 keys at a time: the reads stay in a few lines
@@ -340,16 +341,26 @@ struct CacheAttentionKernel {
     if (q_shape.size() != 3 || cache_shape.size() != 4)
       throw std::invalid_argument("CacheAttention: queries [B, S, N*D] over a [B, Nkv, C, D] cache");
     const int64_t B = q_shape[0], S = q_shape[1], D = cache_shape[3], C = cache_shape[2];
+    if (S < 1 || D < 1)
+      throw std::invalid_argument("CacheAttention: a call needs at least one token and a head size");
     if (q_shape[2] != heads * D || cache_shape[0] != B || cache_shape[1] != kv_heads)
       throw std::invalid_argument("CacheAttention: the query's and the cache's shapes disagree with the heads");
+    const std::vector<int64_t> kv_shape{B, S, kv_heads * D};
+    if (key.GetTensorTypeAndShapeInfo().GetShape() != kv_shape || value.GetTensorTypeAndShapeInfo().GetShape() != kv_shape)
+      throw std::invalid_argument("CacheAttention: key and value must be [B, S, Nkv*D] as the query and the cache say");
+    if (past_value.GetTensorTypeAndShapeInfo().GetShape() != cache_shape)
+      throw std::invalid_argument("CacheAttention: past_value's shape differs from past_key's");
+    if (seqlens.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(B))
+      throw std::invalid_argument("CacheAttention: seqlens_k must hold one length per row");
     const int32_t* lengths = seqlens.GetTensorData<int32_t>();
     int64_t longest = 0;
     for (int64_t b = 0; b < B; ++b) {
-      const int64_t past = std::max<int64_t>(0, lengths[b] + 1 - S);
-      if (lengths[b] < 0 || past + S > C)
+      const int64_t keys = static_cast<int64_t>(lengths[b]) + 1;
+      const int64_t past = std::max<int64_t>(0, keys - S);
+      if (keys < 1 || past + S > C)
         throw std::out_of_range("CacheAttention: seqlens_k " + std::to_string(lengths[b]) + " puts the call's tokens outside the cache's " +
                                 std::to_string(C) + " positions");
-      longest = std::max<int64_t>(longest, lengths[b] + 1);
+      longest = std::max<int64_t>(longest, keys);
     }
 
     auto output = context.GetOutput(0, q_shape);
@@ -363,7 +374,7 @@ struct CacheAttentionKernel {
     const float* k = key.GetTensorData<float>();
     const float* v = value.GetTensorData<float>();
     for (int64_t b = 0; b < B; ++b) {  // the call's rows after each row's past: where the op writes them
-      const int64_t past = std::max<int64_t>(0, lengths[b] + 1 - S);
+      const int64_t past = std::max<int64_t>(0, static_cast<int64_t>(lengths[b]) + 1 - S);
       for (int64_t s = 0; s < S; ++s)
         for (int64_t h = 0; h < kv_heads; ++h) {
           const int64_t at = ((b * kv_heads + h) * C + past + s) * D, from = ((b * S + s) * kv_heads + h) * D;
