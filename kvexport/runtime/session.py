@@ -187,24 +187,32 @@ def cpu_graph(graph_path: Path, options: ort.SessionOptions) -> str | bytes:
     folds the int8 codes from them when the session loads.
     """
     kernels = library_path()
-    rewritten = _cpu_rewrite(graph_path, kernels)
-    text = rewritten if rewritten is not None else graph_path.read_bytes()
-    if _KERNEL in text:  # rewritten here, or a pre-packed graph saved after the rewrite
-        if kernels is None:
-            raise ManifestError(
-                f"{graph_path}: this graph runs kvexport's attention kernel, which is not built here "
-                f"(or {KERNELS_VARIABLE}=off); run kvexport build-kernels"
-            )
-        options.register_custom_ops_library(str(kernels))
+    text = graph_path.read_bytes()
+    rewritten = _cpu_rewrite(graph_path, text, kernels)
+    _register_kernels(rewritten if rewritten is not None else text, graph_path, kernels, options)  # or a pre-packed graph's
     if rewritten is None:
         return str(graph_path)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
     return rewritten
 
 
-def _cpu_rewrite(graph_path: Path, kernels: Path | None) -> bytes | None:
-    """The graph after the CPU rewrites that apply to it, or None where none does (or onnx_ir is missing)."""
-    text = graph_path.read_bytes()
+def _register_kernels(graph: bytes, graph_path: Path, kernels: Path | None, options: ort.SessionOptions) -> None:
+    """Register kvexport's kernel library with ``options`` where ``graph`` (serialized) runs its op.
+
+    Raises :class:`ManifestError` where it does and the library is not built (or is turned off).
+    """
+    if _KERNEL not in graph:
+        return
+    if kernels is None:
+        raise ManifestError(
+            f"{graph_path}: this graph runs kvexport's attention kernel, which is not built here "
+            f"(or {KERNELS_VARIABLE}=off); run kvexport build-kernels"
+        )
+    options.register_custom_ops_library(str(kernels))
+
+
+def _cpu_rewrite(graph_path: Path, text: bytes, kernels: Path | None) -> bytes | None:
+    """The graph (``text``, read from ``graph_path``) after the CPU rewrites that apply to it, or None where none does (or onnx_ir is missing)."""
     attention = b"GroupQueryAttention" in text
     signed = b"MatMulIntegerToFloat" in text and signed_int8_weights()
     products = attention and prompt_attention_products()
@@ -285,10 +293,11 @@ def open_mixed_session(
     model = ir.load(graph_path)
     mixed_step(model, all_logits=all_logits)
     options = options or session_options()
+    kernels = None
     if resolve_provider(provider) == "cpu":  # its prompt half runs at batch 1, where the op is the faster
         kernels = library_path()
-        if cpu_rewrites(model, products=False, kernel=kernels is not None) and kernels is not None:
-            if any(node.op_type == "CacheAttention" for node in ir.traversal.RecursiveGraphIterator(model.graph)):
-                options.register_custom_ops_library(str(kernels))
+        cpu_rewrites(model, products=False, kernel=kernels is not None)
+    graph = ir.to_proto(model).SerializeToString()
+    _register_kernels(graph, graph_path, kernels, options)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
-    return _inference_session(ir.to_proto(model).SerializeToString(), graph_path, provider, options, "its mixed step")
+    return _inference_session(graph, graph_path, provider, options, "its mixed step")

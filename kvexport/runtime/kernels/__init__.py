@@ -32,7 +32,6 @@ from kvexport.errors import KvexportError, first_line
 
 SOURCE = Path(__file__).with_name("cache_attention.cc")
 KERNELS_VARIABLE = "KVEXPORT_KERNELS"
-DOMAIN = "kvexport"
 # Debian's package of ONNX Runtime's headers (trixie, amd64; headers are the same on every architecture)
 HEADERS_URL = "http://deb.debian.org/debian/pool/main/o/onnxruntime/libonnxruntime-dev_1.21.0+dfsg-1_amd64.deb"
 HEADERS_SHA256 = "14f7d959d5deacbcf1504830d4189f91fc67382b399ed9ae9d3aa9c4050ced08"
