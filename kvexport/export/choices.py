@@ -136,8 +136,8 @@ def check_combination(
 class QuantizationChoice:
     """``--quantize`` and the knobs given beside it, as the user gave them.
 
-    ``overrides`` holds only the knobs given (``block_size``, ``symmetric``,
-    ``accuracy_level``, ``head_bits``, ``per_channel``); :func:`kvexport.export.writer.quantization_config`
+    ``overrides`` holds only the knobs given (``block_size``, ``symmetric``, ``offsets``,
+    ``accuracy_level``, ``head_bits``, ``per_channel``); :func:`kvexport.export.quantization.quantization_config`
     lays them over the scheme's defaults.
     """
 

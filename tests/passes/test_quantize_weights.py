@@ -472,6 +472,57 @@ def test_asymmetric_blocks_carry_zero_points_and_stay_close() -> None:
     assert np.abs(_run(model, ids) - expected).max() < 0.05 * np.abs(expected).max()
 
 
+def _on_q4_1_grid(k: int, n: int, seed: int) -> np.ndarray:
+    """[K, N] weights that are exactly Q4_1 blocks along K: ``q * d + m``, q in 0..15, a float d and m each block of 32."""
+    rng = np.random.default_rng(seed)
+    codes = rng.integers(0, 16, size=(n, k // 32, 32))
+    codes[..., 0], codes[..., 1] = 0, 15  # every block spans its whole range, as Q4_1's quantizer leaves it
+    step = rng.uniform(0.005, 0.05, size=(n, k // 32, 1)).astype(np.float32)
+    low = rng.uniform(-0.4, 0.1, size=(n, k // 32, 1)).astype(np.float32)
+    return (codes * step + low).astype(np.float32).reshape(n, k).T.copy()
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_block_offsets_keep_q4_1_weights_exactly_with_one_block_sum_per_activation(bits: int) -> None:
+    """``offsets``: integer zero points plus each block's remainder, added as (X @ S) @ R; exact on a Q4_1 grid."""
+    k, n = 96, 40
+    weights = {"Wq": _on_q4_1_grid(k, n, 1), "Wk": _on_q4_1_grid(k, n, 2)}
+    graph = onnx.helper.make_graph(
+        [  # a product that reaches an output through shape-only ops is an LM head (kept symmetric): a Mul each
+            onnx.helper.make_node("MatMul", ["x", "Wq"], ["q_product"]),
+            onnx.helper.make_node("MatMul", ["x", "Wk"], ["k_product"]),
+            onnx.helper.make_node("Mul", ["q_product", "one"], ["q"]),
+            onnx.helper.make_node("Mul", ["k_product", "one"], ["k"]),
+        ],
+        "shared",
+        [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, ["rows", k])],
+        [onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, ["rows", n]) for name in ("q", "k")],
+        [onnx.numpy_helper.from_array(a, name) for name, a in {**weights, "one": np.ones(1, np.float32)}.items()],
+    )
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    x = np.random.default_rng(3).standard_normal((5, k)).astype(np.float32)
+
+    def run(model: onnx.ModelProto) -> list[np.ndarray]:
+        return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+
+    offsets = ir.from_proto(proto)
+    quantize = QuantizeWeightsPass(QuantizationConfig(bits=bits, block_size=32, symmetric=False, offsets=True, accuracy_level=1))
+    quantize(offsets)
+    assert quantize.counts["matmul"] == 2 and quantize.counts["offsets"] == 2
+    ops = [node.op_type for node in offsets.graph]
+    assert ops.count("MatMulNBits") == 2 and ops.count("MatMul") == 3 and ops.count("Add") == 2  # one block sum for both products, an offset product each
+    plain = ir.from_proto(proto)  # integer zero points alone: every block moved by up to half a step
+    QuantizeWeightsPass(QuantizationConfig(bits=bits, block_size=32, symmetric=False, accuracy_level=1))(plain)
+    expected = [x.astype(np.float64) @ w.astype(np.float64) for w in weights.values()]
+    for got, without, want in zip(run(ir.to_proto(offsets)), run(ir.to_proto(plain)), expected, strict=True):
+        scale = np.abs(want).max()
+        assert np.abs(got - want).max() < 1e-5 * scale
+        if bits == 4:
+            assert np.abs(without - want).max() > 1e-3 * scale
+    manifest_knobs = QuantizationConfig(bits=bits, symmetric=False, offsets=True).to_json()
+    assert manifest_knobs["offsets"] is True and "channel_bits" not in manifest_knobs
+
+
 def test_rows_not_a_multiple_of_the_block_get_a_smaller_block() -> None:
     proto, weights = _tied_decoder()
     ids = np.array([1, 2], dtype=np.int64)
@@ -542,6 +593,7 @@ def test_graph_without_weights_is_left_alone() -> None:
         ({"bits": 8, "per_channel": True, "gated_rotation": 48}, "gated rotation 48: use a power of two, at least 16"),
         ({"bits": 8, "gated_rotation": 64}, "a gated rotation goes with per-channel weights"),
         ({"bits": 8, "per_channel": True, "gated_blocks": True, "gated_rotation": 64}, "choose one"),
+        ({"bits": 4, "offsets": True}, "block offsets go with asymmetric blocks"),
     ],
 )
 def test_bad_knobs_are_refused(knobs: dict[str, int], message: str) -> None:
