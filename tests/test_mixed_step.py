@@ -26,12 +26,16 @@ CAPACITY = 48
 @pytest.fixture(scope="module")
 def qwen3_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3 (grouped-query attention, Q/K norms, rotary outside the op) as an ort-cpu int8 export
-    (per channel, the down projections in blocks: both kernels in one mixed call)."""
+    (per channel, asked for by name; the down projections rotated first)."""
+    import dataclasses
+
     from kvexport import export_model
+    from kvexport.export.quantization import QUANTIZATION_SCHEMES
 
     config = write_config(tmp_path_factory.mktemp("config-qwen3"), FAMILY_CONFIGS["qwen3"])
     out = tmp_path_factory.mktemp("mixed-qwen3") / "out"
-    export_model(out, str(config), random_init=True, seed=5, target="ort-cpu", quantize="int8")
+    per_channel = dataclasses.replace(QUANTIZATION_SCHEMES["int8"], per_channel=True)
+    export_model(out, str(config), random_init=True, seed=5, target="ort-cpu", quantize="int8", quantization=per_channel)
     return out
 
 

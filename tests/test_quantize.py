@@ -169,7 +169,7 @@ def test_bad_quantization_options_get_one_line(tmp_path: Path, args: list[str], 
     assert not (tmp_path / "o").exists()
 
 
-def test_int8_means_per_channel_on_cpu_with_a_rotation_for_gated_mlps() -> None:
+def test_int8_means_blocks_everywhere_and_per_channel_by_name_with_a_rotation_for_gated_mlps() -> None:
     import dataclasses
 
     from kvexport.export.options import ExportOptions
@@ -181,11 +181,14 @@ def test_int8_means_per_channel_on_cpu_with_a_rotation_for_gated_mlps() -> None:
         assert knobs is not None
         return knobs.per_channel, knobs.channel_bits, knobs.gated_blocks, knobs.gated_rotation
 
-    assert kernel("ort-cpu", "gpt2") == (True, 7, False, 0)
-    for family in ("llama", "qwen2", "qwen3", "mistral", "phi3"):  # 8 bits, the down projection rotated first
-        assert kernel("ort-cpu", family) == (True, 8, False, 64)
+    # without knobs: Q8_0's arithmetic (8-bit blocks of 32, int8 activations per block), every family and target
+    for family in ("gpt2", "llama", "qwen2", "qwen3", "mistral", "phi3"):
+        assert kernel("ort-cpu", family)[0] is False
+        assert ExportOptions.resolve("ort-cpu", quantize="int8", family=family).quantization == QUANTIZATION_SCHEMES["int8"]
     asked = dataclasses.replace(QUANTIZATION_SCHEMES["int8"], per_channel=True)
-    assert kernel("ort-cpu", "llama", quantization=asked) == (True, 8, False, 64)  # --per-channel: the same
+    assert kernel("ort-cpu", "gpt2", quantization=asked) == (True, 7, False, 0)  # --per-channel: GPT-2's recipe
+    for family in ("llama", "qwen2", "qwen3", "mistral", "phi3"):  # 8 bits, the down projection rotated first
+        assert kernel("ort-cpu", family, quantization=asked) == (True, 8, False, 64)
     blocks = dataclasses.replace(asked, gated_blocks=True)  # the earlier recipe, asked for by knobs
     assert kernel("ort-cpu", "llama", quantization=blocks) == (True, 8, True, 0)
     finer = dataclasses.replace(asked, gated_rotation=128)
@@ -196,8 +199,8 @@ def test_int8_means_per_channel_on_cpu_with_a_rotation_for_gated_mlps() -> None:
 
 def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: dict[str, Path], tmp_path: Path) -> None:
     out = tmp_path / "int8-per-channel"
-    result = CliRunner().invoke(  # GPT-2's int8 on ort-cpu: per channel without asking
-        main, ["gpt2", "--out", str(out), "--model", str(TRAINED), "--target", "ort-cpu", "--quantize", "int8"]
+    result = CliRunner().invoke(
+        main, ["gpt2", "--out", str(out), "--model", str(TRAINED), "--target", "ort-cpu", "--quantize", "int8", "--per-channel"]
     )
     assert result.exit_code == 0, result.output
     assert "quantized int8: 7-bit weights per output channel, head included" in result.stdout
@@ -228,14 +231,15 @@ def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: 
     # further from fp32 than the blocks, which quantize activations per row in blocks of 32
     blocks = verify(trained_exports["int8"], steps=1, text=HELDOUT, text_tokens=100_000, record=False)
     assert blocks.text is not None and report.text.mean_kl > blocks.text.mean_kl
-    # --blocks asks for them by name
-    named = tmp_path / "int8-blocks"
-    result = CliRunner().invoke(
-        main, ["gpt2", "--out", str(named), "--model", str(TRAINED), "--target", "ort-cpu", "--quantize", "int8", "--blocks"]
-    )
-    assert result.exit_code == 0, result.output
-    ops = [node.op_type for node in onnx.load(str(named / "prefill.onnx"), load_external_data=False).graph.node]
-    assert ops.count("MatMulNBits") == 4 * n_layer + 1 and "MatMulIntegerToFloat" not in ops
+    # without --per-channel (or with --blocks), the blocks
+    for flags in ([], ["--blocks"]):
+        named = tmp_path / f"int8-blocks{len(flags)}"
+        result = CliRunner().invoke(
+            main, ["gpt2", "--out", str(named), "--model", str(TRAINED), "--target", "ort-cpu", "--quantize", "int8", *flags]
+        )
+        assert result.exit_code == 0, result.output
+        ops = [node.op_type for node in onnx.load(str(named / "prefill.onnx"), load_external_data=False).graph.node]
+        assert ops.count("MatMulNBits") == 4 * n_layer + 1 and "MatMulIntegerToFloat" not in ops
 
 
 def test_verify_text_needs_a_tokenizer_and_a_file(trained_exports: dict[str, Path], tmp_path: Path) -> None:

@@ -75,8 +75,8 @@ class ExportOptions:
     ) -> ExportOptions:
         """Fill in the target's defaults and refuse what can't work (:class:`KvexportError`).
 
-        ``family`` (the manifest's name of the model's family) picks what ``--quantize int8``
-        without knobs means on a CPU target (:func:`~kvexport.export.quantization.scheme_knobs`).
+        ``family`` (the manifest's name of the model's family) picks the per-channel recipe when
+        per-channel int8 is asked for (:func:`~kvexport.export.quantization.scheme_knobs`).
         """
         target_kind = choose(TargetKind, target, "--target")
         default_attention, default_dtype, _ = TARGET_DEFAULTS[target_kind]
@@ -95,7 +95,7 @@ class ExportOptions:
             dtype=dtype_kind,
             cache=cache_kind,
             quantize=quantize_kind,
-            quantization=scheme_knobs(quantize_kind, quantization, dtype_kind, target=target_kind, family=family),
+            quantization=scheme_knobs(quantize_kind, quantization, dtype_kind, family=family),
             opset=opset,
             all_logits=all_logits,
             kv_cache=kv_cache_quantization(kv_cache, dtype_kind, cache_kind),

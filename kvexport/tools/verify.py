@@ -689,6 +689,7 @@ def verify(
     provider: str = "cpu",
     text: str | Path | None = None,
     text_tokens: int = DEFAULT_TEXT_TOKENS,
+    text_window: int = TEXT_WINDOW,
     record: bool = True,
     progress: Progress | None = None,
 ) -> VerifyReport:
@@ -701,6 +702,7 @@ def verify(
         text: a UTF-8 text file: add teacher-forced perplexity of the export and of
             PyTorch on it (see :class:`TextQuality`).
         text_tokens: use at most this many tokens of ``text``.
+        text_window: tokens per teacher-forced window of ``text`` (at most the model's positions).
         record: write the summary into the manifest's ``verify`` entry.
         progress: called with a short message at each phase (the CLI prints them).
 
@@ -741,7 +743,7 @@ def verify(
     if text is not None and text_content is not None:
         progress(f"teacher-forcing {text} (at most {text_tokens} tokens)")
         report.text = _text_quality(
-            Path(text), text_content, path, manifest, sessions, model, resolved, text_tokens, TEXT_WINDOW
+            Path(text), text_content, path, manifest, sessions, model, resolved, text_tokens, text_window
         )
     report.seconds = time.perf_counter() - started
     if record:
