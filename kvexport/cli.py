@@ -518,7 +518,8 @@ def _render_text(report: Any) -> None:
     text = report.text
     click.echo(
         f"text {text.file}: {text.tokens} tokens, perplexity {text.perplexity_onnx:.3f} vs PyTorch "
-        f"{text.perplexity_torch:.3f} ({text.perplexity_delta_pct:+.2f}%), top-1 agreement "
+        f"{text.perplexity_torch:.3f} ({text.perplexity_delta_pct:+.2f}%; {text.late_perplexity_delta_pct:+.2f}% over each "
+        f"window's second half, as llama-perplexity scores), top-1 agreement "
         f"{text.top1_agreement:.3f}, mean KL {text.mean_kl:.2e}, max logit error {text.max_logit_error:.3f}"
     )
 

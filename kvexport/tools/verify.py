@@ -105,6 +105,8 @@ class TextQuality:
     top1_agreement: float
     mean_kl: float
     max_logit_error: float
+    # the delta over each window's second half only, as llama.cpp's llama-perplexity scores a window
+    late_perplexity_delta_pct: float = 0.0
 
 
 @dataclass
@@ -586,6 +588,7 @@ def _text_quality(
     past_names = cache_names("past", manifest.dims.num_layers)
     present_names = cache_names("present", manifest.dims.num_layers)
     got_rows, want_rows, targets = [], [], []
+    positions: list[int] = []  # each target's position in its window
     for start in range(0, len(ids) - 1, window - 1):  # windows overlap by one token
         chunk = ids[start : start + window]
         if len(chunk) < 2:
@@ -609,11 +612,14 @@ def _text_quality(
             if not runner.in_place:
                 feeds.update({p: got[q] for p, q in zip(past_names, present_names, strict=True)})
         targets += chunk[1:]
+        positions += range(1, len(chunk))
     got_logits, want_logits = np.stack(got_rows), np.concatenate(want_rows)
     agree, kl, max_error = _next_token_stats(got_logits, want_logits)
     rows = np.arange(len(targets))
-    nll_onnx = -log_softmax(got_logits)[rows, targets].mean()
-    nll_torch = -log_softmax(want_logits)[rows, targets].mean()
+    nll_onnx_rows = -log_softmax(got_logits)[rows, targets]
+    nll_torch_rows = -log_softmax(want_logits)[rows, targets]
+    nll_onnx, nll_torch = nll_onnx_rows.mean(), nll_torch_rows.mean()
+    late = np.asarray(positions) >= window // 2
     return TextQuality(
         file=str(text_file),
         tokens=len(targets),
@@ -621,6 +627,9 @@ def _text_quality(
         perplexity_onnx=float(np.exp(nll_onnx)),
         perplexity_torch=float(np.exp(nll_torch)),
         perplexity_delta_pct=float((np.exp(nll_onnx - nll_torch) - 1) * 100),
+        late_perplexity_delta_pct=float((np.exp(nll_onnx_rows[late].mean() - nll_torch_rows[late].mean()) - 1) * 100)
+        if late.any()
+        else 0.0,
         top1_agreement=float(agree.mean()),
         mean_kl=float(kl.mean()),
         max_logit_error=max_error,
