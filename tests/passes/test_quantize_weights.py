@@ -69,7 +69,7 @@ def test_weights_become_nbits_ops_with_the_head_and_embedding_sharing_bytes(bits
     config = QuantizationConfig(bits=bits, block_size=32, accuracy_level=0, head_bits=head_bits)
     graph_pass = QuantizeWeightsPass(config)
     assert graph_pass(model).modified
-    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0}
+    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0, "offsets": 0}
     ops = [(node.op_type, node.attributes.get_int("bits", 0)) for node in model.graph]
     assert ops == [
         ("GatherBlockQuantized", head_bits),
@@ -118,7 +118,7 @@ def test_per_channel_weights_become_row_quantized_products_with_the_tied_table_r
     config = QuantizationConfig(bits=8, per_channel=True, channel_bits=channel_bits)
     graph_pass = QuantizeWeightsPass(config)
     assert graph_pass(model).modified
-    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0}
+    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0, "offsets": 0}
     matmuls = [node for node in model.graph if node.op_type == "MatMulIntegerToFloat"]
     assert len(matmuls) == 3
     assert not [node for node in model.graph if node.op_type in ("MatMul", "Gemm", "MatMulNBits", "DynamicQuantizeMatMul")]
@@ -483,8 +483,8 @@ def _on_q4_1_grid(k: int, n: int, seed: int) -> np.ndarray:
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_block_offsets_keep_q4_1_weights_exactly_with_one_block_sum_per_activation(bits: int) -> None:
-    """``offsets``: integer zero points plus each block's remainder, added as (X @ S) @ R; exact on a Q4_1 grid."""
+def test_block_offsets_keep_q4_1_weights_with_one_block_sum_per_activation(bits: int) -> None:
+    """``offsets``: integer zero points plus each block's remainder, rows of the product that the block sums multiply."""
     k, n = 96, 40
     weights = {"Wq": _on_q4_1_grid(k, n, 1), "Wk": _on_q4_1_grid(k, n, 2)}
     graph = onnx.helper.make_graph(
@@ -510,15 +510,16 @@ def test_block_offsets_keep_q4_1_weights_exactly_with_one_block_sum_per_activati
     quantize(offsets)
     assert quantize.counts["matmul"] == 2 and quantize.counts["offsets"] == 2
     ops = [node.op_type for node in offsets.graph]
-    assert ops.count("MatMulNBits") == 2 and ops.count("MatMul") == 3 and ops.count("Add") == 2  # one block sum for both products, an offset product each
+    # Concat(X, X @ S) once, for both products; nothing more per product
+    assert ops.count("MatMulNBits") == 2 and ops.count("MatMul") == 1 and ops.count("Concat") == 1 and len(ops) == 6
+    assert all(node.attributes["K"].value == k + k // 32 for node in offsets.graph if node.op_type == "MatMulNBits")
     plain = ir.from_proto(proto)  # integer zero points alone: every block moved by up to half a step
     QuantizeWeightsPass(QuantizationConfig(bits=bits, block_size=32, symmetric=False, accuracy_level=1))(plain)
     expected = [x.astype(np.float64) @ w.astype(np.float64) for w in weights.values()]
     for got, without, want in zip(run(ir.to_proto(offsets)), run(ir.to_proto(plain)), expected, strict=True):
-        scale = np.abs(want).max()
-        assert np.abs(got - want).max() < 1e-5 * scale
-        if bits == 4:
-            assert np.abs(without - want).max() > 1e-3 * scale
+        # the remainders' own rounding is left: a small fraction of the integer zero points' error
+        error, plain_error = np.abs(got - want).mean(), np.abs(without - want).mean()
+        assert error < plain_error / 3, (error, plain_error)
     manifest_knobs = QuantizationConfig(bits=bits, symmetric=False, offsets=True).to_json()
     assert manifest_knobs["offsets"] is True and "channel_bits" not in manifest_knobs
 
@@ -558,7 +559,7 @@ def test_rows_no_block_divides_stay_float() -> None:
     graph_pass(model)
     # the head pads its last block (MatMulNBits allows that); the table stays a float Gather
     assert [node.op_type for node in model.graph] == ["Gather", "MatMulNBits"]
-    assert graph_pass.counts == {"matmul": 0, "lm_head": 1, "gather_shared": 0, "gather": 0, "left_float": 1}
+    assert graph_pass.counts == {"matmul": 0, "lm_head": 1, "gather_shared": 0, "gather": 0, "left_float": 1, "offsets": 0}
     ids = np.array([0, 10], dtype=np.int64)
     assert np.abs(_run(model, ids) - table[ids] @ table.T).max() < 0.05 * np.abs(table[ids] @ table.T).max()
 
@@ -576,7 +577,7 @@ def test_graph_without_weights_is_left_alone() -> None:
     model = ir.from_proto(onnx.helper.make_model(graph))
     graph_pass = QuantizeWeightsPass()
     assert not graph_pass(model).modified
-    assert graph_pass.counts == {"matmul": 0, "lm_head": 0, "gather_shared": 0, "gather": 0, "left_float": 0}
+    assert graph_pass.counts == {"matmul": 0, "lm_head": 0, "gather_shared": 0, "gather": 0, "left_float": 0, "offsets": 0}
     assert [node.op_type for node in model.graph] == ["MatMul"]
 
 
