@@ -47,12 +47,13 @@ UNGATED_FAMILIES = frozenset({"gpt2"})
 GATED_ROTATION = 64
 # What verify holds a quantized export to against PyTorch fp32, per scheme. int8's are set from
 # Q8_0's arithmetic on a real checkpoint (SmolLM2-135M-Instruct, docs/quantization.md "Quality on
-# real weights"): mean KL 0.0077 over verify's random prompts, and on 2,048 tokens of held-out text
-# 0.0045, top-1 95.3%, perplexity +0.78% (+0.21% over 4,608 tokens: a short text's delta is mostly
-# sampling), with headroom; per-channel int8 there gave 0.035-0.058, 89%, +3.1%. int4's come from
-# the trained test model (tests/data/tiny-trained); int4 does not hold them on real weights yet.
+# real weights"): mean KL 0.0077-0.0087 over verify's random prompts (two exports), and on held-out
+# text 0.0045-0.0047, top-1 95.3-96.0%, perplexity +0.78-0.79% (2,048 and 4,695 tokens; Q8_0's
+# arithmetic emulated over the same 4,695: +0.21%, a text's delta is partly sampling), with
+# headroom; per-channel int8 there gave 0.035-0.058, 89%, +3.1%. int4's come from the trained
+# test model (tests/data/tiny-trained); the Q4_1-format int4 holds them on that real checkpoint.
 QUANTIZATION_TOLERANCES: dict[str, dict[str, float]] = {
-    "int8": {"min_top1_agreement": 0.94, "max_mean_kl": 0.01, "max_perplexity_delta_pct": 1.0},
+    "int8": {"min_top1_agreement": 0.94, "max_mean_kl": 0.015, "max_perplexity_delta_pct": 1.0},
     "int4": {"min_top1_agreement": 0.85, "max_mean_kl": 0.03, "max_perplexity_delta_pct": 1.0},
 }
 
