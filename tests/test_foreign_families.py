@@ -155,9 +155,10 @@ def test_rewrite_per_channel_picks_the_recipe_by_the_graphs_mlp(tmp_path: Path, 
     assert ("SkipSimplifiedLayerNormalization" if gated else "LayerNormalization") in ops
 
 
-def test_an_int8_import_keeps_the_last_position_head_and_verifies(tmp_path: Path) -> None:
-    """``--quantize int8`` on an ort import is per channel (the Llama's down projections rotated first):
-    the prefill still runs its head on the last position only, logits [batch, 1, V]."""
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_an_int8_import_keeps_the_last_position_head_and_verifies(tmp_path: Path, per_channel: bool) -> None:
+    """``--quantize int8`` on an ort import is the blocks (Q8_0's arithmetic); ``--per-channel`` the Llama's recipe
+    (the down projections rotated first): either way the prefill runs its head on the last position only, logits [batch, 1, V]."""
     source = tmp_path / "optimum"
     source.mkdir()
     shutil.copy(FOREIGN / "optimum-llama.onnx", source / "model.onnx")
@@ -165,21 +166,28 @@ def test_an_int8_import_keeps_the_last_position_head_and_verifies(tmp_path: Path
     for name in ("config.json", "tokenizer.json"):
         shutil.copy(checkpoint / name, source / name)
     out = tmp_path / "imported"
+    flags = ["--per-channel"] if per_channel else []
     done = CliRunner().invoke(
-        main, ["import", str(source), "--out", str(out), "--model", str(checkpoint), "--attention", "ort", "--quantize", "int8"]
+        main, ["import", str(source), "--out", str(out), "--model", str(checkpoint), "--attention", "ort", "--quantize", "int8", *flags]
     )
     assert done.exit_code == 0, done.output
     manifest = json.loads((out / "kvexport.json").read_text())
-    assert manifest["quantization"]["per_channel"] is True and manifest["quantization"]["gated_blocks"] is False
-    assert manifest["quantization"]["gated_rotation"] == 64
+    assert manifest["quantization"]["per_channel"] is per_channel
+    if per_channel:
+        assert manifest["quantization"]["gated_blocks"] is False and manifest["quantization"]["gated_rotation"] == 64
+    else:
+        assert manifest["quantization"]["block_size"] == 32 and manifest["quantization"]["accuracy_level"] == 4
     assert manifest["all_logits"] is False
     prefill = onnx.load(str(out / "prefill.onnx"), load_external_data=False)
     logits = next(o for o in prefill.graph.output if o.name == "logits")
     assert [d.dim_value or d.dim_param for d in logits.type.tensor_type.shape.dim][1] == 1
     ops = _ops(out / "prefill.onnx")
-    assert "MatMulNBits" not in ops and ops.get("MatMulIntegerToFloat", 0) > 0
+    if per_channel:
+        assert "MatMulNBits" not in ops and ops.get("MatMulIntegerToFloat", 0) > 0
+    else:
+        assert "MatMulIntegerToFloat" not in ops and ops.get("MatMulNBits", 0) > 0
     rotations = [node for node in prefill.graph.node if node.op_type == "MatMul" and node.input[1].startswith("kvexport.hadamard_")]
-    assert len(rotations) == 2  # the 2 layers' rotations before their down projections
+    assert len(rotations) == (2 if per_channel else 0)  # the 2 layers' rotations before their down projections
     verified = CliRunner().invoke(main, ["verify", str(out)])
     assert verified.exit_code == 0, verified.output
 
