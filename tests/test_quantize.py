@@ -69,9 +69,13 @@ def test_float_export_perplexity_matches_pytorch(trained_exports: dict[str, Path
     assert report.text.perplexity_torch == pytest.approx(float(torch.exp(loss / 300)), rel=1e-4)
 
 
-@pytest.mark.parametrize(("scheme", "ratio"), [("int8", 0.40), ("int4", 0.25)])
+# int4's blocks of 32 carry a scale, a zero point and a row of their offset each (about 5.4 bits a weight,
+# against 4.25 for the symmetric blocks of 128 before December 2026), and this small model's 8-bit head is a
+# large share of it
+@pytest.mark.parametrize(("scheme", "ratio"), [("int8", 0.40), ("int4", 0.30)])
 def test_bytes_on_disk(trained_exports: dict[str, Path], scheme: str, ratio: float) -> None:
     assert _export_bytes(trained_exports[scheme]) <= ratio * _export_bytes(trained_exports["none"])
+    assert _export_bytes(trained_exports["int4"]) < _export_bytes(trained_exports["int8"])
 
 
 def test_manifest_records_the_scheme_and_every_knob(trained_exports: dict[str, Path]) -> None:
