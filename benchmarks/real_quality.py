@@ -17,7 +17,8 @@ Outside CI (it builds llama.cpp and exports the whole model several times: about
 4. llama.cpp from the ``llama-cpp-python`` sdist (``llama_cpp_compare.build_llama_cpp``):
    ``convert_hf_to_gguf.py --outtype f32``, ``llama-quantize`` to Q8_0, Q4_0, Q4_1 and Q4_K_M,
    ``llama-perplexity -c 512`` on the same text file (it scores the second half of each window),
-   each delta against its own F32.
+   each delta against its own F32. The converter needs ``sentencepiece`` (the ``bench`` extra)
+   even for a BPE tokenizer: it tries SentencePiece first.
 
     .venv/bin/python benchmarks/real_quality.py --work /tmp/real [--skip-llama] [--only int8,int8-pc]
 
@@ -74,6 +75,7 @@ def kvexport_rows(checkpoint: Path, text: Path, work: Path, only: set[str] | Non
             "failures": report.failures(),
             "steps_mean_kl": report.overall_quality().get("mean_kl"),
             **dataclasses.asdict(report.text),
+            "file": text.name,  # no path of this machine in the results
             "export_s": exported,
             "verify_s": time.perf_counter() - started,
         }
@@ -106,6 +108,17 @@ def llama_rows(work: Path, checkpoint: Path, text: Path, threads: int) -> dict[s
     return rows
 
 
+def save(out: Path, results: dict[str, Any]) -> None:
+    """Write ``results``, keeping the rows of earlier runs that this one did not measure."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    merged = dict(results)
+    if out.exists():
+        earlier = json.loads(out.read_text())
+        for side in ("kvexport", "llama.cpp"):
+            merged[side] = {**earlier.get(side, {}), **results.get(side, {})}
+    out.write_text(json.dumps(merged, indent=2) + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/real"))
@@ -129,14 +142,11 @@ def main(argv: list[str] | None = None) -> int:
         "window": WINDOW,
         "kvexport": kvexport_rows(checkpoint, text, args.work, only, given, args.tokens),
     }
+    save(args.out, results)  # before llama.cpp's side, which builds and converts: minutes that may fail
     if not args.skip_llama:
         results["llama.cpp"] = llama_rows(args.work, checkpoint, text, args.threads)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    if args.out.exists():  # keep rows of earlier runs that this one did not measure
-        earlier = json.loads(args.out.read_text())
-        for side in ("kvexport", "llama.cpp"):
-            results[side] = {**earlier.get(side, {}), **results.get(side, {})}
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+        save(args.out, results)
+    results = json.loads(args.out.read_text())
     print(f"{'variant':<12} {'ppl delta %':>12} {'2nd halves %':>13} {'top-1':>7} {'mean KL':>9}  verify")
     for label, row in results["kvexport"].items():
         late = row.get("late_perplexity_delta_pct", float("nan"))
