@@ -974,9 +974,13 @@ def _quantization_line(q: dict[str, Any]) -> str:
         if q.get("gated_rotation"):
             gated = f"; the gated MLP's down projection after a Hadamard rotation in blocks of up to {q['gated_rotation']}"
         return f"quantized {q['scheme']}: {weights} weights per output channel, head included ({kernel}){gated}"
+    if q.get("offsets"):  # Q4_1's format: the head and embeddings stay symmetric
+        blocks = "asymmetric with each block's float offset; head and embeddings symmetric"
+    else:
+        blocks = "symmetric" if q["symmetric"] else "asymmetric"
     return (
         f"quantized {q['scheme']}: {q['bits']}-bit blocks of {q['block_size']}, head and embeddings "
-        f"{q['head_bits']}-bit, {'symmetric' if q['symmetric'] else 'asymmetric'}, accuracy level {q['accuracy_level']}"
+        f"{q['head_bits']}-bit, {blocks}, accuracy level {q['accuracy_level']}"
     )
 
 
