@@ -302,7 +302,13 @@ def smollm2_checkpoint(out: Path, cache: Path, *, layers: int | None = None) -> 
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:layers]
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(state, strict=False)
+    loaded_keys = model.load_state_dict(state, strict=False)  # not strict: the dropped layers' weights
+    missing = [name for name in loaded_keys.missing_keys if name != "lm_head.weight" or not config.tie_word_embeddings]
+    if missing or loaded_keys.unexpected_keys:  # a transformers release that names the GGUF's tensors otherwise
+        raise RuntimeError(
+            f"{gguf.name}: the dequantized weights do not fill the model: missing {missing[:5]}, "
+            f"unexpected {loaded_keys.unexpected_keys[:5]}"
+        )
     model.tie_weights()
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
