@@ -160,6 +160,16 @@ def test_verify_text_on_the_command_line(trained_exports: dict[str, Path]) -> No
             "other knobs need block weights",
         ),
         (
+            ["--target", "ort-cpu", "--quantize", "int8", "--offsets"],
+            "Error: --quantize int8: block offsets go with asymmetric blocks (--asymmetric), "
+            "not symmetric or per-channel weights",
+        ),
+        (
+            ["--target", "ort-cpu", "--quantize", "int4", "--symmetric", "--offsets"],
+            "Error: --quantize int4: block offsets go with asymmetric blocks (--asymmetric), "
+            "not symmetric or per-channel weights",
+        ),
+        (
             ["--target", "ort-cuda", "--quantize", "int8", "--per-channel"],
             "Error: --per-channel needs fp32 weights (its int8 products are an fp32 CPU kernel), not fp16; "
             "drop it for an fp16 export",
@@ -171,6 +181,23 @@ def test_bad_quantization_options_get_one_line(tmp_path: Path, args: list[str], 
     assert result.exit_code == 2
     assert result.stderr.strip() == message
     assert not (tmp_path / "o").exists()
+
+
+def test_int4s_offsets_go_with_its_asymmetric_blocks_unless_asked_for_by_name() -> None:
+    from kvexport.export.choices import QuantizationChoice, QuantizeKind
+    from kvexport.export.quantization import quantization_config
+
+    def knobs(**overrides: object) -> tuple[bool, bool]:
+        config = quantization_config(QuantizationChoice(QuantizeKind.INT4, overrides))
+        assert config is not None
+        return config.symmetric, config.offsets
+
+    assert knobs() == (False, True)  # the default: Q4_1's format
+    assert knobs(symmetric=True) == (True, False)  # --symmetric: the offsets went with the asymmetric blocks
+    assert knobs(offsets=False) == (False, False)  # --no-offsets: integer zero points alone
+    assert knobs(symmetric=False, offsets=True, block_size=64) == (False, True)
+    int8 = quantization_config(QuantizationChoice(QuantizeKind.INT8, {"symmetric": False, "offsets": True}))
+    assert int8 is not None and int8.offsets and int8.bits == 8
 
 
 def test_int8_means_blocks_everywhere_and_per_channel_by_name_with_a_rotation_for_gated_mlps() -> None:

@@ -50,9 +50,17 @@ def _run(model: onnx.ModelProto | ir.Model, ids: np.ndarray) -> np.ndarray:
 
 
 def _block_dequantized(weight_k_by_n: np.ndarray, bits: int, block: int) -> np.ndarray:
-    """Symmetric block quantization written out in numpy, the independent reference."""
+    """Symmetric block quantization written out in numpy, the independent reference.
+
+    4 bits: ONNX Runtime's rule (the signed extreme maps to -8); 8 bits: llama.cpp Q8_0's
+    (``max |w| / 127``, codes in [-127, 127]).
+    """
     k, n = weight_k_by_n.shape
     blocks = weight_k_by_n.T.reshape(n, k // block, block)
+    if bits == 8:
+        step = np.abs(blocks).max(-1, keepdims=True) / 127
+        step = np.where(step == 0, 1, step)
+        return (np.clip(np.round(blocks / step), -127, 127) * step).reshape(n, k).T
     # ORT picks the signed extreme of each block, so that value maps to -2^(bits-1) exactly
     extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[..., None], -1)
     scale = extreme / -(2 ** (bits - 1))
@@ -482,10 +490,15 @@ def _on_q4_1_grid(k: int, n: int, seed: int) -> np.ndarray:
     return (codes * step + low).astype(np.float32).reshape(n, k).T.copy()
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-def test_block_offsets_keep_q4_1_weights_with_one_block_sum_per_activation(bits: int) -> None:
+@pytest.mark.parametrize(
+    ("bits", "k", "accuracy_level"),
+    # k 64: three zero points a row, the last alone in its byte; level 4 (int8 activations) where the
+    # weights' error still dominates the activations' (at 8 bits it does not)
+    [(4, 96, 1), (8, 96, 1), (4, 64, 4), (8, 64, 1)],
+)
+def test_block_offsets_keep_q4_1_weights_with_one_block_sum_per_activation(bits: int, k: int, accuracy_level: int) -> None:
     """``offsets``: integer zero points plus each block's remainder, rows of the product that the block sums multiply."""
-    k, n = 96, 40
+    n = 40
     weights = {"Wq": _on_q4_1_grid(k, n, 1), "Wk": _on_q4_1_grid(k, n, 2)}
     graph = onnx.helper.make_graph(
         [  # a product that reaches an output through shape-only ops is an LM head (kept symmetric): a Mul each
@@ -506,7 +519,9 @@ def test_block_offsets_keep_q4_1_weights_with_one_block_sum_per_activation(bits:
         return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
 
     offsets = ir.from_proto(proto)
-    quantize = QuantizeWeightsPass(QuantizationConfig(bits=bits, block_size=32, symmetric=False, offsets=True, accuracy_level=1))
+    quantize = QuantizeWeightsPass(
+        QuantizationConfig(bits=bits, block_size=32, symmetric=False, offsets=True, accuracy_level=accuracy_level)
+    )
     quantize(offsets)
     assert quantize.counts["matmul"] == 2 and quantize.counts["offsets"] == 2
     ops = [node.op_type for node in offsets.graph]
@@ -514,7 +529,7 @@ def test_block_offsets_keep_q4_1_weights_with_one_block_sum_per_activation(bits:
     assert ops.count("MatMulNBits") == 2 and ops.count("MatMul") == 1 and ops.count("Concat") == 1 and len(ops) == 6
     assert all(node.attributes["K"].value == k + k // 32 for node in offsets.graph if node.op_type == "MatMulNBits")
     plain = ir.from_proto(proto)  # integer zero points alone: every block moved by up to half a step
-    QuantizeWeightsPass(QuantizationConfig(bits=bits, block_size=32, symmetric=False, accuracy_level=1))(plain)
+    QuantizeWeightsPass(QuantizationConfig(bits=bits, block_size=32, symmetric=False, accuracy_level=accuracy_level))(plain)
     expected = [x.astype(np.float64) @ w.astype(np.float64) for w in weights.values()]
     for got, without, want in zip(run(ir.to_proto(offsets)), run(ir.to_proto(plain)), expected, strict=True):
         # the remainders' own rounding is left: a small fraction of the integer zero points' error
@@ -600,3 +615,37 @@ def test_graph_without_weights_is_left_alone() -> None:
 def test_bad_knobs_are_refused(knobs: dict[str, int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         QuantizationConfig(**knobs)
+
+
+def test_a_table_that_a_product_packs_with_offsets_is_packed_again_for_its_gather() -> None:
+    """A table read by a Gather and by a product that is not the head: the Gather gets symmetric whole rows, not the offset rows."""
+    rng = np.random.default_rng(5)
+    table = rng.standard_normal((V, C)).astype(np.float32)
+    graph = onnx.helper.make_graph(
+        [
+            onnx.helper.make_node("Gather", ["E", "ids"], ["embedded"]),
+            onnx.helper.make_node("Gemm", ["embedded", "E"], ["scores"], transB=1),
+            onnx.helper.make_node("Mul", ["scores", "two"], ["doubled"]),  # not shape-only: no LM head
+            onnx.helper.make_node("Relu", ["doubled"], ["out"]),
+        ],
+        "table_twice",
+        [onnx.helper.make_tensor_value_info("ids", onnx.TensorProto.INT64, ["n"])],
+        [
+            onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, ["n", V]),
+            onnx.helper.make_tensor_value_info("embedded", onnx.TensorProto.FLOAT, ["n", C]),
+        ],
+        [onnx.numpy_helper.from_array(table, "E"), onnx.numpy_helper.from_array(np.full(1, 2, np.float32), "two")],
+    )
+    proto = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 18)], ir_version=10)
+    model = ir.from_proto(proto)
+    config = QuantizationConfig(bits=8, block_size=32, symmetric=False, offsets=True, accuracy_level=1, head_bits=8)
+    quantize = QuantizeWeightsPass(config)
+    quantize(model)
+    assert quantize.counts["matmul"] == 1 and quantize.counts["offsets"] == 1 and quantize.counts["gather"] == 1
+    gather = next(node for node in model.graph if node.op_type == "GatherBlockQuantized")
+    assert gather.inputs[0].const_value.numpy().shape == (V, C)  # type: ignore[union-attr]  # rows of C codes, no offset rows
+    ids = np.array([0, 3, 66], np.int64)
+    session = ort.InferenceSession(ir.to_proto(model).SerializeToString(), providers=["CPUExecutionProvider"])
+    _, embedded = session.run(None, {"ids": ids})
+    step = np.abs(table[ids]).max(-1, keepdims=True) / 127
+    assert np.abs(embedded - table[ids]).max() <= step.max()
