@@ -10,8 +10,10 @@ that are inputs of the op and so fixed for the life of the cache (see
    whose sorted index is a multiple of 8, none of them the trained test model's held-out
    text) into an in-place cache;
 2. each cache tensor's peak magnitude is taken per head and channel (``PER_CHANNEL``) or
-   over the tensor (``PER_TENSOR``), and the scale is ``peak / 127`` (int8) or ``peak / 7``
-   (int4): the calibrated extremes map to the largest code, and rows beyond them clip;
+   over the tensor (``PER_TENSOR``), and the scale is ``1.25 x peak / 127`` (int8) or
+   ``peak / 7`` (int4; :data:`~kvexport.export.quantization.CACHE_HEADROOM`): the calibrated
+   extremes, with room above them for prompts unlike the text, map to the largest code, and rows
+   beyond that clip;
 3. :class:`kvexport.passes.quantize_cache.QuantizeCachePass` rewrites both graphs in memory
    with those scales as constants, and the manifest's ``cache`` records the dtype, the
    quantization type and where the scales came from (:func:`cache_record`).
@@ -43,7 +45,7 @@ from kvexport.bundle.manifest import GRAPH_NAMES, GraphSpec, Manifest, read_mani
 from kvexport.bundle.storage import load_graph_structure
 from kvexport.errors import KvexportError
 from kvexport.export.genai import GENAI_CONFIG
-from kvexport.export.quantization import QUANTIZATION_TOLERANCES
+from kvexport.export.quantization import CACHE_HEADROOM, CACHE_TOLERANCES
 from kvexport.export.writer import (
     GENAI_QUANTIZED_CACHE,
     ExportRecord,
@@ -84,13 +86,17 @@ def calibrate_peaks(directory: Path, manifest: Manifest, tokens: Sequence[int]) 
 
 
 def scales_from_peaks(peaks: dict[str, np.ndarray], config: CacheQuantization) -> dict[str, np.ndarray]:
-    """GroupQueryAttention's scales: ``peak / levels`` per channel ``[1, H, 1, D]``, or over the tensor ``[1]``."""
+    """GroupQueryAttention's scales: ``peak * headroom / levels`` per channel ``[1, H, 1, D]``, or over the tensor ``[1]``.
+
+    The headroom is the cache kind's :data:`~kvexport.export.quantization.CACHE_HEADROOM`.
+    """
     scales = {}
+    headroom = CACHE_HEADROOM[config.kind]
     for name, peak in peaks.items():
         if config.per_channel:
-            value = peak[None, :, None, :]
+            value = peak[None, :, None, :] * headroom
         else:
-            value = np.array([peak.max()], np.float32)
+            value = np.array([peak.max() * headroom], np.float32)
         scales[name] = np.where(value > 0, value / config.levels, 1.0).astype(np.float32)
     return scales
 
@@ -126,9 +132,9 @@ def cache_record(config: CacheQuantization, calibrated_on: str) -> dict[str, Any
         "quantization": {
             "bits": config.bits,
             "type": config.quant_type,
-            "scales": f"calibrated: peak |value| / {config.levels} per "
+            "scales": f"calibrated: {CACHE_HEADROOM[config.kind]:g} x peak |value| / {config.levels} per "
             f"{'head and channel' if config.per_channel else 'tensor'}, {calibrated_on}",
-            "tolerances": QUANTIZATION_TOLERANCES[config.kind],
+            "tolerances": CACHE_TOLERANCES[config.kind],
         },
     }
 
