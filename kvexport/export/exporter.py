@@ -244,11 +244,17 @@ def graph_requests(
 def in_place_requests(
     model: PreTrainedModel, family: ModelFamily, dims: ModelDims, all_logits: bool, opset: int
 ) -> list[GraphRequest]:
-    """Both graphs over the in-place cache, attention exported as GroupQueryAttention (see ``kvexport.models.grouped_attention``).
+    """The graphs over the in-place cache, attention exported as GroupQueryAttention (see ``kvexport.models.grouped_attention``).
 
     The IO is the shared-buffer contract GPT-2's passes produce: prefill takes the buffers
     too, ``attention_mask`` spans ``total_sequence`` (a chunk after a past, or one token over
     a mask as wide as the buffer), the buffers are ``[batch, KV, max_sequence, D]``.
+
+    Prefill alone unless ``all_logits``: its graph already computes any number of new tokens
+    after a past and returns the last one's logits, which is what decode does, so decode is
+    derived from it (:func:`decode_from_prefill`) instead of traced again, which took as long
+    as prefill's (SmolLM2-135M: 28 of 83 seconds). With every position's logits, decode
+    (last only) is exported on its own.
     """
     from kvexport.models.grouped_attention import ONNX_TRANSLATION
 
@@ -261,7 +267,7 @@ def in_place_requests(
     past_names, present = cache_names("past", dims.num_layers), cache_names("present", dims.num_layers)
     buffer_axes = {n: {0: "batch", 2: "max_sequence"} for n in past_names}
     requests = []
-    for name, tokens in (("prefill", prompt), ("decode", 1)):
+    for name, tokens in (("prefill", prompt), ("decode", 1)) if all_logits else (("prefill", prompt),):
         ids = torch.randint(0, dims.vocab_size, (batch, tokens), generator=gen)
         positions = torch.arange(total - tokens, total).expand(batch, tokens).contiguous()
         token_axes = {0: "batch", 1: "sequence"} if tokens > 1 else {0: "batch"}
@@ -285,6 +291,21 @@ def in_place_requests(
             )
         )
     return requests
+
+
+def decode_from_prefill(prefill: ir.Model) -> ir.Model:
+    """An in-place prefill graph (last position's logits) as the decode graph: one token a row.
+
+    The same nodes, with ``input_ids`` and ``position_ids`` declared ``[batch, 1]`` as the
+    decode contract has them; the initializers' tensors are shared (the writer stores each
+    weight once either way). The passes then run on each graph as on an exported one.
+    """
+    decode = prefill.clone()
+    decode.graph.name = "decode"
+    for value in decode.graph.inputs:
+        if value.name in ("input_ids", "position_ids") and value.shape is not None:
+            value.shape = ir.Shape([value.shape[0], 1])
+    return decode
 
 
 @contextlib.contextmanager
@@ -429,6 +450,9 @@ def export_model(
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
     ):
         strategy, graphs, attempts = _export_graphs(requests, strategies, Path(work), progress)
+        if "decode" not in graphs:
+            progress("decode graph: the prefill graph at one token a row")
+            graphs["decode"] = decode_from_prefill(graphs["prefill"])
         record = ExportRecord(
             source=source,
             dims=dims,
