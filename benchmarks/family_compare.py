@@ -115,7 +115,8 @@ def tokenizer_kind(hf_dir: Path) -> str:
     return "qwen" if config.exists() and "Qwen2Tokenizer" in config.read_text() else "gpt2"
 
 
-def gguf_files(source: Path, hf_dir: Path, work: Path, tokenizer: str) -> dict[str, Path]:
+def gguf_files(source: Path, hf_dir: Path, work: Path, tokenizer: str, kinds: tuple[str, ...] = ("Q8_0", "Q4_0")) -> dict[str, Path]:
+    """The checkpoint converted to an F32 GGUF and quantized by ``llama-quantize`` to each of ``kinds``."""
     f32 = work / "model-F32.gguf"
     if not f32.exists():
         code = _CONVERT.format(
@@ -131,7 +132,7 @@ def gguf_files(source: Path, hf_dir: Path, work: Path, tokenizer: str) -> dict[s
         code = code.replace("import runpy", _NO_SENTENCEPIECE + "import runpy")
         _run([sys.executable, "-c", code])
     files = {"F32": f32}
-    for kind in ("Q8_0", "Q4_0"):
+    for kind in kinds:
         files[kind] = work / f"model-{kind}.gguf"
         if not files[kind].exists():
             _run([str(source / "build/bin/llama-quantize"), str(f32), str(files[kind]), kind])

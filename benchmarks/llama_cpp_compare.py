@@ -137,8 +137,8 @@ runpy.run_path({script!r}, run_name="__main__")
 """
 
 
-def gguf_files(source: Path, hf_dir: Path, work: Path) -> dict[str, Path]:
-    """F32 from the converter, Q8_0 and Q4_0 from llama-quantize."""
+def gguf_files(source: Path, hf_dir: Path, work: Path, kinds: tuple[str, ...] = ("Q8_0", "Q4_0")) -> dict[str, Path]:
+    """F32 from the converter, each of ``kinds`` from llama-quantize."""
     f32 = work / "model-F32.gguf"
     code = _CONVERT.format(
         source=str(source),
@@ -148,7 +148,7 @@ def gguf_files(source: Path, hf_dir: Path, work: Path) -> dict[str, Path]:
     )
     _run([sys.executable, "-c", code])
     files = {"F32": f32}
-    for kind in ("Q8_0", "Q4_0"):
+    for kind in kinds:
         files[kind] = work / f"model-{kind}.gguf"
         _run([str(source / "build/bin/llama-quantize"), str(f32), str(files[kind]), kind])
     return files

