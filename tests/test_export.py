@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -340,3 +342,28 @@ def test_local_checkpoint_with_biases_exports_and_verifies(
         assert sum(n.op_type == "LayerNormalization" for n in graph.node) == 2 * TINY["n_layer"] + 1
     report = verify(tmp_path / "out", steps=4)
     assert report.ok, report.failures()
+
+
+def _graph_text(path: Path) -> str:
+    """The graph as text, the exporter's numbered names (``node_MatMul_12``, ``val_3``) renumbered in order of appearance."""
+    text = onnx.printer.to_text(onnx.load(str(path), load_external_data=False).graph)
+    names: dict[str, str] = {}
+    return re.sub(r"\b(?:node_\w+?_\d+|val_\d+)\b", lambda m: names.setdefault(m.group(0), f"n{len(names)}"), text)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs fork and two CPUs")
+def test_a_decode_graph_exported_in_a_second_process_equals_one_exported_here(
+    tmp_path: Path, tiny_config: Path, tiny_export: Path
+) -> None:
+    # tiny_export traced decode in a forked child beside prefill (two CPUs); on one CPU both run here.
+    # The exporter numbers its names per process, so the graphs are compared with them renumbered.
+    cpus = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cpus)})
+    try:
+        export_gpt2(tmp_path / "here", str(tiny_config), random_init=True, seed=1)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    for name in ("prefill", "decode"):
+        assert _graph_text(tiny_export / f"{name}.onnx") == _graph_text(tmp_path / "here" / f"{name}.onnx")
+    forked, here = read_manifest(tiny_export), read_manifest(tmp_path / "here")
+    assert [a["graph"] for a in forked.export["attempts"]] == [a["graph"] for a in here.export["attempts"]] == ["prefill", "decode"]
