@@ -449,6 +449,7 @@ def _export_graphs(
                 child = _fork_export(strategy, request, workdir)
                 if child is not None:
                     forked[request.name] = child
+                    progress(f"exporting {request.name} graph ({strategy_name}) in a second process")
             for request in requests:
                 started = time.perf_counter()
                 if request.name in forked:
@@ -457,8 +458,7 @@ def _export_graphs(
                         graphs[request.name] = graph
                         attempts.append(StrategyAttempt(request.name, strategy_name, True, time.perf_counter() - started))
                         continue
-                aside = f", the {' and '.join(forked)} graph in a second process" if forked else ""
-                progress(f"exporting {request.name} graph ({strategy_name}{aside})")
+                progress(f"exporting {request.name} graph ({strategy_name})")
                 try:
                     with quiet_exporters(), torch.no_grad():
                         graphs[request.name] = strategy.export(request, workdir)
