@@ -14,11 +14,13 @@ The manifest records which strategy produced the graphs and why earlier ones fai
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import signal
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -386,26 +388,32 @@ class _Forked:
 
     pid: int
     path: Path
-    error: Path
+    started: float = field(default_factory=time.perf_counter)
 
 
 def _fork_export(strategy: ExportStrategy, request: GraphRequest, workdir: Path) -> _Forked | None:
     """Export ``request`` in a forked child while this process exports another graph; None where that can't help.
 
     torch.export and the ONNX translation run on one core, so two graphs traced side by side
-    take the time of one on a host with two (SmolLM2-135M's concat export: two traces of 36 s
-    each). The child shares the loaded model copy-on-write, saves the graph beside ``workdir``'s
-    other files and exits; a child that fails leaves the graph to be exported again here, so a
-    failure reads as it would without the child.
+    take little more than the time of one on a host with two (SmolLM2-135M's concat export:
+    two traces of 36-44 s each, 52 s side by side). The child shares the loaded model
+    copy-on-write, saves the graph in ``workdir`` and exits; a child that fails or hangs leaves
+    the graph to be exported again here (:func:`_collect`), so a failure reads as it would
+    without the child.
+
+    Not where another Python thread runs (a server in the same process, say): a fork copies
+    its locks but not the thread. The child never runs the garbage collector over what it
+    inherited (``gc.freeze``): freeing an inherited ONNX Runtime session there waits forever
+    on the parent's thread pool, which a fork does not copy.
     """
-    if not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2:
+    if not hasattr(os, "fork") or len(os.sched_getaffinity(0)) < 2 or threading.active_count() > 1:
         return None
     path = workdir / f"{request.name}.forked.onnx"
-    error = workdir / f"{request.name}.forked.error"
     sys.stdout.flush()
     sys.stderr.flush()
     pid = os.fork()
     if pid == 0:  # the child: never returns
+        gc.freeze()
         code = 1
         try:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -415,17 +423,25 @@ def _fork_export(strategy: ExportStrategy, request: GraphRequest, workdir: Path)
                 model = strategy.export(request, workdir)
             ir.save(model, path, external_data=f"{path.stem}.data")
             code = 0
-        except BaseException as exc:  # the parent exports it again and reports
-            with contextlib.suppress(Exception):
-                error.write_text(first_line(exc))
+        except BaseException:  # the parent exports it again, and reports what fails then
+            code = 1
         finally:
             os._exit(code)
-    return _Forked(pid, path, error)
+    return _Forked(pid, path)
 
 
-def _collect(forked: _Forked) -> ir.Model | None:
-    """The forked child's graph, or None if it failed."""
-    _, status = os.waitpid(forked.pid, 0)
+def _collect(forked: _Forked, timeout: float) -> ir.Model | None:
+    """The forked child's graph; None if it failed, or ran ``timeout`` seconds more (it is killed then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pid, status = os.waitpid(forked.pid, os.WNOHANG)
+        if pid:
+            break
+        if time.monotonic() > deadline:
+            os.kill(forked.pid, signal.SIGKILL)
+            os.waitpid(forked.pid, 0)
+            return None
+        time.sleep(0.05)
     if os.waitstatus_to_exitcode(status) != 0 or not forked.path.exists():
         return None
     return ir.load(forked.path)
@@ -452,11 +468,12 @@ def _export_graphs(
                     progress(f"exporting {request.name} graph ({strategy_name}) in a second process")
             for request in requests:
                 started = time.perf_counter()
-                if request.name in forked:
-                    graph = _collect(forked.pop(request.name))
+                if request.name in forked:  # traced beside the first: given twice as long as that took, and a minute
+                    child = forked.pop(request.name)
+                    graph = _collect(child, timeout=60 + 2 * attempts[-1].seconds)
                     if graph is not None:
                         graphs[request.name] = graph
-                        attempts.append(StrategyAttempt(request.name, strategy_name, True, time.perf_counter() - started))
+                        attempts.append(StrategyAttempt(request.name, strategy_name, True, time.perf_counter() - child.started))
                         continue
                 progress(f"exporting {request.name} graph ({strategy_name})")
                 try:
