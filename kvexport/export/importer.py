@@ -2,7 +2,7 @@
 
 Optimum (``optimum-cli export onnx --task text-generation-with-past``) and others leave
 one graph for both phases (GPT-2's, or a Llama-style family's): the prompt step passes a past of length 0. From it this
-makes the two graphs of kvexport's contract (``../shared/DESIGN.md``):
+makes the two graphs of kvexport's contract (docs/export.md, "Graph IO contract"):
 
 - **prefill**: every past input is replaced by an empty ``[batch, H, 0, D]`` tensor and
   removed from the inputs; fold_shapes then drops the ``Concat`` with it and the length
