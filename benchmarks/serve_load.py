@@ -70,6 +70,7 @@ from kvexport.export.calibration import copy_with_quantized_cache
 from kvexport.export.quantization import cache_quantization
 
 PAIRS = (("int8", "Q8_0"), ("int4", "Q4_1"))  # each scheme beside llama.cpp's format of its quality (int4 is Q4_1's format)
+LLAMA_KINDS = tuple(kind for _, kind in PAIRS)  # the GGUFs llama-quantize makes
 VLLM_PYTHON = Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"  # where --vllm auto looks
 VLLM_DTYPE = "bfloat16"
 
@@ -412,12 +413,12 @@ def main(argv: list[str] | None = None) -> int:
         (args.work / f"hf-{name}").mkdir(parents=True, exist_ok=True)
     if not args.no_llama:
         source = llama.build_llama_cpp(args.work, (*llama.TOOLS, "llama-server"))
-        ggufs = {kind: args.work / f"hf-{name}" / f"model-{kind}.gguf" for _, kind in PAIRS}
+        ggufs = {kind: args.work / f"hf-{name}" / f"model-{kind}.gguf" for kind in LLAMA_KINDS}
         if not all(g.exists() for g in ggufs.values()):
             if args.checkpoint is None:
-                ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}", tuple(kind for _, kind in PAIRS)))
+                ggufs.update(llama.gguf_files(source, hf_dir, args.work / f"hf-{name}", LLAMA_KINDS))
             else:
-                ggufs.update(family.gguf_files(source, hf_dir, args.work / f"hf-{name}", family.tokenizer_kind(hf_dir), tuple(kind for _, kind in PAIRS)))
+                ggufs.update(family.gguf_files(source, hf_dir, args.work / f"hf-{name}", family.tokenizer_kind(hf_dir), LLAMA_KINDS))
     if vllm is not None:
         checkpoint = vllm_checkpoint(vllm, hf_dir, args.work / f"vllm-{name}") if args.checkpoint is None else hf_dir
     if args.export:

@@ -62,14 +62,14 @@ QUANTIZATION_TOLERANCES: dict[str, dict[str, float]] = {
 # clip. On SmolLM2-135M-Instruct, verify's random-token prompts reached 1.5x the text's peaks, and
 # the clipped keys took one prompt's KL against fp32 to 0.78 (headroom 1: steps' mean KL 0.019,
 # text 0.0009); 1.25: 0.0017 and 0.0012; 1.5: 0.0024 and 0.0016; 2: 0.0053 and 0.0029
-# (docs/quantization.md "Quantized cache on real weights"). A 4-bit cache has no steps to spare:
+# (docs/quantization.md "Quantized cache"). A 4-bit cache has no steps to spare:
 # headroom only made it worse (text KL 0.19 at 1, 0.47 at 1.5).
 CACHE_HEADROOM: dict[str, float] = {"int8": 1.25, "int4": 1.0}
 # What verify holds a quantized cache to (with float weights; with quantized weights too, the
 # looser of both tables). int8: the trained test model's top-1 and perplexity; its mean KL of
 # 0.002 the real checkpoint met only by chance with the headroom above (verify's random prompts:
 # 0.0017 over 8 steps, 0.0021 over 4; the held-out text, the steadier measure: 0.0012, top-1 98.0%,
-# +0.14%), so 0.004, still under a quarter of int8 weights' 0.015. int4: the trained test
+# +0.14%), so 0.004, still under a third of int8 weights' 0.015. int4: the trained test
 # model's; on the real checkpoint a 4-bit cache fails them (top-1 78%, +13% perplexity).
 CACHE_TOLERANCES: dict[str, dict[str, float]] = {
     "int8": {"min_top1_agreement": 0.95, "max_mean_kl": 0.004, "max_perplexity_delta_pct": 0.5},
