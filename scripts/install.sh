@@ -14,7 +14,7 @@ fi
 .venv/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[export,serve,test]"
 # kvexport's CPU decode kernel (a custom-op library for ONNX Runtime), built once into ~/.cache/kvexport:
-# ONNX Runtime's C API headers come from Debian's libonnxruntime-dev package (downloaded once, SHA-256 pinned)
+# against ONNX Runtime 1.21's C API headers, which kvexport carries (kvexport/runtime/kernels/include, MIT)
 if ! .venv/bin/kvexport build-kernels >/dev/null; then
   echo "note: kvexport's CPU attention kernel was not built (above); CPU sessions keep ONNX Runtime's attention" >&2
 fi

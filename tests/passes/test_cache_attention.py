@@ -240,6 +240,16 @@ def test_calls_through_the_kernel_give_the_ops_logits_and_cache(library: Path, l
             np.testing.assert_allclose(got[row, :, :n], want[row, :, :n], rtol=1e-4, atol=2e-5)
 
 
+def test_the_kernels_build_from_the_headers_kvexport_carries(tmp_path: Path) -> None:
+    """No download and no system package: the carried headers compile a library ONNX Runtime registers."""
+    assert sorted(p.name for p in kernels.BUNDLED_HEADERS.glob("*.h")) == [
+        "onnxruntime_c_api.h", "onnxruntime_cxx_api.h", "onnxruntime_cxx_inline.h", "onnxruntime_float16.h"
+    ]
+    library = kernels.build(output=tmp_path / "lib.so")
+    session = _attention_session(library, True, 1, 1, 2, 1, 64, 8, -1)  # the op resolves from the library
+    assert [o.name for o in session.get_outputs()] == ["out", "present_key", "present_value"]
+
+
 def test_build_and_the_variable_refuse_what_is_missing_in_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     cli = [sys.executable, "-m", "kvexport.cli"]
     done = subprocess.run([*cli, "build-kernels", "--ort-include", str(tmp_path)], capture_output=True, text=True, check=False)
