@@ -24,17 +24,17 @@ mkdir -p "$WORKDIR"
 WORKDIR=$(cd "$WORKDIR" && pwd)
 say() { echo "[run.sh] $*"; }
 
-# 1. vLLM's tests, from its sdist on PyPI (pinned by hash).  Not `pip download`: for an
-#    sdist pip prepares the metadata, which installs vLLM's build requirements (torch ...).
+# 1. vLLM's tests, from its sdist on PyPI (by name with pip, checked against its hash). pip
+#    prepares an sdist's metadata before it saves it: without build isolation (no torch
+#    download), with the two build tools vLLM's setup imports, and with the version held at
+#    the sdist's own (vLLM's setup adds "+<device>", which pip then refuses as inconsistent).
 SDIST=$WORKDIR/sdist/vllm-0.32.0.tar.gz
-SDIST_URL=https://files.pythonhosted.org/packages/d5/df/5471312c76e335eaa2b8333e87ea39f0d37bfe24f10a582620e34ff12e33/vllm-0.32.0.tar.gz
 SDIST_SHA256=d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad
 if [ ! -f "$SDIST" ]; then
-  say "downloading $(basename "$SDIST")"
-  mkdir -p "$WORKDIR/sdist"
-  "$VLLM_PYTHON" -c 'import sys, urllib.request; urllib.request.urlretrieve(sys.argv[1], sys.argv[2])' \
-    "$SDIST_URL" "$SDIST.part"
-  mv "$SDIST.part" "$SDIST"
+  say "downloading $(basename "$SDIST") with pip"
+  "$VLLM_PYTHON" -m pip install -q --disable-pip-version-check setuptools-rust setuptools-scm
+  VLLM_VERSION_OVERRIDE=0.32.0 VLLM_TARGET_DEVICE=empty "$VLLM_PYTHON" -m pip download -q --disable-pip-version-check \
+    --no-deps --no-binary=:all: --no-build-isolation vllm==0.32.0 -d "$WORKDIR/sdist"
 fi
 "$VLLM_PYTHON" - "$SDIST" "$SDIST_SHA256" <<'EOF'
 import hashlib
