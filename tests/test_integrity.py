@@ -75,7 +75,7 @@ def test_a_damaged_weights_file_fails_check_verify_and_the_generator(copy: Path,
 def test_check_without_a_manifest_is_one_line(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["check", str(tmp_path)])
     assert result.exit_code == 2
-    assert result.stderr.strip() == f"Error: {tmp_path}: no kvexport.json; pass a directory made by `kvexport gpt2`"
+    assert result.stderr.strip() == f"Error: {tmp_path}: no kvexport.json; pass a directory made by `kvexport export` or `kvexport import`"
 
 
 def test_inspect_warns_about_external_data_outside_the_directory(copy: Path, tmp_path: Path) -> None:

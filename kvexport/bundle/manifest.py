@@ -249,12 +249,12 @@ def read_manifest(directory: Path) -> Manifest:
     """Read ``DIR/kvexport.json``; one clear ManifestError for each way it can be wrong."""
     if not directory.is_dir():
         raise ManifestError(
-            f"{directory}: no such directory; pass a directory made by `kvexport gpt2`"
+            f"{directory}: no such directory; pass a directory made by `kvexport export` or `kvexport import`"
         )
     path = directory / MANIFEST_FILE
     if not path.is_file():
         raise ManifestError(
-            f"{directory}: no {MANIFEST_FILE}; pass a directory made by `kvexport gpt2`"
+            f"{directory}: no {MANIFEST_FILE}; pass a directory made by `kvexport export` or `kvexport import`"
         )
     try:
         data = json.loads(path.read_text())

@@ -14,7 +14,7 @@ is not what onnxruntime-genai expects of a shared buffer, so no config is writte
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,6 @@ from kvexport.bundle.model_info import ModelDims
 
 GENAI_CONFIG = "genai_config.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
-EOS_TOKEN = "<|endoftext|>"
 
 
 def genai_unsupported_reason(cache_layout: str, tokenizer_file: str | None) -> str | None:
@@ -104,29 +103,32 @@ def genai_config(
     }
 
 
-def tokenizer_config(dims: ModelDims) -> dict[str, Any]:
-    """The ``tokenizer_config.json`` onnxruntime-genai's loader reads beside ``tokenizer.json``."""
-    return {
-        "tokenizer_class": "GPT2Tokenizer",
-        "bos_token": EOS_TOKEN,
-        "eos_token": EOS_TOKEN,
-        "unk_token": EOS_TOKEN,
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "model_max_length": dims.max_positions,
-        "clean_up_tokenization_spaces": False,
-    }
+def tokenizer_config(dims: ModelDims, fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` onnxruntime-genai's loader reads beside ``tokenizer.json``.
+
+    ``fields``: the family's (:attr:`~kvexport.models.base.ModelFamily.genai_tokenizer`).
+    """
+    return {**fields, "model_max_length": dims.max_positions}
 
 
 def write_genai_files(
-    directory: Path, dims: ModelDims, target: str, cache_layout: str, tokenizer: dict[str, Any]
+    directory: Path,
+    dims: ModelDims,
+    target: str,
+    cache_layout: str,
+    tokenizer: dict[str, Any],
+    tokenizer_fields: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """Write the onnxruntime-genai files if the layout allows; what the manifest records of it."""
+    """Write the onnxruntime-genai files if the layout allows; what the manifest records of it.
+
+    ``tokenizer_fields``: the family's ``tokenizer_config.json`` fields for onnxruntime-genai,
+    written where the checkpoint shipped none.
+    """
     reason = genai_unsupported_reason(cache_layout, tokenizer.get("file"))
     if reason is not None:
         return {"written": False, "why": reason}
     config = genai_config(dims, target, tokenizer.get("eos_token_ids") or tokenizer.get("eos_token_id"))
     (directory / GENAI_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     if not (directory / TOKENIZER_CONFIG).exists():  # the checkpoint's own, if shipped, serves genai too
-        (directory / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(dims), indent=2) + "\n")
+        (directory / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(dims, tokenizer_fields), indent=2) + "\n")
     return {"written": True, "files": [GENAI_CONFIG, TOKENIZER_CONFIG], "decoder": "prefill.onnx"}

@@ -20,6 +20,7 @@ from kvexport.export.choices import (
     QuantizationChoice,
     QuantizeKind,
 )
+from kvexport.models import family_for
 from kvexport.passes.quantize_cache import CacheQuantization
 from kvexport.passes.quantize_weights import QuantizationConfig
 
@@ -38,13 +39,12 @@ QUANTIZATION_SCHEMES: dict[str, QuantizationConfig] = {
     "int8": QuantizationConfig(bits=8, block_size=32, symmetric=True, accuracy_level=4, head_bits=8),
     "int4": QuantizationConfig(bits=4, block_size=32, symmetric=False, offsets=True, accuracy_level=4, head_bits=8),
 }
-# The families without a gated MLP. The others, per channel, get 8-bit weights (7-bit weights
+# Families with a gated MLP (ModelFamily.gated_mlp), per channel, get 8-bit weights (7-bit weights
 # alone cost the trained Llama +0.8% perplexity) and rotate their down projection's input,
 # silu(gate) * up, by Hadamard blocks of GATED_ROTATION before quantizing it per row: one
 # scale per row of the raw input took the mean KL from 0.0016 to 0.0037 (until December 2026
 # that product stayed in 8-bit blocks, activation scales per 32 values; 3x slower on many
 # rows). GPT-2 keeps 7 bits, the faster kernel at one row.
-UNGATED_FAMILIES = frozenset({"gpt2"})
 GATED_ROTATION = 64
 # What verify holds a quantized export to against PyTorch fp32, per scheme. int8's are set from
 # Q8_0's arithmetic on a real checkpoint (SmolLM2-135M-Instruct, docs/quantization.md "Quality on
@@ -103,7 +103,7 @@ def scheme_knobs(
     int8 is asked for by name (``--per-channel``: faster prompts on CPU, further from fp32 on real
     weights, see docs/quantization.md "Which int8"). Per-channel int8 needs fp32 weights
     (``MatMulIntegerToFloat`` here is an fp32 CPU kernel). Per channel, a family with a gated
-    MLP (all but the :data:`UNGATED_FAMILIES`) gets 8-bit weights (``channel_bits``) and its
+    MLP (:attr:`~kvexport.models.base.ModelFamily.gated_mlp`) gets 8-bit weights (``channel_bits``) and its
     down projection's input rotated by Hadamard blocks of :data:`GATED_ROTATION`
     (``gated_rotation``), given knobs included unless they keep that product in blocks
     (``gated_blocks``): 7 bits, or every product per channel unrotated, are outside the int8
@@ -125,7 +125,7 @@ def scheme_knobs(
             f"--per-channel needs fp32 weights (its int8 products are an fp32 CPU kernel), not {dtype.value}; "
             "drop it for an fp16 export"
         )
-    if knobs.per_channel and family is not None and family not in UNGATED_FAMILIES:
+    if knobs.per_channel and family is not None and family_for(family).gated_mlp:
         rotation = 0 if knobs.gated_blocks else knobs.gated_rotation or GATED_ROTATION
         return dataclasses.replace(knobs, channel_bits=8, gated_rotation=rotation)
     return knobs

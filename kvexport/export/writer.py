@@ -120,7 +120,9 @@ def write_export_directory(
     elif record.cache_quantization is not None:
         genai = {"written": False, "why": GENAI_QUANTIZED_CACHE}
     else:
-        genai = write_genai_files(directory, record.dims, options.target.value, options.cache.value, tokenizer_info)
+        genai = write_genai_files(
+            directory, record.dims, options.target.value, options.cache.value, tokenizer_info, record.family.genai_tokenizer or {}
+        )
     if not genai["written"]:
         progress(f"no genai_config.json: {genai['why']}")
     progress("hashing the files for the manifest")

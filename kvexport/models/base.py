@@ -53,6 +53,12 @@ class ModelFamily(ABC):
     genai_tried: ClassVar[bool] = False
     #: ``ort`` attention comes from the export itself (:meth:`in_place_module`), not the fusion passes
     in_place_attention: ClassVar[bool] = False
+    #: the MLP is gated (``down(silu(gate) * up)``): per-channel int8 then keeps 8-bit weights and
+    #: rotates the down projection's input (:func:`kvexport.export.quantization.scheme_knobs`)
+    gated_mlp: ClassVar[bool] = True
+    #: onnxruntime-genai's ``tokenizer_config.json`` fields (the tokenizer class and special tokens)
+    #: for a family it loads (:attr:`genai_tried`); the export adds ``model_max_length``
+    genai_tokenizer: ClassVar[Mapping[str, Any] | None] = None
 
     @abstractmethod
     def random_init_config(self, model: str) -> dict[str, Any]:

@@ -156,7 +156,7 @@ class Generator:
     """Generate from a kvexport directory on ONNX Runtime (CPU or CUDA) with IO binding.
 
     Args:
-        directory: a directory written by ``kvexport gpt2``.
+        directory: a directory written by ``kvexport export`` (or ``gpt2``, ``import``).
         provider: ``cpu``, ``cuda`` (an error where CUDA is unusable) or ``auto``.
         intra_op_threads: ONNX Runtime threads per session (default: ORT's choice).
         share_weights: give both sessions one memory-mapped copy of the weights and turn
