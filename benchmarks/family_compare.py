@@ -82,7 +82,7 @@ def kvexport_exports(hf_dir: Path, work: Path) -> dict[str, Path]:
     for label, scheme, _, _ in PRECISIONS:
         out = work / f"kvexport-{label}"
         if not (out / "kvexport.json").exists():
-            export_model(out, str(hf_dir), target="ort-cpu", quantize=scheme, force=True)  # type: ignore[arg-type]
+            export_model(out, str(hf_dir), target="ort-cpu", quantize=scheme, force=True)
         exports[label] = out
     return exports
 

@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: dict[str, dict[str, Any]] = {}
     for weights in ("none", "int8"):
         knobs = QUANTIZATION_SCHEMES.get(weights)  # int8: the blocks these results were measured with
-        base = export_gpt2(args.work / f"{weights}-fp32", str(TRAINED), target="ort-cpu", quantize=weights, quantization=knobs, force=True).out_dir  # type: ignore[arg-type]
+        base = export_gpt2(args.work / f"{weights}-fp32", str(TRAINED), target="ort-cpu", quantize=weights, quantization=knobs, force=True).out_dir
         reference = rows[f"weights {weights}, cache fp32"] = _quality(base)
         for bits in (8, 4):
             for per_channel in (True, False):

@@ -204,7 +204,7 @@ def kvexport_exports(
     for label, (scheme, knobs) in wanted.items():
         out = work / f"kvexport-{label.replace(' ', '-')}"
         if _stale(out, knobs):
-            export_gpt2(out, model, random_init=random_init, seed=0, target="ort-cpu", quantize=scheme, quantization=knobs, force=True)  # type: ignore[arg-type]
+            export_gpt2(out, model, random_init=random_init, seed=0, target="ort-cpu", quantize=scheme, quantization=knobs, force=True)
         exports[label] = out
     return exports
 

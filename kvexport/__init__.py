@@ -2,8 +2,9 @@
 
 Library entry points:
 
-- :func:`export_gpt2` writes ``prefill.onnx``, ``decode.onnx``, shared weights, the
-  manifest and the tokenizer to a directory.
+- :func:`export_model` (and :func:`export_gpt2`) writes ``prefill.onnx``, ``decode.onnx``,
+  shared weights, the manifest and the tokenizer to a directory, as :class:`ExportChoices`
+  asks (the options of ``kvexport export``, declared once).
 - :func:`verify` proves an export directory matches PyTorch and returns a report.
 - :func:`import_decoder` turns a one-graph decoder another tool made (Optimum's) into
   such a directory.
@@ -36,6 +37,7 @@ except PackageNotFoundError:  # pragma: no cover - running from a tree that was 
 
 if TYPE_CHECKING:
     from kvexport.bundle.manifest import Manifest, read_manifest
+    from kvexport.export.choices import ExportChoices
     from kvexport.export.exporter import ExportResult, export_gpt2, export_model
     from kvexport.export.importer import import_decoder
     from kvexport.export.options import ExportOptions
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "Engine": "kvexport.serving.engine",
     "EngineConfig": "kvexport.serving.config",
+    "ExportChoices": "kvexport.export.choices",
     "ExportOptions": "kvexport.export.options",
     "SamplingParams": "kvexport.serving.request",
     "ExportResult": "kvexport.export.exporter",
@@ -87,6 +90,7 @@ __all__ = [
     "DraftModel",
     "Engine",
     "EngineConfig",
+    "ExportChoices",
     "ExportError",
     "ExportOptions",
     "ExportResult",

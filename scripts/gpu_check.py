@@ -170,7 +170,7 @@ def main() -> int:
         out = work / label.replace("/", "-")
         try:
             started = time.perf_counter()
-            export_gpt2(out, model, random_init=True, seed=0, target=target, dtype=dtype, quantize=quantize)  # type: ignore[arg-type]
+            export_gpt2(out, model, random_init=True, seed=0, target=target, dtype=dtype, quantize=quantize)
             manifest = read_manifest(out)
             source = manifest.source
             vocab = manifest.dims.vocab_size

@@ -116,7 +116,7 @@ def tiny_odd_torchscript_export(
     from kvexport import export_gpt2
 
     out = tmp_path_factory.mktemp("exports") / "tiny-odd-ts"
-    export_gpt2(out, str(tiny_odd_config), random_init=True, seed=2, strategies=["torchscript"])
+    export_gpt2(out, str(tiny_odd_config), random_init=True, seed=2, exporter="torchscript")
     return out
 
 

@@ -23,6 +23,39 @@ def test_every_command_has_help() -> None:
         assert sub.exit_code == 0 and "Usage:" in sub.output, name
 
 
+def test_the_export_options_are_the_export_choices_fields() -> None:
+    """Each ExportChoices field with a flag is an option of both export commands, its help and choices from the field."""
+    import dataclasses
+
+    from kvexport.export.choices import ExportChoices
+
+    for command in ("export", "gpt2"):
+        options = {o.name: o for o in main.commands[command].params}
+        for field in dataclasses.fields(ExportChoices):
+            flag = field.metadata["flag"]
+            if flag is None:
+                continue
+            option = options[field.name]
+            assert option.opts[0] == flag and option.help is not None and option.help.startswith(field.metadata["help"]), field.name
+            choices = getattr(option.type, "choices", None)
+            assert tuple(choices or ()) == tuple(field.metadata["choices"]), field.name
+            default = field.default.value if hasattr(field.default, "value") else field.default
+            assert option.default == default, field.name
+
+
+def test_export_choices_refuse_a_choice_and_an_option_they_do_not_have(tmp_path: Path) -> None:
+    from kvexport import export_model
+    from kvexport.errors import KvexportError
+    from kvexport.export.choices import ExportChoices, TargetKind
+
+    assert ExportChoices(target="ort-cpu").target is TargetKind.ORT_CPU  # strings become the Enums
+    with pytest.raises(KvexportError, match=r"^--kv-cache int3: choose from fp32, fp16, int8, int4$"):
+        ExportChoices(kv_cache="int3")
+    with pytest.raises(KvexportError, match=r"^unknown export option strategies; choose from random_init, "):
+        export_model(tmp_path / "out", "gpt2", random_init=True, strategies=["dynamo"])
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_verify_inspect_round_trip(tmp_path: Path, tiny_odd_config: Path) -> None:
     out = tmp_path / "model"
     runner = CliRunner()
@@ -62,7 +95,7 @@ def test_verify_exit_code_is_1_when_a_check_fails(tmp_path: Path, tiny_export: P
     [
         (
             ["verify", "{tmp}/nope"],
-            "Error: {tmp}/nope: no such directory; pass a directory made by `kvexport gpt2`",
+            "Error: {tmp}/nope: no such directory; pass a directory made by `kvexport export` or `kvexport import`",
         ),
         (["inspect", "{tmp}/nope.onnx"], "Error: {tmp}/nope.onnx: no such file or directory"),
         (

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvexport import cli
+from kvexport.cli import base
 from kvexport.errors import Terminated
 
 
@@ -62,7 +62,7 @@ def test_sigterm_swallowed_by_a_finalizer_prints_no_traceback(
     # CI saw a SIGTERM land inside regex's __del__: Python printed "Exception ignored in ..."
     # with a traceback although the export then stopped cleanly on TERMINATING
     handed_on: list[BaseException | None] = []
-    monkeypatch.setattr(sys, "unraisablehook", cli._swallowed_sigterm_hook(lambda u: handed_on.append(u.exc_value)))
+    monkeypatch.setattr(sys, "unraisablehook", base._swallowed_sigterm_hook(lambda u: handed_on.append(u.exc_value)))
     finalizer = _Finalizer(Terminated())
     del finalizer
     assert capsys.readouterr().err == "" and handed_on == []

@@ -11,6 +11,7 @@ def test_kvexport_public_names() -> None:
         "DraftModel",
         "Engine",
         "EngineConfig",
+        "ExportChoices",
         "ExportError",
         "ExportOptions",
         "ExportResult",

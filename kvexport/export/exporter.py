@@ -26,30 +26,26 @@ import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 import onnx_ir as ir
 import torch
 from transformers import PreTrainedModel
 
 from kvexport.bundle.manifest import Manifest
-from kvexport.bundle.model_info import Dtype, ModelDims
+from kvexport.bundle.model_info import ModelDims
 from kvexport.bundle.storage import atomic_output_dir, check_output_dir
 from kvexport.errors import ExportError, KvexportError, first_line
 from kvexport.export.calibration import quantize_cache_step
-from kvexport.export.choices import DEFAULT_OPSET, EXPORT_STRATEGIES
+from kvexport.export.choices import EXPORT_STRATEGIES, ExportChoices
 from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
 from kvexport.models.base import ModelFamily, read_config, source_of, weights_fingerprint
-from kvexport.passes import QuantizationConfig, run_pipeline
+from kvexport.passes import run_pipeline
 from kvexport.passes.cache_names import cache_names
 from kvexport.progress import Progress, silent
 
-Target = Literal["portable", "ort-cpu", "ort-cuda"]
-Attention = Literal["unfused", "onnx", "ort"]
-CacheLayout = Literal["concat", "shared-buffer"]
-Quantize = Literal["none", "int8", "int4"]
 IO_INPUTS = ["input_ids", "attention_mask", "position_ids"]
 
 # Sample sizes for tracing. Every dynamic dim gets a distinct value >= 2, or the
@@ -507,23 +503,11 @@ def _export_graphs(
 def export_model(
     out: str | Path,
     model: str,
+    choices: ExportChoices | None = None,
     *,
     family: str | None = None,
-    random_init: bool = False,
-    seed: int = 0,
-    target: Target = "portable",
-    attention: Attention | None = None,
-    dtype: Dtype | None = None,
-    cache: CacheLayout | None = None,
-    quantize: Quantize = "none",
-    quantization: QuantizationConfig | None = None,
-    opset: int = DEFAULT_OPSET,
-    all_logits: bool = False,
-    kv_cache: str | None = None,
-    force: bool = False,
-    allow_pickle: bool = False,
-    strategies: Sequence[str] = DEFAULT_STRATEGY_ORDER,
     progress: Progress | None = None,
+    **given: Any,
 ) -> ExportResult:
     """Export a model to ``out/`` (prefill.onnx, decode.onnx, weights, manifest, tokenizer).
 
@@ -531,52 +515,35 @@ def export_model(
         out: output directory; written atomically, refused if non-empty unless ``force``.
         model: a preset or config path with ``random_init``, else a local model directory (a hub
             id with ``family="gpt2"`` only, where a hub is reachable).
+        choices: what the export is asked for (:class:`~kvexport.export.choices.ExportChoices`:
+            target, attention, dtype, cache, quantization, ...); None: the defaults.
         family: the model family (a ``model_type`` of :data:`kvexport.models.FAMILIES`); None:
             the one ``model``'s config (or preset) names.
-        random_init: build the architecture with seeded random weights (offline default).
-        seed: torch seed for ``random_init``.
-        target: where the graphs will run: ``portable`` (standard ONNX ops, unfused
-            attention), ``ort-cpu`` / ``ort-cuda`` (ONNX Runtime's fused ops).
-        attention: override the target's attention: ``unfused``, ``onnx`` (opset-23
-            ``Attention``) or ``ort`` (``com.microsoft`` fused ops).
-        dtype: ``fp32`` or ``fp16`` weights and activations (None: fp16 for ``ort-cuda``,
-            else fp32).
-        cache: ``concat`` (a new present per step, the portable contract) or
-            ``shared-buffer`` (one in-place buffer per cache tensor; needs ``ort``
-            attention). None: ``shared-buffer`` for the ort targets, else ``concat``.
-        quantize: ``int8`` / ``int4`` store the weights with ONNX Runtime's weight-only
-            operators (``ort`` attention only); see :data:`kvexport.export.quantization.QUANTIZATION_SCHEMES`.
-        quantization: override the scheme's knobs (block size, symmetric, accuracy
-            level, LM-head bits); needs ``quantize``.
-        opset: ONNX opset of the graphs.
-        all_logits: prefill returns logits for every position, not only the last.
-        kv_cache: the cache's type: None or the graph dtype (a float cache), ``int8`` or
-            ``int4`` (GroupQueryAttention's quantized cache, per-channel scales calibrated on
-            text at export; needs the in-place cache and fp32 graphs; see :mod:`kvexport.export.calibration`).
-        force: replace a non-empty ``out``.
-        allow_pickle: allow loading a pickle (.bin) checkpoint from a trusted directory.
-        strategies: export strategies to try, in order (see :data:`STRATEGIES`).
         progress: called with a short message at each phase (the CLI prints them).
+        **given: :class:`~kvexport.export.choices.ExportChoices` fields laid over ``choices``
+            (``export_model(out, model, random_init=True, target="ort-cpu")``).
 
     Returns:
         An :class:`ExportResult`; the manifest is also written to ``out/kvexport.json``.
 
     """
     progress = progress or silent
+    asked = (choices or ExportChoices()).replace(**given)
     out_path = Path(out)
-    chosen = family_for(family) if family is not None else family_of_model(model, random_init=random_init)
+    chosen = family_for(family) if family is not None else family_of_model(model, random_init=asked.random_init)
     options = ExportOptions.resolve(
-        target, attention, dtype, cache, quantize, quantization, opset, all_logits, kv_cache, family=chosen.name
+        asked.target, asked.attention, asked.dtype, asked.cache, asked.quantize, asked.quantization, asked.opset,
+        asked.all_logits, asked.kv_cache, family=chosen.name,
     )
-    _check_strategies(strategies)
-    check_output_dir(out_path.absolute(), force)
+    strategies: Sequence[str] = asked.strategies
+    check_output_dir(out_path.absolute(), asked.force)
     started = time.perf_counter()
     check_attention(chosen, options)
-    source = source_of(chosen, model, random_init=random_init, seed=seed)
+    source = source_of(chosen, model, random_init=asked.random_init, seed=asked.seed)
     if source.config is not None or source.kind == "local":  # refused before minutes of loading
         chosen.check_export(source.config or read_config(Path(source.name)), options.attention.value, f"--model {model}")
     progress(f"loading {source.describe()}")
-    torch_model = chosen.load(source, options.dtype.value, allow_pickle=allow_pickle)
+    torch_model = chosen.load(source, options.dtype.value, allow_pickle=asked.allow_pickle)
     dims = chosen.dims(torch_model.config.to_dict())
     fingerprint = weights_fingerprint(torch_model)
     if chosen.in_place_attention and options.attention.value == "ort":
@@ -590,7 +557,7 @@ def export_model(
     else:
         requests = graph_requests(chosen, torch_model, dims, options.all_logits, options.opset)
     with (
-        atomic_output_dir(out_path, force) as tmp,
+        atomic_output_dir(out_path, asked.force) as tmp,
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
     ):
         strategy, graphs, attempts = _export_graphs(requests, strategies, Path(work), progress)
@@ -624,14 +591,6 @@ def export_gpt2(out: str | Path, model: str = "gpt2", **options: Any) -> ExportR
     ``random_init``) or hub id, and a config of another family is refused.
     """
     return export_model(out, model, family="gpt2", **options)
-
-
-def _check_strategies(strategies: Sequence[str]) -> None:
-    unknown = [s for s in strategies if s not in STRATEGIES]
-    if unknown or not strategies:
-        raise KvexportError(
-            f"unknown export strategy {unknown}; choose from {', '.join(STRATEGIES)}"
-        )
 
 
 def _run_passes(graphs: dict[str, ir.Model], options: ExportOptions, progress: Progress) -> list[dict[str, Any]]:
