@@ -165,7 +165,7 @@ def prompt_attention_products() -> bool:
     ONNX Runtime 1.31's CPU ``GroupQueryAttention`` took 10 ms a layer for sixteen 128-token
     GPT-2 prompts on 2 AVX-512 cores; ``MatMul`` / ``Softmax`` / ``MatMul`` over the same
     tensors 2.8 ms, and the whole call 0.81-0.95x the time with several rows (one row keeps
-    the op; docs/benchmarks.md).
+    the op; docs/benchmarks-history.md, "Several prompts' attention as products").
     ``KVEXPORT_PROMPT_ATTENTION`` overrides the choice: ``products`` or ``gqa``.
     """
     choice = os.environ.get(PROMPT_ATTENTION_VARIABLE, "products").strip().lower() or "products"
