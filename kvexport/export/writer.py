@@ -121,7 +121,7 @@ def write_export_directory(
         genai = {"written": False, "why": GENAI_QUANTIZED_CACHE}
     else:
         genai = write_genai_files(
-            directory, record.dims, options.target.value, options.cache.value, tokenizer_info, record.family.genai_tokenizer or {}
+            directory, record.dims, options.target.value, options.cache.value, tokenizer_info, record.family.genai_tokenizer
         )
     if not genai["written"]:
         progress(f"no genai_config.json: {genai['why']}")

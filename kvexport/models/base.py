@@ -1,6 +1,6 @@
 """The model-family seam: everything kvexport needs to know of one family of decoders.
 
-One module per family (``kvexport/models/gpt2.py`` today) defines a :class:`ModelFamily`
+One module per family (``gpt2.py``; ``llama.py`` for the five Llama-style ones) defines a :class:`ModelFamily`
 subclass that overrides only what its family does differently, in the way
 onnxruntime-genai's builder keeps a base decoder and one subclass per family, and
 transformers keeps each family's quirks in its own ``modeling_<family>.py``. The
@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvexport.bundle.model_info import Dtype, ModelDims, ModelSource
 from kvexport.errors import KvexportError
-from kvexport.models.tokenizer import TokenizerChoice
+from kvexport.models.tokenizer import GPT2_GENAI_TOKENIZER, TokenizerChoice
 
 if TYPE_CHECKING:
     import torch
@@ -56,9 +56,10 @@ class ModelFamily(ABC):
     #: the MLP is gated (``down(silu(gate) * up)``): per-channel int8 then keeps 8-bit weights and
     #: rotates the down projection's input (:func:`kvexport.export.quantization.scheme_knobs`)
     gated_mlp: ClassVar[bool] = True
-    #: onnxruntime-genai's ``tokenizer_config.json`` fields (the tokenizer class and special tokens)
-    #: for a family it loads (:attr:`genai_tried`); the export adds ``model_max_length``
-    genai_tokenizer: ClassVar[Mapping[str, Any] | None] = None
+    #: onnxruntime-genai's ``tokenizer_config.json`` fields (the tokenizer class and special tokens),
+    #: written where the checkpoint ships none; the export adds ``model_max_length``. Default: GPT-2's
+    #: BPE, the tokenizer every family falls back to (:meth:`tokenizer`)
+    genai_tokenizer: ClassVar[Mapping[str, Any]] = GPT2_GENAI_TOKENIZER
 
     @abstractmethod
     def random_init_config(self, model: str) -> dict[str, Any]:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any
 
 from kvexport.bundle.model_info import Dtype, ModelDims, ModelSource
 from kvexport.errors import KvexportError, first_line
 from kvexport.models.base import ModelFamily, read_config, source_of, weights_fingerprint
-from kvexport.models.tokenizer import GPT2_EOS_TOKEN, TokenizerChoice, choose_tokenizer
+from kvexport.models.tokenizer import TokenizerChoice, choose_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -70,15 +70,6 @@ class Gpt2Family(ModelFamily):
     presets = PRESETS
     genai_tried = True
     gated_mlp = False  # GELU(fc) then proj
-    genai_tokenizer: ClassVar[Mapping[str, Any] | None] = {
-        "tokenizer_class": "GPT2Tokenizer",
-        "bos_token": GPT2_EOS_TOKEN,
-        "eos_token": GPT2_EOS_TOKEN,
-        "unk_token": GPT2_EOS_TOKEN,
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "clean_up_tokenization_spaces": False,
-    }
 
     def random_init_config(self, model: str) -> dict[str, Any]:
         """A preset's config, or a GPT-2 config file's with GPT-2's defaults filled in."""

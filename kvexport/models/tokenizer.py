@@ -19,6 +19,17 @@ from kvexport.errors import KvexportError
 GPT2_VOCAB_SIZE = 50257
 GPT2_EOS_TOKEN = "<|endoftext|>"
 GPT2_EOS_TOKEN_ID = 50256
+# onnxruntime-genai's tokenizer_config.json fields for GPT-2's BPE (the tokenizer every family
+# falls back to where a checkpoint ships none)
+GPT2_GENAI_TOKENIZER = {
+    "tokenizer_class": "GPT2Tokenizer",
+    "bos_token": GPT2_EOS_TOKEN,
+    "eos_token": GPT2_EOS_TOKEN,
+    "unk_token": GPT2_EOS_TOKEN,
+    "add_bos_token": False,
+    "add_prefix_space": False,
+    "clean_up_tokenization_spaces": False,
+}
 
 
 @dataclass(frozen=True)
