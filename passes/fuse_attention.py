@@ -42,6 +42,7 @@ from onnxscript.rewriter.pattern import Var as _Var
 from ._masks import is_lowest
 from ._rules import apply_rules
 from .values import const_float, const_ints, dims_of
+from .vocabulary import FUSED_ATTENTION, MS_DOMAIN
 
 AttentionTarget = Literal["onnx", "ort"]
 ONNX_ATTENTION_OPSET = 23
@@ -156,7 +157,7 @@ class _FuseAttention(RewriteRuleClassBase):
                 *past,
                 num_heads=numbers.heads,
                 scale=numbers.scale,
-                _domain="com.microsoft",
+                _domain=MS_DOMAIN,
                 _outputs=3,
             )
         # The fused ops' outputs have the query's shape and type; say so, so that the
@@ -290,8 +291,7 @@ def attention_rules(target: AttentionTarget) -> list[RewriteRule]:
 
 def count_attention_ops(model: ir.Model) -> int:
     """Fused attention nodes (ONNX ``Attention`` and ORT's attention ops) in the main graph."""
-    fused = {"Attention", "MultiHeadAttention", "GroupQueryAttention"}
-    return sum(1 for node in model.graph if node.op_type in fused)
+    return sum(1 for node in model.graph if node.op_type in FUSED_ATTENTION)
 
 
 class FuseAttentionPass(InPlacePass):
@@ -315,7 +315,7 @@ class FuseAttentionPass(InPlacePass):
         if self.target == "onnx" and model.opset_imports.get("", 0) < ONNX_ATTENTION_OPSET:
             version_converter.convert_version(model, ONNX_ATTENTION_OPSET)
         if self.target == "ort":
-            model.opset_imports.setdefault("com.microsoft", 1)
+            model.opset_imports.setdefault(MS_DOMAIN, 1)
         self.explanations = {}
         explanations = self.explanations if self.explain else None
         self.counts = apply_rules(model, [InfiniteMaskToLowest.rule()])

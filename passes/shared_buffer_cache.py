@@ -44,13 +44,12 @@ from onnx_ir.passes.common import TopologicalSortPass
 from ._masks import is_mask_where, padding_condition
 from .cache_names import canonical_slot
 from .errors import PassInputError
-from .fuse_grouped_attention import GQA_MARK
 from .values import initializer, take_graph_output
+from .vocabulary import GQA_MARK, GROUP_QUERY_ATTENTION, MS_DOMAIN, MULTI_HEAD_ATTENTION
 
 CAPACITY_DIM = "max_sequence"
 PADDING_BIAS = "kvexport.padding_bias"  # the name of padding_bias's value: a bias that needs no replacing
 TOTAL_DIM = "total_sequence"
-_MS = "com.microsoft"
 
 
 class SharedBufferCacheError(PassInputError):
@@ -189,8 +188,8 @@ def _attention_nodes(graph: ir.Graph) -> list[ir.Node]:
     return [
         n
         for n in graph
-        if n.domain == _MS
-        and (n.op_type == "MultiHeadAttention" or (n.op_type == "GroupQueryAttention" and GQA_MARK in n.metadata_props))
+        if n.domain == MS_DOMAIN
+        and (n.op_type == MULTI_HEAD_ATTENTION or (n.op_type == GROUP_QUERY_ATTENTION and GQA_MARK in n.metadata_props))
     ]
 
 
@@ -199,8 +198,8 @@ def _input(graph: ir.Graph, name: str) -> ir.Value | None:
 
 
 # where each op reads its past and its attention bias
-_PAST_AT = {"MultiHeadAttention": 6, "GroupQueryAttention": 3}
-_BIAS_AT = {"MultiHeadAttention": 5, "GroupQueryAttention": 10}
+_PAST_AT = {MULTI_HEAD_ATTENTION: 6, GROUP_QUERY_ATTENTION: 3}
+_BIAS_AT = {MULTI_HEAD_ATTENTION: 5, GROUP_QUERY_ATTENTION: 10}
 
 
 def _optional_input(node: ir.Node, index: int) -> ir.Value | None:
@@ -232,7 +231,7 @@ class SharedBufferCachePass(InPlacePass):
         if _input(model.graph, "attention_mask") is None:
             raise SharedBufferCacheError("the graph has no attention_mask input to take lengths from")
         for node in attention:
-            if node.op_type == "MultiHeadAttention" and (any(v is not None for v in node.inputs[3:5]) or len(node.inputs) > 8):
+            if node.op_type == MULTI_HEAD_ATTENTION and (any(v is not None for v in node.inputs[3:5]) or len(node.inputs) > 8):
                 raise SharedBufferCacheError(
                     f"{node.name}: MultiHeadAttention with bias / key_padding_mask inputs is not supported"
                 )
@@ -261,7 +260,7 @@ class SharedBufferCachePass(InPlacePass):
             present_key = node.outputs[1]
             slot = canonical_slot(present_key.name or "")
             assert slot is not None  # requires() checked every present name
-            heads = node.attributes.get_int("kv_num_heads" if node.op_type == "GroupQueryAttention" else "num_heads")
+            heads = node.attributes.get_int("kv_num_heads" if node.op_type == GROUP_QUERY_ATTENTION else "num_heads")
             head_dim = present_key.shape[3] if present_key.shape is not None else None
             shape = ir.Shape(["batch", heads, CAPACITY_DIM, head_dim])
             past: list[ir.Value] = []
@@ -280,7 +279,7 @@ class SharedBufferCachePass(InPlacePass):
                     padding[dtype] = padding_bias(graph, mask, queries, dtype)
                 bias = padding[dtype]
                 self.counts["bias_replaced"] += 1
-            if node.op_type == "GroupQueryAttention":  # fused already: the buffers and the bias are all that change
+            if node.op_type == GROUP_QUERY_ATTENTION:  # fused already: the buffers and the bias are all that change
                 # Lengths made here, after the shape folding: in a prefill graph the mask's width and
                 # the tokens' length share a dim name, so a length made before may read the tokens'.
                 # (onnxruntime-genai's count the mask's ones, which a left-padded row gets wrong.)
@@ -306,7 +305,7 @@ class SharedBufferCachePass(InPlacePass):
             if scale:
                 attributes["scale"] = scale
             inputs = [*node.inputs[:3], *past, *lengths[0], None, None, None, bias]
-            gqa = ir.node("GroupQueryAttention", inputs, attributes=attributes, domain=_MS, num_outputs=3)
+            gqa = ir.node(GROUP_QUERY_ATTENTION, inputs, attributes=attributes, domain=MS_DOMAIN, num_outputs=3)
             graph.insert_after(node, gqa)
             for old, new in zip(node.outputs[:3], gqa.outputs, strict=True):
                 new.shape, new.type = old.shape, old.type

@@ -22,7 +22,7 @@ ALLOWED: dict[str, set[str]] = {
     "drafting": set(),
     "extras": {"errors"},
     "bundle": {"errors", "passes"},
-    "models": {"errors", "bundle"},
+    "models": {"errors", "bundle", "passes"},
     "runtime": {"errors", "bundle", "passes"},
     "serving": {"errors", "extras", "bundle", "runtime", "passes"},
     "export": {"errors", "extras", "bundle", "models", "runtime", "passes"},
