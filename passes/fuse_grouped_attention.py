@@ -11,7 +11,7 @@ cache to the query heads before the product::
     out = Transpose(MatMul(Softmax(scores), values), [0, 2, 1, 3])       # [b, s, H, D]
 
 (``repeat_kv`` is absent when every query head has its own cache head; the scaling and the
-masks take the forms :func:`fuse_attention.attention_probs` lists.) The rule replaces it by
+masks take the forms :func:`_scores.attention_probs` lists.) The rule replaces it by
 
 - ``target="ort"``: ``com.microsoft.GroupQueryAttention`` with ``kv_num_heads`` the cache's
   heads, the past as its ``past_key`` / ``past_value`` (the cache stays ``[b, Hkv, t, D]``)
@@ -50,7 +50,8 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 from onnxscript.rewriter.pattern import Var as _Var
 
-from .fuse_attention import AttentionTarget, Scores, attention_probs
+from ._masks import mask_lengths
+from ._scores import AttentionTarget, Scores, attention_probs
 from .values import const_ints, dims_of, take_graph_output
 from .vocabulary import GQA_MARK, MS_DOMAIN
 
@@ -296,8 +297,6 @@ def grouped_attention_rules(
     The rules share one ``seqlens_k`` / ``total_sequence_length`` pair, made from
     ``attention_mask`` the first time a match needs it.
     """
-    from .shared_buffer_cache import mask_lengths
-
     graph = model.graph
     made: list[tuple[ir.Value, ir.Value]] = []
 

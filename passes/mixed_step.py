@@ -29,9 +29,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ._masks import is_mask_where
+from ._masks import is_mask_where, mask_lengths
 from .errors import PassInputError
-from .shared_buffer_cache import PADDING_BIAS, mask_lengths, padding_bias
+from .shared_buffer_cache import PADDING_BIAS, padding_bias
 from .values import ints
 from .vocabulary import GROUP_QUERY_ATTENTION, MS_DOMAIN
 
