@@ -8,8 +8,9 @@ and ``kvexport rewrite`` do.
 Installed as ``kvexport.passes`` (the folder stays at the repository's top level; every
 import inside it is relative, so it imports nothing of the rest of kvexport).
 ``import kvexport.passes`` is cheap: each public name loads its module (and onnx_ir,
-onnxscript) on first use, so :mod:`kvexport.passes.cache_names` and
-:mod:`kvexport.passes.choices` serve the torch- and onnx_ir-free runtime too.
+onnxscript) on first use, so :mod:`kvexport.passes.cache_names`,
+:mod:`kvexport.passes.choices` and :mod:`kvexport.passes.vocabulary` serve the torch- and
+onnx_ir-free runtime too.
 """
 
 from __future__ import annotations

@@ -37,10 +37,8 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from .values import stand_in
+from .vocabulary import CACHE_ATTENTION, GROUP_QUERY_ATTENTION, KVEXPORT_DOMAIN, MS_DOMAIN
 
-_MS = "com.microsoft"
-DOMAIN = "kvexport"  # the custom op's domain (kvexport.runtime.kernels registers it)
-OP_TYPE = "CacheAttention"
 _CACHE_PREFIXES = ("past.", "decode.past.")
 # attributes whose presence (with these values) the kernel keeps the node's meaning under
 _NEUTRAL = {"do_rotary": 0, "softcap": 0.0, "smooth_softmax": 0, "rotary_interleaved": 0}
@@ -63,12 +61,12 @@ class CacheAttentionPass(InPlacePass):
                 _replace(graph, node, self.counts["nodes"])
                 self.counts["nodes"] += 1
         if self.counts["nodes"]:
-            model.opset_imports.setdefault(DOMAIN, 1)
+            model.opset_imports.setdefault(KVEXPORT_DOMAIN, 1)
         return PassResult(model, modified=self.counts["nodes"] > 0)
 
 
 def _replaceable(node: ir.Node, presents: dict[str, ir.Value]) -> bool:
-    if node.domain != _MS or node.op_type != "GroupQueryAttention" or len(node.outputs) != 3:
+    if node.domain != MS_DOMAIN or node.op_type != GROUP_QUERY_ATTENTION or len(node.outputs) != 3:
         return False
     inputs = list(node.inputs) + [None] * max(0, 14 - len(node.inputs))
     query, key, value, past_key, past_value, seqlens = inputs[:6]
@@ -103,7 +101,7 @@ def _replace(graph: ir.Graph, node: ir.Node, number: int) -> None:
     inputs = list(node.inputs) + [None] * max(0, 11 - len(node.inputs))
     attributes = {name: attr.value for name, attr in node.attributes.items()}
     kernel = ir.node(
-        OP_TYPE,
+        CACHE_ATTENTION,
         [*inputs[:6], inputs[10]] if inputs[10] is not None else list(inputs[:6]),
         attributes={
             "num_heads": int(attributes["num_heads"]),
@@ -111,7 +109,7 @@ def _replace(graph: ir.Graph, node: ir.Node, number: int) -> None:
             "scale": float(attributes.get("scale", 0.0) or 0.0),  # 0: the kernel's 1/sqrt(D), as the op's
             "local_window_size": int(attributes.get("local_window_size", -1)),
         },
-        domain=DOMAIN,
+        domain=KVEXPORT_DOMAIN,
         num_outputs=3,
         name=node.name,
     )

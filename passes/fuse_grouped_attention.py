@@ -11,7 +11,7 @@ cache to the query heads before the product::
     out = Transpose(MatMul(Softmax(scores), values), [0, 2, 1, 3])       # [b, s, H, D]
 
 (``repeat_kv`` is absent when every query head has its own cache head; the scaling and the
-masks take the forms :func:`fuse_attention.attention_probs` lists.) The rule replaces it by
+masks take the forms :func:`_scores.attention_probs` lists.) The rule replaces it by
 
 - ``target="ort"``: ``com.microsoft.GroupQueryAttention`` with ``kv_num_heads`` the cache's
   heads, the past as its ``past_key`` / ``past_value`` (the cache stays ``[b, Hkv, t, D]``)
@@ -50,12 +50,12 @@ import onnx_ir as ir
 from onnxscript.rewriter import MatchResult, RewriteRuleClassBase
 from onnxscript.rewriter.pattern import Var as _Var
 
-from .fuse_attention import AttentionTarget, Scores, attention_probs
+from ._masks import mask_lengths
+from ._scores import AttentionTarget, Scores, attention_probs
 from .values import const_ints, dims_of, take_graph_output
+from .vocabulary import GQA_MARK, MS_DOMAIN
 
-GQA_MARK = "kvexport.gqa_cache"  # node metadata: a fused GroupQueryAttention whose cache IO is still the exporter's
 HEADS_FIRST = [0, 2, 1, 3]
-_MS = "com.microsoft"
 
 Lengths = Callable[[], "tuple[ir.Value, ir.Value] | None"]
 
@@ -152,7 +152,7 @@ class FuseGroupedAttention(RewriteRuleClassBase):
             assert lengths is not None  # check() found them
             output, present_key, present_value = op.GroupQueryAttention(
                 q, k, v, *past, *lengths, None, None, None, bias,
-                num_heads=heads, kv_num_heads=kv_heads, scale=scale, _domain=_MS, _outputs=3,
+                num_heads=heads, kv_num_heads=kv_heads, scale=scale, _domain=MS_DOMAIN, _outputs=3,
             )  # fmt: skip
             fused = output.producer()
             fused.metadata_props[GQA_MARK] = "concat"
@@ -220,8 +220,8 @@ class FuseRotary(RewriteRuleClassBase):
                                         op.Constant(value=ir.tensor(np.array(1, np.int64)))), tokens)  # fmt: skip
         projection = _split_projection(x, heads, head_dim)
         if projection is None:
-            return op.RotaryEmbedding(x, positions, *tables, interleaved=0, _domain=_MS)
-        rotated = op.RotaryEmbedding(projection, positions, *tables, interleaved=0, num_heads=heads, _domain=_MS)
+            return op.RotaryEmbedding(x, positions, *tables, interleaved=0, _domain=MS_DOMAIN)
+        rotated = op.RotaryEmbedding(projection, positions, *tables, interleaved=0, num_heads=heads, _domain=MS_DOMAIN)
         split_heads = op.Constant(value=ir.tensor(np.array([0, 0, heads, head_dim], np.int64)))
         return op.Transpose(op.Reshape(rotated, split_heads), perm=HEADS_FIRST)
 
@@ -297,8 +297,6 @@ def grouped_attention_rules(
     The rules share one ``seqlens_k`` / ``total_sequence_length`` pair, made from
     ``attention_mask`` the first time a match needs it.
     """
-    from .shared_buffer_cache import mask_lengths
-
     graph = model.graph
     made: list[tuple[ir.Value, ir.Value]] = []
 

@@ -34,6 +34,7 @@ from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_nor
 
 from ._rules import RulePass
 from .values import const_close, const_float
+from .vocabulary import MS_DOMAIN
 
 _GELU_CONSTANTS = {"half": 0.5, "cube": 3.0, "coefficient": 0.044715, "sqrt_2_over_pi": 0.7978845608, "one": 1.0}
 
@@ -72,8 +73,8 @@ class FastGeluRule(RewriteRuleClassBase):
         source = _bias_source(x, allowed_uses=3)
         if source is not None:
             data, bias = source
-            return op.FastGelu(data, bias, _domain="com.microsoft")
-        return op.FastGelu(x, _domain="com.microsoft")
+            return op.FastGelu(data, bias, _domain=MS_DOMAIN)
+        return op.FastGelu(x, _domain=MS_DOMAIN)
 
 
 class SkipLayerNormRule(RewriteRuleClassBase):
@@ -117,7 +118,7 @@ class SkipLayerNormRule(RewriteRuleClassBase):
                 break
         epsilon = node.attributes.get_float("epsilon", 1e-5)
         norm, _mean, _inv_std, total = op.SkipLayerNormalization(
-            *inputs, epsilon=epsilon, _domain="com.microsoft", _outputs=4
+            *inputs, epsilon=epsilon, _domain=MS_DOMAIN, _outputs=4
         )
         return norm, total
 
@@ -182,7 +183,7 @@ class FuseOrtBlockPass(RulePass):
 
     def call(self, model: ir.Model) -> PassResult:
         """Fuse in place; adds the ``com.microsoft`` opset import."""
-        model.opset_imports.setdefault("com.microsoft", 1)
+        model.opset_imports.setdefault(MS_DOMAIN, 1)
         for node in model.graph:  # onnxscript's RMSNorm rule reads this attribute; TorchScript leaves the default out
             if node.op_type == "ReduceMean" and node.domain in ("", "ai.onnx") and "noop_with_empty_axes" not in node.attributes:
                 node.attributes["noop_with_empty_axes"] = ir.AttrInt64("noop_with_empty_axes", 0)

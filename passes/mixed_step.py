@@ -29,10 +29,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 
-from ._masks import is_mask_where
+from ._masks import is_mask_where, mask_lengths
 from .errors import PassInputError
-from .shared_buffer_cache import PADDING_BIAS, mask_lengths, padding_bias
+from .shared_buffer_cache import PADDING_BIAS, padding_bias
 from .values import ints
+from .vocabulary import GROUP_QUERY_ATTENTION, MS_DOMAIN
 
 DECODE_PREFIX = "decode."  # the decode half's inputs and outputs: decode.attention_mask, decode.past.*, decode.present.*
 _INT64_MAX = np.iinfo(np.int64).max
@@ -74,7 +75,7 @@ def mixed_step(model: ir.Model, *, all_logits: bool = False) -> ir.Model:
     bias) or a last position it can't widen; the model may then be half changed.
     """
     graph = model.graph
-    attention = [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == "com.microsoft"]
+    attention = [n for n in graph if n.op_type == GROUP_QUERY_ATTENTION and n.domain == MS_DOMAIN]
     if not attention:
         raise MixedStepError("the graph has no GroupQueryAttention; the mixed step needs an in-place export (--target ort-cpu or ort-cuda)")
     input_ids = _input(graph, "input_ids")
@@ -145,7 +146,7 @@ def _split_attention(
     twin_inputs = [*decoded, *pasts, seqlens, total, *inputs[7:10], biases[bias.dtype] if bias is not None and bias.dtype else None, *inputs[11:]]
     while twin_inputs and twin_inputs[-1] is None:
         twin_inputs.pop()
-    twin = ir.node("GroupQueryAttention", twin_inputs, attributes=attributes, domain="com.microsoft", num_outputs=3)
+    twin = ir.node(GROUP_QUERY_ATTENTION, twin_inputs, attributes=attributes, domain=MS_DOMAIN, num_outputs=3)
     twin.name = f"{node.name}.decode"
     graph.insert_after(node, twin)
     for present, twin_present in zip(node.outputs[1:3], twin.outputs[1:3], strict=True):

@@ -71,11 +71,8 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from .values import initializer, ints, stand_in
+from .vocabulary import GROUP_QUERY_ATTENTION, MS_DOMAIN, ROWS_AFTER_PAST
 
-_MS = "com.microsoft"
-# the model's metadata key the pass sets where every layer's attention takes several rows after a past (an 8-bit cache's
-# products; the op refuses such a call); the runtime reads it from the session's model (kvexport.serving.runner)
-ROWS_AFTER_PAST = "kvexport.rows_after_past"
 _PAST_PREFIX = "past."
 # fp32 only: in fp16 a padding bias of fp16's lowest plus a negative score overflows to -inf, and a padded
 # row of -inf would give NaN; CPU sessions of fp16 graphs keep the op
@@ -108,7 +105,7 @@ class PromptAttentionPass(InPlacePass):
             _rewrite(graph, node, shared, self.counts["nodes"])
             self.counts["nodes"] += 1
         # the top level only: kvexport's graphs keep their attention there (a node in a subgraph would go unseen)
-        if every_call and not any(n.op_type == "GroupQueryAttention" for n in graph):
+        if every_call and not any(n.op_type == GROUP_QUERY_ATTENTION for n in graph):
             model.metadata_props[ROWS_AFTER_PAST] = "products"
         return PassResult(model, modified=self.counts["nodes"] > 0)
 
@@ -127,7 +124,7 @@ def _inputs(node: ir.Node) -> list[ir.Value | None]:
 
 
 def _rewritable(graph: ir.Graph, node: ir.Node) -> bool:
-    if node.domain != _MS or node.op_type != "GroupQueryAttention":
+    if node.domain != MS_DOMAIN or node.op_type != GROUP_QUERY_ATTENTION:
         return False
     inputs = _inputs(node)
     query, key, value, past_key, past_value = inputs[:5]
@@ -323,7 +320,7 @@ def _rewrite(graph: ir.Graph, node: ir.Node, shared: dict[tuple[int, int | None,
         rows = op("Slice", [queries, first_row, end_row, axis])
         last = index == len(common.blocks) - 1  # over every key: the keys and values as they are
         keys, values = (c if last else op("Slice", [c, first, keys_end, axis]) for c in cached)
-        scores = op("FusedMatMul", [rows, keys], domain=_MS, alpha=scale, transB=1)  # [B, Nkv, S_b * G, K_b]
+        scores = op("FusedMatMul", [rows, keys], domain=MS_DOMAIN, alpha=scale, transB=1)  # [B, Nkv, S_b * G, K_b]
         biased = op("Add", [scores, bias_of_block])
         # no score more than 80 below its row's largest: exp(-80) is 1.8e-35 of the largest weight, nothing in fp32, and
         # it keeps Softmax's exponentials normal; from -87 down they are denormal, and ONNX Runtime's Softmax ran 7-14x slower

@@ -33,8 +33,8 @@ from onnx_ir.passes import InPlacePass, PassResult
 from .cache_names import canonical_slot
 from .errors import PassInputError
 from .values import initializer
+from .vocabulary import GROUP_QUERY_ATTENTION, MS_DOMAIN
 
-_MS = "com.microsoft"
 _K_SCALE, _V_SCALE = 12, 13
 
 
@@ -85,7 +85,7 @@ class CacheQuantization:
 
 
 def _attention(graph: ir.Graph) -> list[ir.Node]:
-    return [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == _MS]
+    return [n for n in graph if n.op_type == GROUP_QUERY_ATTENTION and n.domain == MS_DOMAIN]
 
 
 class QuantizeCachePass(InPlacePass):

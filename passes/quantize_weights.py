@@ -104,8 +104,8 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from .values import initializer
+from .vocabulary import MATMUL_INTEGER_TO_FLOAT, MS_DOMAIN
 
-MS_DOMAIN = "com.microsoft"
 OWN_PREFIX = "kvexport."  # weights this pass writes in float (rotations, block sums, offsets): never quantized
 BLOCKED_QUANTIZE_OPSET = 21  # QuantizeLinear's block_size: one scale per block of a row
 HADAMARD_PREFIX = f"{OWN_PREFIX}hadamard_"
@@ -744,7 +744,7 @@ def _row_quantized_product(
         quantize = [unit, codes]
     weight_zero = center if channels.unsigned else None
     inputs: list[ir.Value | None] = [codes.outputs[0], channels.data, one, channels.scales, center, weight_zero]
-    product = ir.node("MatMulIntegerToFloat", inputs, domain=MS_DOMAIN, name=name("matmul"))
+    product = ir.node(MATMUL_INTEGER_TO_FLOAT, inputs, domain=MS_DOMAIN, name=name("matmul"))
     result = ir.node("Mul", [product.outputs[0], row_scale.outputs[0]], name=name("rows"))
     nodes = [magnitude, peak, scaled, row_scale, *quantize, product, result]
     if bias is not None:  # after the row scale: MatMulIntegerToFloat's own bias would be scaled by it too
@@ -978,7 +978,7 @@ def _unsigned_channel_weight(node: ir.Node) -> ir.Value | None:
     Its weight, or the initializer its weight is the ``Transpose`` of (a tied head's rows, see
     :func:`_tied_rows`).
     """
-    if node.op_type != "MatMulIntegerToFloat" or node.domain != MS_DOMAIN or len(node.inputs) < 6:
+    if node.op_type != MATMUL_INTEGER_TO_FLOAT or node.domain != MS_DOMAIN or len(node.inputs) < 6:
         return None
     weight, zero = node.inputs[1], node.inputs[5]
     producer = weight.producer() if weight is not None else None

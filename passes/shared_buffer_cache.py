@@ -41,57 +41,19 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 from onnx_ir.passes.common import TopologicalSortPass
 
-from ._masks import is_mask_where, padding_condition
+from ._masks import is_mask_where, mask_dim, mask_lengths, padding_condition
 from .cache_names import canonical_slot
 from .errors import PassInputError
-from .fuse_grouped_attention import GQA_MARK
 from .values import initializer, take_graph_output
+from .vocabulary import GQA_MARK, GROUP_QUERY_ATTENTION, MS_DOMAIN, MULTI_HEAD_ATTENTION
 
 CAPACITY_DIM = "max_sequence"
 PADDING_BIAS = "kvexport.padding_bias"  # the name of padding_bias's value: a bias that needs no replacing
 TOTAL_DIM = "total_sequence"
-_MS = "com.microsoft"
 
 
 class SharedBufferCacheError(PassInputError):
     """The graph can't be given a shared-buffer cache (no attention_mask, unexpected MHA inputs)."""
-
-
-def _mask_dim(graph: ir.Graph, mask: ir.Value, axis: int, created: list[ir.Node]) -> ir.Value:
-    """``Shape(mask)[axis:axis+1]`` ([1] int64), reusing a Shape node the graph already has.
-
-    ``mask`` is any graph input (the attention mask, or input_ids for the query length).
-    """
-    for use in mask.uses():
-        node = use.node
-        if node.op_type != "Shape" or node.domain not in ("", "ai.onnx"):
-            continue
-        start = node.attributes.get_int("start", 0) or 0
-        end = node.attributes.get_int("end", None)
-        if start == axis and end == axis + 1:
-            return node.outputs[0]
-    full = next(
-        (
-            u.node.outputs[0]
-            for u in mask.uses()
-            if u.node.op_type == "Shape" and not u.node.attributes
-        ),
-        None,
-    )
-    if full is None:
-        shape = ir.node("Shape", [mask])
-        created.append(shape)
-        full = shape.outputs[0]
-    piece = ir.node(
-        "Slice",
-        [
-            full,
-            initializer(graph, f"kvexport.{mask.name}_dim{axis}_start", np.array([axis], np.int64)),
-            initializer(graph, f"kvexport.{mask.name}_dim{axis}_end", np.array([axis + 1], np.int64)),
-        ],
-    )
-    created.append(piece)
-    return piece.outputs[0]
 
 
 def _read_token_shape_from_queries(graph: ir.Graph, mask: ir.Value, queries: ir.Value, total: ir.Value) -> None:
@@ -118,40 +80,6 @@ def _read_token_shape_from_queries(graph: ir.Graph, mask: ir.Value, queries: ir.
             consumer.node.replace_input_with(consumer.idx, twin.outputs[0])
 
 
-def mask_lengths(graph: ir.Graph, mask: ir.Value) -> tuple[ir.Value, ir.Value]:
-    """``seqlens_k`` [batch] int32 and ``total_sequence_length`` int32 scalar for the mask.
-
-    ``total_sequence_length`` is the mask's width, from a Shape node the graph already has
-    where it can (GroupQueryAttention wants it in host memory). ``seqlens_k`` is each row's
-    own length less one, read off the mask's *values*: the index of the row's last 1,
-    ``ReduceMax(mask * CumSum(ones)) - 1``. One rule serves a left-padded batch (every row
-    ends at the last column), right-padded prompts (onnxruntime-genai's convention) and
-    slots of different lengths decoding together in one call over a mask as wide as the
-    buffer. It is computed from the mask tensor, so under CUDA it stays on the device: a
-    value derived from a shape would be computed on the host and copied over.
-    """
-    created: list[ir.Node] = []
-    total_1d = _mask_dim(graph, mask, 1, created)
-    total32 = ir.node("Cast", [total_1d], attributes={"to": ir.DataType.INT32})
-    scalar = initializer(graph, "kvexport.scalar_shape", np.array([], np.int64))
-    total = ir.node("Reshape", [total32.outputs[0], scalar])
-    everywhere = ir.node("Equal", [mask, mask])
-    ones = ir.node("Cast", [everywhere.outputs[0]], attributes={"to": ir.DataType.INT32})
-    axis = initializer(graph, "kvexport.axis_1", np.array([1], np.int64))
-    axis_scalar = initializer(graph, "kvexport.axis_1_scalar", np.array(1, np.int64))
-    counted = ir.node("CumSum", [ones.outputs[0], axis_scalar])  # 1..width along each row
-    mask32 = ir.node("Cast", [mask], attributes={"to": ir.DataType.INT32})
-    kept = ir.node("Mul", [mask32.outputs[0], counted.outputs[0]])
-    length = ir.node("ReduceMax", [kept.outputs[0], axis], attributes={"keepdims": 0})
-    seqlens = ir.node("Sub", [length.outputs[0], initializer(graph, "kvexport.one_int32", np.array(1, np.int32))])
-    total.outputs[0].name = "kvexport.total_sequence_length"
-    seqlens.outputs[0].name = "kvexport.seqlens_k"
-    total.outputs[0].shape, total.outputs[0].type = ir.Shape([]), ir.TensorType(ir.DataType.INT32)
-    seqlens.outputs[0].type = ir.TensorType(ir.DataType.INT32)
-    graph.extend([*created, total32, total, everywhere, ones, counted, mask32, kept, length, seqlens])
-    return seqlens.outputs[0], total.outputs[0]
-
-
 def padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dtype: ir.DataType) -> ir.Value:
     """``Where(attention_mask, 0, lowest)`` as [batch, 1, sequence, total] of ``dtype``.
 
@@ -171,7 +99,7 @@ def padding_bias(graph: ir.Graph, mask: ir.Value, queries: ir.Value | None, dtyp
     if query_dims is None or len(query_dims) < 2 or query_dims[1] != 1:
         if queries is None:
             raise SharedBufferCacheError("the graph has no input_ids input to take the query length from")
-        query_length = _mask_dim(graph, queries, 1, created)
+        query_length = mask_dim(graph, queries, 1, created)
         ones = initializer(graph, "kvexport.ones_1_1", np.array([1, 1], np.int64))
         one = initializer(graph, "kvexport.ones_1", np.array([1], np.int64))
         shape = ir.node("Concat", [ones, query_length, one], attributes={"axis": 0})
@@ -189,8 +117,8 @@ def _attention_nodes(graph: ir.Graph) -> list[ir.Node]:
     return [
         n
         for n in graph
-        if n.domain == _MS
-        and (n.op_type == "MultiHeadAttention" or (n.op_type == "GroupQueryAttention" and GQA_MARK in n.metadata_props))
+        if n.domain == MS_DOMAIN
+        and (n.op_type == MULTI_HEAD_ATTENTION or (n.op_type == GROUP_QUERY_ATTENTION and GQA_MARK in n.metadata_props))
     ]
 
 
@@ -199,8 +127,8 @@ def _input(graph: ir.Graph, name: str) -> ir.Value | None:
 
 
 # where each op reads its past and its attention bias
-_PAST_AT = {"MultiHeadAttention": 6, "GroupQueryAttention": 3}
-_BIAS_AT = {"MultiHeadAttention": 5, "GroupQueryAttention": 10}
+_PAST_AT = {MULTI_HEAD_ATTENTION: 6, GROUP_QUERY_ATTENTION: 3}
+_BIAS_AT = {MULTI_HEAD_ATTENTION: 5, GROUP_QUERY_ATTENTION: 10}
 
 
 def _optional_input(node: ir.Node, index: int) -> ir.Value | None:
@@ -232,7 +160,7 @@ class SharedBufferCachePass(InPlacePass):
         if _input(model.graph, "attention_mask") is None:
             raise SharedBufferCacheError("the graph has no attention_mask input to take lengths from")
         for node in attention:
-            if node.op_type == "MultiHeadAttention" and (any(v is not None for v in node.inputs[3:5]) or len(node.inputs) > 8):
+            if node.op_type == MULTI_HEAD_ATTENTION and (any(v is not None for v in node.inputs[3:5]) or len(node.inputs) > 8):
                 raise SharedBufferCacheError(
                     f"{node.name}: MultiHeadAttention with bias / key_padding_mask inputs is not supported"
                 )
@@ -261,7 +189,7 @@ class SharedBufferCachePass(InPlacePass):
             present_key = node.outputs[1]
             slot = canonical_slot(present_key.name or "")
             assert slot is not None  # requires() checked every present name
-            heads = node.attributes.get_int("kv_num_heads" if node.op_type == "GroupQueryAttention" else "num_heads")
+            heads = node.attributes.get_int("kv_num_heads" if node.op_type == GROUP_QUERY_ATTENTION else "num_heads")
             head_dim = present_key.shape[3] if present_key.shape is not None else None
             shape = ir.Shape(["batch", heads, CAPACITY_DIM, head_dim])
             past: list[ir.Value] = []
@@ -280,7 +208,7 @@ class SharedBufferCachePass(InPlacePass):
                     padding[dtype] = padding_bias(graph, mask, queries, dtype)
                 bias = padding[dtype]
                 self.counts["bias_replaced"] += 1
-            if node.op_type == "GroupQueryAttention":  # fused already: the buffers and the bias are all that change
+            if node.op_type == GROUP_QUERY_ATTENTION:  # fused already: the buffers and the bias are all that change
                 # Lengths made here, after the shape folding: in a prefill graph the mask's width and
                 # the tokens' length share a dim name, so a length made before may read the tokens'.
                 # (onnxruntime-genai's count the mask's ones, which a left-padded row gets wrong.)
@@ -306,7 +234,7 @@ class SharedBufferCachePass(InPlacePass):
             if scale:
                 attributes["scale"] = scale
             inputs = [*node.inputs[:3], *past, *lengths[0], None, None, None, bias]
-            gqa = ir.node("GroupQueryAttention", inputs, attributes=attributes, domain=_MS, num_outputs=3)
+            gqa = ir.node(GROUP_QUERY_ATTENTION, inputs, attributes=attributes, domain=MS_DOMAIN, num_outputs=3)
             graph.insert_after(node, gqa)
             for old, new in zip(node.outputs[:3], gqa.outputs, strict=True):
                 new.shape, new.type = old.shape, old.type

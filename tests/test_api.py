@@ -520,3 +520,11 @@ def test_max_logprobs_minus_one_lets_a_request_ask_for_every_token(
     assert len(top) == vocab and len(content[0]["top_logprobs"]) == vocab
     assert max(abs(value - reference[-1, int(name.removeprefix("token_id:"))]) for name, value in top.items()) < 2e-4
     assert all(len(entry) == vocab for entry in choice["prompt_logprobs"][1:])
+
+
+def test_the_served_name_is_the_configs_or_else_the_directorys(tmp_path: Path) -> None:
+    export = tmp_path / "my-export"
+    export.mkdir()
+    assert ApiConfig().model_name(export) == "my-export"
+    assert ApiConfig().model_name(export / ".") == "my-export"  # the directory's own name, however it is spelled
+    assert ApiConfig(name="qwen").model_name(export) == "qwen"

@@ -388,6 +388,49 @@ def test_prepacked_refusals(tiny_export: Path, tmp_path: Path) -> None:
     assert refused.stderr.strip().endswith("; pass another cache directory")
 
 
+def test_cpu_rewrites_run_as_one_pipeline_where_each_pass_finds_its_own_nodes(tiny_export: Path, tiny_ort_export: Path) -> None:
+    """The session-open rewrites are a PassManager of the passes the host wants; a pass with nothing to rewrite says so."""
+    import onnx_ir as ir
+
+    from kvexport.passes import CacheAttentionPass, PromptAttentionPass, SignedChannelsPass
+    from kvexport.passes.vocabulary import CACHE_ATTENTION, GROUP_QUERY_ATTENTION, KVEXPORT_DOMAIN
+    from kvexport.runtime.session import cpu_pipeline, cpu_rewrites
+
+    every = {"signed": True, "products": True, "kernel": True}
+    assert [type(p) for p in cpu_pipeline(**every)] == [SignedChannelsPass, CacheAttentionPass, PromptAttentionPass]
+    assert cpu_pipeline(signed=False, products=False, kernel=False) == []
+    portable = ir.load(tiny_export / "prefill.onnx")  # no attention op, no 8-bit weights: nothing for any of them
+    before = [(n.domain, n.op_type, n.name) for n in portable.graph]
+    assert not cpu_rewrites(portable, **every)
+    assert [(n.domain, n.op_type, n.name) for n in portable.graph] == before
+    in_place = ir.load(tiny_ort_export / "prefill.onnx")  # fp32 in-place attention: the kernel takes every layer
+    layers = sum(n.op_type == GROUP_QUERY_ATTENTION for n in in_place.graph)
+    assert layers == TINY["n_layer"] and cpu_rewrites(in_place, **every)
+    assert sum((n.domain, n.op_type) == (KVEXPORT_DOMAIN, CACHE_ATTENTION) for n in in_place.graph) == layers
+    assert not any(n.op_type == GROUP_QUERY_ATTENTION for n in in_place.graph)
+
+
+def test_a_graph_that_only_names_an_op_is_opened_as_it_is(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the rewrites look for is an op (domain and type, in subgraphs too), not its name anywhere in the file."""
+    from onnx import TensorProto, helper
+
+    from kvexport.runtime import session
+
+    value = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])
+    named = helper.make_node("Identity", ["x"], ["y"], name="GroupQueryAttention", doc_string="MatMulIntegerToFloat")
+    graph = helper.make_graph([named], "named", [value], [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    path = tmp_path / "named.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10), str(path))
+    monkeypatch.setattr(session, "cpu_rewrites", lambda *args, **kwargs: pytest.fail("a graph without the ops was rewritten"))
+    assert session.cpu_graph(path, session.session_options()) == str(path)
+
+    attention = helper.make_node("GroupQueryAttention", [], ["z"], domain="com.microsoft")
+    branch = helper.make_graph([attention], "branch", [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)])
+    choice = helper.make_node("If", ["c"], ["z"], then_branch=branch, else_branch=branch)
+    ops = session.graph_ops(helper.make_graph([named, choice], "g", [value], []))
+    assert ops == {("", "Identity"), ("", "If"), ("com.microsoft", "GroupQueryAttention")}
+
+
 _GENERATE = """
 import json, kvexport
 generator = kvexport.Generator(sys.argv[1])

@@ -32,16 +32,14 @@ import onnx_ir as ir
 from onnx_ir.passes.common import TopologicalSortPass
 
 from kvexport.errors import KvexportError
-from kvexport.passes.fuse_grouped_attention import GQA_MARK
 from kvexport.passes.values import initializer
-
-_MS = "com.microsoft"
+from kvexport.passes.vocabulary import GQA_MARK, GROUP_QUERY_ATTENTION, MS_DOMAIN, ROTARY_EMBEDDING
 
 
 def is_genai_graph(model: ir.Model) -> bool:
     """Whether the graph is the builder's: GroupQueryAttention that rotates itself, and no ``position_ids`` input."""
     rotates = any(
-        node.op_type == "GroupQueryAttention" and node.attributes.get_int("do_rotary", 0) for node in model.graph
+        node.op_type == GROUP_QUERY_ATTENTION and node.attributes.get_int("do_rotary", 0) for node in model.graph
     )
     return rotates and not any(value.name == "position_ids" for value in model.graph.inputs)
 
@@ -63,7 +61,7 @@ def from_genai(model: ir.Model, where: str) -> dict[str, Any]:
     positions = ir.Value(name="position_ids", shape=ir.Shape(ids.shape) if ids.shape else None, type=ir.TensorType(ir.DataType.INT64))
     graph.inputs.insert(list(graph.inputs).index(mask) + 1, positions)
     converted = 0
-    for node in [n for n in graph if n.op_type == "GroupQueryAttention" and n.domain == _MS]:
+    for node in [n for n in graph if n.op_type == GROUP_QUERY_ATTENTION and n.domain == MS_DOMAIN]:
         if not node.attributes.get_int("do_rotary", 0):
             continue
         packed, cos, sin = node.inputs[0], node.inputs[7], node.inputs[8]
@@ -89,7 +87,7 @@ def from_genai(model: ir.Model, where: str) -> dict[str, Any]:
             query, key, value = packed, node.inputs[1], node.inputs[2]
         interleaved = node.attributes.get_int("rotary_interleaved", 0)
         rotated = [
-            ir.node("RotaryEmbedding", [tensor, positions, cos, sin], domain=_MS,
+            ir.node(ROTARY_EMBEDDING, [tensor, positions, cos, sin], domain=MS_DOMAIN,
                     attributes={"num_heads": count, "interleaved": interleaved})
             for tensor, count in ((query, heads), (key, kv_heads))
         ]  # fmt: skip

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from kvexport.passes import (
 from kvexport.passes.cache_names import canonical_slot
 from kvexport.passes.choices import Attention
 from kvexport.passes.values import ints
+from kvexport.passes.vocabulary import GROUP_QUERY_ATTENTION
 from kvexport.progress import Progress, silent
 
 # Optimum's and torch's dim names -> the contract's, per graph.
@@ -240,7 +242,7 @@ def _set_windows(graph: ir.Model, windows: list[int]) -> None:
     padding alone, so the op must apply the window itself.
     """
     for node in graph.graph:
-        slot = canonical_slot(node.outputs[1].name or "") if node.op_type == "GroupQueryAttention" and len(node.outputs) > 1 else None
+        slot = canonical_slot(node.outputs[1].name or "") if node.op_type == GROUP_QUERY_ATTENTION and len(node.outputs) > 1 else None
         if slot is not None and slot.layer < len(windows) and windows[slot.layer] >= 0:
             node.attributes["local_window_size"] = ir.AttrInt64("local_window_size", windows[slot.layer])
 
@@ -350,23 +352,69 @@ def import_decoder(
     target = "ort-cpu" if attention == Attention.ORT else "portable"
     ExportOptions.resolve(target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache)  # refused first
     check_output_dir(out_path.absolute(), force)
-    model_dir = Path(model) if model is not None else None
-    if model_dir is not None and not (model_dir / "config.json").is_file():
+    model_dir = _checkpoint(model)
+    config_dir = _config_dir(source_dir, model_dir)
+    family = _family(config_dir)
+    options = ExportOptions.resolve(  # again, now that the family decides what --quantize int8 means
+        target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache, family=family.name
+    )
+    check_attention(family, options)
+    pair = _specialise_pair(graph_path, options, config_dir, _windows(family, config_dir), progress)
+    model_source, fingerprint = _source(model_dir, graph_path)
+    record = ExportRecord(
+        source=model_source,
+        dims=pair.dims,
+        weights_fingerprint=fingerprint,
+        options=options,
+        export={"strategy": "import", "imported_from": str(graph_path), "attempts": [], **pair.notes},
+        passes=pair.reports,
+        tokenizer_dir=source_dir if (source_dir / "tokenizer.json").is_file() else model_dir,
+        started=started,
+        family=family,
+        all_logits=not pair.last_only,
+    )
+    manifest = _write(out_path, force, pair.graphs, record, progress)
+    progress(f"wrote {out_path}")
+    return manifest
+
+
+def _checkpoint(model: str | Path | None) -> Path | None:
+    """``--model``'s directory, checked: it holds a ``config.json``, and torch is there to fingerprint its weights."""
+    if model is None:
+        return None
+    model_dir = Path(model)
+    if not (model_dir / "config.json").is_file():
         raise KvexportError(f"--model {model_dir}: not a checkpoint directory (no config.json)")
-    if model_dir is not None:  # its weights are fingerprinted with torch, as an export does
-        require_export_extra("kvexport import --model")
+    require_export_extra("kvexport import --model")  # its weights are fingerprinted with torch, as an export does
+    return model_dir
+
+
+def _config_dir(source_dir: Path, model_dir: Path | None) -> Path | None:
+    """Where the ``config.json`` that names the family is: beside the graph, else the checkpoint's."""
     config_dir = source_dir if (source_dir / "config.json").is_file() else model_dir
     if config_dir is None and (source_dir / "genai_config.json").is_file():
         raise KvexportError(
             f"{source_dir}: onnxruntime-genai's export has no config.json; pass --model CHECKPOINT (the checkpoint "
             "it was built from: its config names the family, and verify compares with it)"
         )
-    family = _family(config_dir)
-    options = ExportOptions.resolve(  # again, now that the family decides what --quantize int8 means
-        target, attention, "fp32", cache, quantize, quantization, kv_cache=kv_cache, family=family.name
-    )
-    check_attention(family, options)
-    windows = _windows(family, config_dir)
+    return config_dir
+
+
+@dataclass
+class _Pair:
+    """The prefill and decode graphs made from one decoder, and what the manifest says of them."""
+
+    graphs: dict[str, ir.Model]
+    dims: ModelDims
+    reports: list[dict[str, Any]]
+    last_only: bool  # the prefill graph's logits are the last position's only
+    notes: dict[str, Any]  # what an onnxruntime-genai graph computed itself (see _specialise)
+
+
+def _specialise_pair(
+    graph_path: Path, options: ExportOptions, config_dir: Path | None, windows: list[int], progress: Progress
+) -> _Pair:
+    """Both graphs of the contract from the one at ``graph_path`` (:func:`_specialise`), each layer's window set."""
     graphs: dict[str, ir.Model] = {}
     reports: list[dict[str, Any]] = []
     last_only = True
@@ -376,25 +424,15 @@ def import_decoder(
         _set_windows(graphs[name], windows)
         reports += graph_reports
         last_only &= graph_last_only
-    model_source, fingerprint = _source(model_dir, graph_path)
-    record = ExportRecord(
-        source=model_source,
-        dims=dims,
-        weights_fingerprint=fingerprint,
-        options=options,
-        export={"strategy": "import", "imported_from": str(graph_path), "attempts": [], **notes},
-        passes=reports,
-        tokenizer_dir=source_dir if (source_dir / "tokenizer.json").is_file() else model_dir,
-        started=started,
-        family=family,
-        all_logits=not last_only,
-    )
+    return _Pair(graphs, dims, reports, last_only, notes)
+
+
+def _write(out_path: Path, force: bool, graphs: dict[str, ir.Model], record: ExportRecord, progress: Progress) -> Manifest:
+    """Write the directory atomically, the quantized cache calibrated first where the options ask for one."""
     with (
         atomic_output_dir(out_path, force) as tmp,
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
     ):
-        if options.kv_cache is not None:
+        if record.options.kv_cache is not None:
             record = quantize_cache_step(graphs, record, Path(work), progress)
-        manifest = write_export_directory(tmp, graphs, record, progress)
-    progress(f"wrote {out_path}")
-    return manifest
+        return write_export_directory(tmp, graphs, record, progress)

@@ -40,6 +40,8 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.masking_utils import AttentionMaskInterface
 
+from kvexport.passes.vocabulary import GROUP_QUERY_ATTENTION, MS_DOMAIN, ROTARY_EMBEDDING
+
 IMPLEMENTATION = "kvexport_gqa"
 
 
@@ -145,7 +147,7 @@ def _onnx_group_query_attention(
 ) -> Any:
     from onnxscript.values import Op, Opset
 
-    group_query = Op(Opset("com.microsoft", 1), "GroupQueryAttention", op_schema=_gqa_schema())
+    group_query = Op(Opset(MS_DOMAIN, 1), GROUP_QUERY_ATTENTION, op_schema=_gqa_schema())
     return group_query(
         query,
         key,
@@ -189,8 +191,8 @@ def _gqa_schema() -> Any:
     ]
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
     return OpSchema(
-        "GroupQueryAttention",
-        "com.microsoft",
+        GROUP_QUERY_ATTENTION,
+        MS_DOMAIN,
         1,
         inputs=inputs,
         outputs=outputs,
@@ -233,7 +235,7 @@ def _(x: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor, rows: t
 def _onnx_rotary_embedding(x: Any, cos_table: Any, sin_table: Any, rows: Any) -> Any:
     from onnxscript.values import Op, Opset
 
-    rotary = Op(Opset("com.microsoft", 1), "RotaryEmbedding", op_schema=_rotary_schema())
+    rotary = Op(Opset(MS_DOMAIN, 1), ROTARY_EMBEDDING, op_schema=_rotary_schema())
     return rotary(x, rows, cos_table, sin_table, interleaved=0)
 
 
@@ -243,8 +245,8 @@ def _rotary_schema() -> Any:
 
     floats = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)"]
     return OpSchema(
-        "RotaryEmbedding",
-        "com.microsoft",
+        ROTARY_EMBEDDING,
+        MS_DOMAIN,
         1,
         inputs=[
             OpSchema.FormalParameter("input", "T"),

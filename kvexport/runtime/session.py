@@ -8,17 +8,28 @@ picks CUDA only when a session really runs on it.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import platform
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import onnx
 import onnxruntime as ort
 
 from kvexport.bundle.storage import check_external_data
 from kvexport.errors import ManifestError, ProviderError, first_line
+from kvexport.passes.vocabulary import (
+    CACHE_ATTENTION,
+    GROUP_QUERY_ATTENTION,
+    KVEXPORT_DOMAIN,
+    MATMUL_INTEGER_TO_FLOAT,
+    MS_DOMAIN,
+)
 from kvexport.runtime.kernels import KERNELS_VARIABLE, library_path
+
+if TYPE_CHECKING:
+    from onnx_ir.passes import InPlacePass
 
 Provider = Literal["cpu", "cuda", "auto"]
 ORT_PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
@@ -35,7 +46,10 @@ INT8_KERNELS = ("auto", "u8s8", "u8u8")
 # default, kvexport.passes.PromptAttentionPass) or ONNX Runtime's GroupQueryAttention.
 PROMPT_ATTENTION_VARIABLE = "KVEXPORT_PROMPT_ATTENTION"
 PROMPT_ATTENTIONS = ("products", "gqa")
-_KERNEL = b"CacheAttention"  # kvexport.passes.cache_attention.OP_TYPE, as it appears in a graph's bytes
+# the ops the CPU rewrites look for: a graph with none of them is opened as it is, without loading onnx_ir and the
+# passes (half a second on 2 cores, against 40 ms to open a tiny graph)
+CPU_REWRITTEN_OPS = frozenset({(MS_DOMAIN, GROUP_QUERY_ATTENTION), (MS_DOMAIN, MATMUL_INTEGER_TO_FLOAT)})
+_KERNEL = (KVEXPORT_DOMAIN, CACHE_ATTENTION)  # the op that needs kvexport's kernel library registered
 CPU_REWRITES_VERSION = 4  # raise it when a CPU rewrite's graph changes: pre-packed caches built by older ones are then rebuilt
 
 
@@ -181,27 +195,41 @@ def cpu_graph(graph_path: Path, options: ort.SessionOptions) -> str | bytes:
     kvexport's kernels are built (:func:`kvexport.runtime.kernels.library_path`), attention
     over an fp32 in-place cache runs through its kernel, and ``options`` registers the
     library; where :func:`prompt_attention_products` holds, the rest of a prompt's attention
-    (an 8-bit cache's) runs as products. The
+    (an 8-bit cache's) runs as products (:func:`cpu_pipeline`: each pass decides what it
+    rewrites). The
     rewritten graph comes as bytes, and ``options`` is told where its data file is: only
     the graph is read here, the weights stay in the export's data file, and ONNX Runtime
     folds the int8 codes from them when the session loads.
     """
     kernels = library_path()
-    text = graph_path.read_bytes()
-    rewritten = _cpu_rewrite(graph_path, text, kernels)
-    _register_kernels(rewritten if rewritten is not None else text, graph_path, kernels, options)  # or a pre-packed graph's
+    ops = graph_ops(onnx.load(str(graph_path), load_external_data=False).graph)
+    rewritten = _cpu_rewrite(graph_path, ops, kernels)
+    if rewritten is not None:
+        graph, ops = rewritten
+    _register_kernels(ops, graph_path, kernels, options)  # or a pre-packed graph's
     if rewritten is None:
         return str(graph_path)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
-    return rewritten
+    return graph
 
 
-def _register_kernels(graph: bytes, graph_path: Path, kernels: Path | None, options: ort.SessionOptions) -> None:
-    """Register kvexport's kernel library with ``options`` where ``graph`` (serialized) runs its op.
+def graph_ops(graph: onnx.GraphProto) -> set[tuple[str, str]]:
+    """The ``(domain, op_type)`` of every node in ``graph`` and its subgraphs."""
+    ops = set()
+    for node in graph.node:
+        ops.add((node.domain, node.op_type))
+        for attribute in node.attribute:
+            for subgraph in [attribute.g] if attribute.HasField("g") else attribute.graphs:
+                ops |= graph_ops(subgraph)
+    return ops
+
+
+def _register_kernels(ops: set[tuple[str, str]], graph_path: Path, kernels: Path | None, options: ort.SessionOptions) -> None:
+    """Register kvexport's kernel library with ``options`` where a graph of ``ops`` (:func:`graph_ops`) runs its op.
 
     Raises :class:`ManifestError` where it does and the library is not built (or is turned off).
     """
-    if _KERNEL not in graph:
+    if _KERNEL not in ops:
         return
     if kernels is None:
         raise ManifestError(
@@ -211,43 +239,57 @@ def _register_kernels(graph: bytes, graph_path: Path, kernels: Path | None, opti
     options.register_custom_ops_library(str(kernels))
 
 
-def _cpu_rewrite(graph_path: Path, text: bytes, kernels: Path | None) -> bytes | None:
-    """The graph (``text``, read from ``graph_path``) after the CPU rewrites that apply to it, or None where none does (or onnx_ir is missing)."""
-    attention = b"GroupQueryAttention" in text
-    signed = b"MatMulIntegerToFloat" in text and signed_int8_weights()
-    products = attention and prompt_attention_products()
-    kernel = attention and kernels is not None
-    if not (signed or products or kernel):
+def _cpu_rewrite(graph_path: Path, ops: set[tuple[str, str]], kernels: Path | None) -> tuple[bytes, set[tuple[str, str]]] | None:
+    """The graph at ``graph_path`` (whose ops are ``ops``) after the CPU rewrites, and its ops; None where none changed it.
+
+    None too where the graph has no op a CPU rewrite looks for (:data:`CPU_REWRITTEN_OPS`), this
+    host wants none of them, or onnx_ir is not installed (a serving image): then nothing of
+    onnx_ir or the passes is loaded.
+    """
+    if not ops & CPU_REWRITTEN_OPS:
         return None
-    try:  # onnx_ir and the passes load here, for the graphs they rewrite only
-        import onnx_ir as ir
-    except ImportError:
+    choices = {"signed": signed_int8_weights(), "products": prompt_attention_products(), "kernel": kernels is not None}
+    if not any(choices.values()) or importlib.util.find_spec("onnx_ir") is None:
         return None
+    import onnx_ir as ir  # onnx_ir and the passes load here, for the graphs they may rewrite only
+
     model = ir.load(graph_path)
-    if not cpu_rewrites(model, signed=signed, products=products, kernel=kernel):
+    if not cpu_rewrites(model, **choices):
         return None
-    return ir.to_proto(model).SerializeToString()
+    proto = ir.to_proto(model)
+    return proto.SerializeToString(), graph_ops(proto.graph)
 
 
-def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | None = None, kernel: bool | None = None) -> bool:
-    """Apply the CPU rewrites to ``model`` (an ``onnx_ir`` model) in place; whether any changed it.
+def cpu_pipeline(*, signed: bool | None = None, products: bool | None = None, kernel: bool | None = None) -> list[InPlacePass]:
+    """The CPU rewrites this host wants, in the order they run.
 
     ``signed`` / ``products`` / ``kernel`` default to :func:`signed_int8_weights` /
-    :func:`prompt_attention_products` / whether kvexport's kernels are built. The kernel
-    takes every attention it can first; the products take what is left (an 8-bit cache's).
-    A session of a model the kernel rewrote needs the library registered (:func:`cpu_graph`
-    does).
+    :func:`prompt_attention_products` / whether kvexport's kernels are built:
+    :class:`~kvexport.passes.SignedChannelsPass`, :class:`~kvexport.passes.CacheAttentionPass`
+    and :class:`~kvexport.passes.PromptAttentionPass`. The kernel takes every attention it
+    can first; the products take what is left (an 8-bit cache's). Each pass finds what it
+    rewrites itself, and reports an unchanged model where it finds nothing.
     """
     from kvexport.passes import CacheAttentionPass, PromptAttentionPass, SignedChannelsPass
 
-    modified = False
-    if signed_int8_weights() if signed is None else signed:
-        modified |= SignedChannelsPass()(model).modified
-    if library_path() is not None if kernel is None else kernel:
-        modified |= CacheAttentionPass()(model).modified
-    if prompt_attention_products() if products is None else products:
-        modified |= PromptAttentionPass()(model).modified
-    return modified
+    wanted: list[tuple[type[InPlacePass], bool]] = [
+        (SignedChannelsPass, signed_int8_weights() if signed is None else signed),
+        (CacheAttentionPass, library_path() is not None if kernel is None else kernel),
+        (PromptAttentionPass, prompt_attention_products() if products is None else products),
+    ]
+    return [make() for make, on in wanted if on]
+
+
+def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | None = None, kernel: bool | None = None) -> bool:
+    """Run :func:`cpu_pipeline` on ``model`` (an ``onnx_ir`` model) in place, as a ``PassManager``; whether any pass changed it.
+
+    A session of a model the kernel rewrote needs the library registered (:func:`cpu_graph`
+    does).
+    """
+    from onnx_ir.passes import PassManager
+
+    pipeline = cpu_pipeline(signed=signed, products=products, kernel=kernel)
+    return bool(pipeline) and PassManager(pipeline)(model).modified
 
 
 def cpu_disabled_optimizers(provider: str) -> list[str]:
@@ -297,7 +339,7 @@ def open_mixed_session(
     if resolve_provider(provider) == "cpu":  # its prompt half runs at batch 1, where the op is the faster
         kernels = library_path()
         cpu_rewrites(model, products=False, kernel=kernels is not None)
-    graph = ir.to_proto(model).SerializeToString()
-    _register_kernels(graph, graph_path, kernels, options)
+    proto = ir.to_proto(model)
+    _register_kernels(graph_ops(proto.graph), graph_path, kernels, options)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
-    return _inference_session(graph, graph_path, provider, options, "its mixed step")
+    return _inference_session(proto.SerializeToString(), graph_path, provider, options, "its mixed step")

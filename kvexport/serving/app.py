@@ -42,7 +42,6 @@ from kvexport.serving.api.render import error_response
 from kvexport.serving.chat import ChatTemplate
 from kvexport.serving.config import ApiConfig
 from kvexport.serving.engine import Engine
-from kvexport.serving.server import model_name
 
 # the routes an API key guards (vLLM's --api-key guards /v1; the tokenizer routes read the model too)
 _KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
@@ -73,7 +72,7 @@ def create_app(engine: Engine, api: ApiConfig | None = None, *, replica: str | N
     if isinstance(api, str):  # the signature before ApiConfig: create_app(engine, "name")
         raise TypeError(f"create_app(engine, api): api is an ApiConfig; name the model with ApiConfig(name={api!r})")
     api = api or ApiConfig()
-    model = api.name or model_name(engine.directory)
+    model = api.model_name(engine.directory)
     template = ChatTemplate.find(engine.directory, api.chat_template)
     app = FastAPI(title="kvexport", docs_url=None, redoc_url=None, openapi_url=None)
     page = playground_page(model, chat=template is not None, api_key=api.api_key is not None)

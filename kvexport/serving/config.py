@@ -273,6 +273,10 @@ class ApiConfig:
         """A config from ``key=value`` strings (Serve's application arguments), each parsed by its field's type."""
         return cls(**_parsed_fields(cls, values, "API"))
 
+    def model_name(self, directory: Path) -> str:
+        """The name the export in ``directory`` answers to: ``name``, or else the directory's name."""
+        return self.name or directory.resolve().name
+
 
 def _check_known(config: type, names: Iterable[str], what: str) -> None:
     """One line naming the first of ``names`` that is not a field of ``config``, and the fields."""

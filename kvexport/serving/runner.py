@@ -23,12 +23,11 @@ import numpy as np
 import onnxruntime as ort
 
 from kvexport.errors import KvexportError, first_line
+from kvexport.passes.vocabulary import ROWS_AFTER_PAST
 from kvexport.runtime.cache import SlotCache, numpy_dtype
 from kvexport.runtime.opened import OpenedExport
 from kvexport.runtime.session import open_mixed_session, open_session, session_options
 
-# the metadata key PromptAttentionPass sets (kvexport.passes.prompt_attention.ROWS_AFTER_PAST; the passes load with onnx_ir)
-ROWS_AFTER_PAST = "kvexport.rows_after_past"
 DECODE_PREFIX = "decode."  # the mixed graph's decode half: decode.attention_mask, decode.past.*, decode.present.* (passes/mixed_step.py)
 
 

@@ -20,11 +20,6 @@ from kvexport.serving.config import ApiConfig, EngineConfig
 from kvexport.serving.engine import Engine, slot_bytes
 
 
-def model_name(directory: Path) -> str:
-    """The name a served export answers to: its directory's name."""
-    return directory.resolve().name
-
-
 def serve(
     directory: str | Path,
     config: EngineConfig | None = None,

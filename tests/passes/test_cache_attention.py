@@ -26,7 +26,7 @@ from onnx import TensorProto, helper
 
 from kvexport import export_model
 from kvexport.errors import KvexportError
-from kvexport.passes import CacheAttentionPass, PromptAttentionPass, cache_attention
+from kvexport.passes import CacheAttentionPass, PromptAttentionPass, vocabulary
 from kvexport.runtime import kernels
 from kvexport.runtime.opened import open_export
 from kvexport.runtime.session import cpu_graph, session_options
@@ -166,19 +166,19 @@ def test_the_pass_puts_the_kernel_in_each_attentions_place(llama_ort: Path, trai
     outputs = [value.name for value in prefill.graph.outputs]
     result = CacheAttentionPass()(prefill)
     assert result.modified and layers > 0
-    kernels_ = [n for n in prefill.graph if n.op_type == cache_attention.OP_TYPE]
-    assert len(kernels_) == layers and all(n.domain == cache_attention.DOMAIN for n in kernels_)
+    kernels_ = [n for n in prefill.graph if n.op_type == vocabulary.CACHE_ATTENTION]
+    assert len(kernels_) == layers and all(n.domain == vocabulary.KVEXPORT_DOMAIN for n in kernels_)
     assert not any(n.op_type in ("GroupQueryAttention", "If") for n in prefill.graph)
     for node in kernels_:
         assert node.attributes["num_heads"].value == 4 and node.attributes["kv_num_heads"].value == 2
         assert len(node.inputs) == 7 and node.inputs[6] is not None  # the padding bias, total_sequence_length left out
     assert [value.name for value in prefill.graph.outputs] == outputs  # the presents keep their names and places
-    assert prefill.opset_imports[cache_attention.DOMAIN] == 1
+    assert prefill.opset_imports[vocabulary.KVEXPORT_DOMAIN] == 1
     assert not CacheAttentionPass()(prefill).modified and not PromptAttentionPass()(prefill).modified  # nothing left
 
     decode = ir.load(llama_ort / "decode.onnx")  # one token a row
     assert CacheAttentionPass()(decode).modified
-    assert sum(n.op_type == cache_attention.OP_TYPE for n in decode.graph) == layers
+    assert sum(n.op_type == vocabulary.CACHE_ATTENTION for n in decode.graph) == layers
 
     for quantized in ("kv-int8", "kv-int4"):  # quantized caches: the op (and the products, for an 8-bit one's prompts)
         model = ir.load(trained_exports[quantized] / "prefill.onnx")
@@ -230,7 +230,7 @@ def _calls(export: Path, monkeypatch: pytest.MonkeyPatch, mode: str) -> tuple[li
 def test_calls_through_the_kernel_give_the_ops_logits_and_cache(library: Path, llama_ort: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.KERNELS_VARIABLE, str(library))
     graph = cpu_graph(llama_ort / "prefill.onnx", session_options())  # what the runner's session loads
-    assert isinstance(graph, bytes) and cache_attention.OP_TYPE.encode() in graph
+    assert isinstance(graph, bytes) and vocabulary.CACHE_ATTENTION.encode() in graph
     expected_logits, expected_cache = _calls(llama_ort, monkeypatch, "off")
     logits, cache = _calls(llama_ort, monkeypatch, str(library))
     for got, want in zip(logits, expected_logits, strict=True):

@@ -17,7 +17,7 @@ import onnx_ir as ir
 import pytest
 
 from kvexport import export_model
-from kvexport.passes import PromptAttentionPass, prompt_attention
+from kvexport.passes import PromptAttentionPass, prompt_attention, vocabulary
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.kernels import KERNELS_VARIABLE
 from kvexport.runtime.opened import open_export
@@ -59,7 +59,7 @@ def test_each_prompt_attention_becomes_an_if_over_products_and_the_op(trained_ex
         assert "GroupQueryAttention" not in {n.op_type for n in products}
         assert [n.op_type for n in op] == ["GroupQueryAttention"]
     assert [value.name for value in model.graph.outputs] == outputs  # the presents keep their names and places
-    assert prompt_attention.ROWS_AFTER_PAST not in model.metadata_props  # a float cache: a row after a past keeps the op
+    assert vocabulary.ROWS_AFTER_PAST not in model.metadata_props  # a float cache: a row after a past keeps the op
 
     quantized = ir.load(trained_exports["kv-int8"] / "prefill.onnx")  # an int8 cache: written as the op writes it
     assert PromptAttentionPass()(quantized).modified
@@ -67,12 +67,12 @@ def test_each_prompt_attention_becomes_an_if_over_products_and_the_op(trained_ex
         products = branch.attributes["then_branch"].as_graph()
         assert [n.op_type for n in products].count("QuantizeLinear") == 2 and "ScatterND" in {n.op_type for n in products}
     # every call of several tokens a row as the products: the model says rows after a past may share a call (the
-    # runner reads the key from its own copy)
-    assert quantized.metadata_props[prompt_attention.ROWS_AFTER_PAST] == "products"
-    assert serving_runner.ROWS_AFTER_PAST == prompt_attention.ROWS_AFTER_PAST
+    # runner reads the key the pass writes, the vocabulary's)
+    assert quantized.metadata_props[vocabulary.ROWS_AFTER_PAST] == "products"
+    assert serving_runner.ROWS_AFTER_PAST is vocabulary.ROWS_AFTER_PAST
 
     int4 = ir.load(trained_exports["kv-int4"] / "prefill.onnx")
-    assert not PromptAttentionPass()(int4).modified and prompt_attention.ROWS_AFTER_PAST not in int4.metadata_props  # 4 bits: the op
+    assert not PromptAttentionPass()(int4).modified and vocabulary.ROWS_AFTER_PAST not in int4.metadata_props  # 4 bits: the op
 
     decode = ir.load(trained_exports["int8-pc"] / "decode.onnx")  # one token a row: left to the op
     assert not PromptAttentionPass()(decode).modified
