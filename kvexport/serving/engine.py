@@ -208,10 +208,10 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closing = False
+        if config.warm_up:  # in this thread, before the loop's starts: a warm-up that fails leaves no thread behind
+            self._warm_up(config.warm_up)
         self._thread = threading.Thread(target=self._loop, name="kvexport-engine", daemon=True)
         self._thread.start()
-        if config.warm_up:
-            self._warm_up(config.warm_up)
         if listener is not None:
             self._listeners.append(listener)
 
@@ -371,6 +371,9 @@ class Engine:
         for ONNX Runtime's first run at a size (memory it allocates and touches): sixteen
         128-token prompts to GPT-2 on 2 cores got their first tokens after 834 ms when the
         warm-up shared a call of two prompts, 472 ms after this one (443-488 ms later on).
+
+        Runs in the constructor's thread, before the loop's starts (:meth:`_run_until_idle`);
+        a call that fails raises here, in one line.
         """
         length = max(1, min(self.chunk, self.capacity // 2))
         new = max(1, min(8, self.capacity - length))
@@ -382,6 +385,13 @@ class Engine:
         states = [RequestState(r.id, r.prompt, params, cancelled=cancels[i]) for i, r in enumerate(requests)]
         for group in (slice(0, 1), slice(1, None)):
             self._enqueue(requests[group], states[group], bounded=False)
+            try:
+                self._run_until_idle()
+            except Exception as exc:
+                raise KvexportError(
+                    f"the engine's warm-up failed: {type(exc).__name__}: {first_line(exc)[:300]} (is {self.directory} a whole, "
+                    "unchanged export? kvexport check tells)"
+                ) from exc
             for state in states[group]:
                 state.result()
         with self._lock:
@@ -411,6 +421,20 @@ class Engine:
             elif plan is None:  # idle, and closing
                 return
             done = self._run(plan) if plan is not None else None
+
+    def _run_until_idle(self) -> None:
+        """Step in this thread until nothing is left (the warm-up, before the loop's thread starts); a failed step raises."""
+        done: _Step | None = None
+        while True:
+            with self._lock:
+                if done is not None:
+                    self.scheduler.update_from_output(done.plan, done.ran, done.outputs)
+                plan = self._plan()
+            if done is not None:
+                self._publish(done)
+            if plan is None and done is None:
+                return
+            done = self._step(plan) if plan is not None else None
 
     def _plan(self) -> CallPlan | None:
         """With the lock held: the scheduler's next plan (None: nothing to do); a burst may be gathered first."""
