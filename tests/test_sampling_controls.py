@@ -17,9 +17,8 @@ import torch
 from tokenizers import Tokenizer
 
 from kvexport.runtime import Generator
-from kvexport.runtime.sampling import SamplingConfig
+from kvexport.runtime.sampling import SamplingConfig, add_logit_bias, apply_penalties, distribution
 from kvexport.serving import Engine, SamplingParams
-from kvexport.serving.processors import add_logit_bias, apply_penalties, distribution
 from tests.conftest import TRAINED
 
 HELDOUT_IDS = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode((TRAINED / "heldout.txt").read_text()).ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -11,6 +12,7 @@ from kvexport.serving.config import EngineConfig
 from kvexport.serving.request import Request, SamplingParams, Status
 from kvexport.serving.scheduler import (
     CALL_COST,
+    DecodePlan,
     EngineFull,
     PrefillBatch,
     PrefillBudget,
@@ -428,3 +430,87 @@ def test_a_shared_call_stays_within_its_token_cap_and_only_a_burst_shares_calls(
     plan = scheduler.schedule()
     assert plan.prefill and all(isinstance(call, PrefillChunk) for call in plan.prefill)
     assert plan.prefill[0].request is late[0]
+
+
+# ---------------------------------------------------------------- one step, one call
+
+
+@dataclasses.dataclass
+class _Ran:
+    """What a runner would report of a call (``Ran``)."""
+
+    seconds: float = 0.01
+    drafts: list[int] = dataclasses.field(default_factory=list)
+    kept: int = 0
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Ended:
+    request_id: str
+    reason: str
+
+
+@dataclasses.dataclass
+class _Outputs:
+    """What an output processor would hand back (``Outputs``)."""
+
+    tokens: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    finished: list[_Ended] = dataclasses.field(default_factory=list)
+
+    @property
+    def generated(self) -> int:
+        return sum(len(tokens) for tokens in self.tokens.values())
+
+
+def test_a_round_hands_out_one_call_a_step_and_its_decode_call_ends_it() -> None:
+    """The engine's steps, without a model: each plan is run (here: a token per finished prompt) and handed back."""
+    scheduler = _scheduler(slots=2, chunk=8)
+    a, b = Request("a", list(range(1, 13)), GREEDY), Request("b", [40, 41, 42], GREEDY)
+    scheduler.add(a)
+    first = scheduler.next_call()
+    assert first is not None and first.start is not None and [r.id for r, _ in first.start.admitted] == ["a"]
+    assert isinstance(first.call, PrefillChunk) and (first.call.start, len(first.call.tokens)) == (0, 8)
+    assert first.chunks == (first.call,) and first.decode is None
+    scheduler.update_from_output(first, _Ran(), _Outputs())
+    assert a.prefilled == 8 and scheduler.stats().prompt_tokens == 8
+    assert scheduler.next_call() is None  # nothing runs yet: the round ends with no decode call
+    scheduler.add(b)
+    second = scheduler.next_call()  # a new round: b is admitted, a's rest and b's prompt share its budget
+    assert second is not None and second.start is not None and [r.id for r, _ in second.start.admitted] == ["b"]
+    assert isinstance(second.call, PrefillChunk) and second.call.request is a and second.call.last
+    scheduler.update_from_output(second, _Ran(), _Outputs(tokens={"a": [7]}))
+    assert a.status is Status.RUNNING and a.next_token == 7
+    third = scheduler.next_call()  # no start: the same round's next call
+    assert third is not None and third.start is None and isinstance(third.call, PrefillChunk) and third.call.request is b
+    scheduler.update_from_output(third, _Ran(), _Outputs(tokens={"b": [9]}))
+    decode = scheduler.next_call()
+    assert decode is not None and isinstance(decode.call, DecodePlan) and decode.decode is decode.call
+    assert decode.call.tokens == [7, 9] and decode.call.positions == [12, 3]
+    scheduler.update_from_output(decode, _Ran(), _Outputs(tokens={"a": [8], "b": [10]}, finished=[_Ended("b", "stop")]))
+    stats = scheduler.stats()
+    assert (stats.steps, stats.generated_tokens, stats.prompt_tokens, stats.finished) == (1, 4, 15, {"stop": 1})
+    assert b.status is Status.FINISHED and scheduler.next_call() is not None  # a new round: a's next decode call
+
+
+def test_a_round_that_ends_cancelled_requests_runs_no_call_on_that_step() -> None:
+    """So the requests have ended (their outputs handed back) before the round's decode call is planned without them."""
+    scheduler = _scheduler(slots=2, chunk=8)
+    a, b = Request("a", [1, 2, 3], GREEDY), Request("b", [4, 5, 6], GREEDY)
+    for request in (a, b):
+        scheduler.add(request)
+    plan = scheduler.next_call()
+    assert plan is not None and plan.call is not None
+    scheduler.update_from_output(plan, _Ran(), _Outputs(tokens={"a": [7]}))
+    plan = scheduler.next_call()
+    assert plan is not None and plan.call is not None
+    scheduler.update_from_output(plan, _Ran(), _Outputs(tokens={"b": [8]}))
+    plan = scheduler.next_call()
+    assert plan is not None and isinstance(plan.call, DecodePlan)
+    scheduler.update_from_output(plan, _Ran(), _Outputs(tokens={"a": [9], "b": [10]}))
+    a.cancel()
+    start = scheduler.next_call()
+    assert start is not None and start.start is not None and start.start.cancelled == [a] and start.call is None
+    scheduler.update_from_output(start, None, _Outputs(finished=[_Ended("a", "cancelled")]))
+    decode = scheduler.next_call()
+    assert decode is not None and isinstance(decode.call, DecodePlan) and decode.call.requests == [b]

@@ -608,6 +608,20 @@ def test_streamed_text_is_the_decoded_text_cut_at_the_first_stop(stop: tuple[str
             assert all("\ufffd" not in piece for piece in streamed)
 
 
+def test_a_warm_up_that_fails_raises_in_one_line_and_leaves_no_thread_behind(trained_exports: dict[str, Path], tmp_path: Path) -> None:
+    """A broken export whose graph opens but whose calls fail (its manifest claims twice the graph's vocabulary, so
+    the decode call's logits do not fit): the constructor raises, and no engine thread is left running."""
+    broken = tmp_path / "broken"
+    shutil.copytree(trained_exports["none"], broken)
+    manifest = json.loads((broken / "kvexport.json").read_text())
+    manifest["model"]["dims"]["vocab_size"] *= 2
+    (broken / "kvexport.json").write_text(json.dumps(manifest))
+    before = set(threading.enumerate())
+    with pytest.raises(KvexportError, match="warm-up failed"):
+        Engine(broken, slots=2, max_context=64, warm_up=1)
+    assert [t for t in threading.enumerate() if t not in before and t.name == "kvexport-engine"] == []
+
+
 def test_the_warm_up_leaves_no_costs_in_the_prefill_budget(trained_exports: dict[str, Path]) -> None:
     """ONNX Runtime's cold first runs are slow: measured into the budget, they would set its decode peak for hundreds of steps."""
     with Engine(trained_exports["none"], slots=2, max_context=64, warm_up=2) as engine:

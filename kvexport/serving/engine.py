@@ -19,20 +19,25 @@ The engine is four parts, as vLLM v1 splits it, tied together by one thread's lo
   log-probabilities, stops, text and stream events; it owns each request's client side
   (:class:`~kvexport.serving.output.RequestState`, what :meth:`Engine.submit` returns).
 
-One step, as vLLM v1's ``EngineCore.step``: the scheduler plans (``schedule()``: admit
-waiting requests into free slots, reusing any cached prefix of the prompt; the prompt
-tokens to prefill, the oldest admitted prompts first, each at batch 1 straight into its
-slot in pieces of at most ``chunk``: up to 4096 while no more streams run than prompts
-wait, else as many as keep the step within twice the slowest recent decode step (or
-``step_ms``), see
-:class:`~kvexport.serving.scheduler.PrefillBudget`); the runner runs the plan and returns logits; the output
-processor turns them into tokens and returns an
-:class:`~kvexport.serving.output.OutputBatch` (which requests took which tokens, which
-ended and why); the engine hands that to the scheduler
-(:meth:`~kvexport.serving.scheduler.Scheduler.update_from_output`), then publishes the
-events to the callers. Then the same for **one** decode call over every running row.
-Each part returns data; only the scheduler changes request and cache state. While one
-request runs alone, an engine with a drafter decodes it speculatively instead.
+One step, as vLLM v1's ``EngineCore.step``, runs one model call: the scheduler plans it
+(:meth:`~kvexport.serving.scheduler.Scheduler.next_call`, a
+:class:`~kvexport.serving.scheduler.CallPlan`), the runner executes it and returns its
+logits (:meth:`~kvexport.serving.runner.ModelRunner.execute`), the output processor turns
+them into tokens and returns an :class:`~kvexport.serving.output.OutputBatch` (which
+requests took which tokens, which ended and why), and the scheduler updates from both
+(:meth:`~kvexport.serving.scheduler.Scheduler.update_from_output`) before the events go
+to the callers. Each part returns data; only the scheduler changes request and cache
+state, and the engine takes its lock once a step, to hand the scheduler the last step's
+outputs and take the next plan.
+
+The scheduler plans in rounds: a round admits waiting requests into free slots, reusing
+any cached prefix of the prompt, and prefills prompt tokens, the oldest admitted prompts
+first, each at batch 1 straight into its slot in pieces of at most ``chunk``: up to 4096
+while no more streams run than prompts wait, else as many as keep the round within twice
+the slowest recent decode step (or ``step_ms``), see
+:class:`~kvexport.serving.scheduler.PrefillBudget`; then **one** decode call over every
+running row ends it. While one request runs alone, an engine with a drafter decodes it
+speculatively instead.
 
 **Prefix cache.** A slot's rows stay valid after its request ends; a new prompt that
 starts with tokens cached in some slot reuses those rows and prefills only the rest: in
@@ -44,13 +49,12 @@ change a request's output.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import itertools
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -60,22 +64,20 @@ from kvexport.bundle.manifest import Manifest
 from kvexport.errors import KvexportError, first_line
 from kvexport.runtime.cache import cache_row_bytes
 from kvexport.runtime.opened import check_prompt, open_export
-from kvexport.runtime.speculative import Drafter, require_all_logits, speculative_round
+from kvexport.runtime.speculative import Drafter, require_all_logits
 from kvexport.serving.config import EngineConfig
 from kvexport.serving.errors import ParameterError
 from kvexport.serving.output import OutputBatch, OutputProcessor, RequestState
-from kvexport.serving.request import Request, SamplingParams, Status
-from kvexport.serving.runner import ModelRunner
+from kvexport.serving.request import Request, SamplingParams
+from kvexport.serving.runner import ModelOutput, ModelRunner
 from kvexport.serving.scheduler import (
-    DecodePlan,
+    CallPlan,
     EngineFull,
-    PrefillBatch,
+    EngineStats,
     PrefillBudget,
-    PrefillChunk,
     PrefixJob,
     Scheduler,
     SpeculativePlan,
-    StepPlan,
 )
 from kvexport.serving.slots import SlotTable
 
@@ -116,41 +118,12 @@ class EngineListener(Protocol):
 
 
 @dataclass
-class EngineStats:
-    """A snapshot of the engine's state (``/metrics`` and tests read it).
+class _Step:
+    """A step that ran: its plan, what the runner gave, and what the output processor made of it."""
 
-    ``prompt_tokens`` counts the prompt tokens prefilled; ``cached_tokens`` those reused
-    from the prefix cache instead, over ``prefix_hits`` requests; ``pinned`` the slots
-    kept for registered prefixes; ``drafted_tokens`` / ``accepted_tokens`` the speculative
-    drafts proposed and kept; ``mixed_steps`` the decode steps that ran in one call with a
-    prompt chunk (``EngineConfig.mixed_step``); ``batched_prompts`` the prompts whose first
-    piece ran in one call with others' (``EngineConfig.batch_prompts``), ``batched_pieces``
-    the later pieces (after a past) that did.
-    """
-
-    slots: int
-    slots_in_use: int
-    running: int
-    waiting: int
-    prefilling: int
-    steps: int
-    prompt_tokens: int
-    generated_tokens: int
-    prefix_hits: int = 0
-    cached_tokens: int = 0
-    pinned: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    mixed_steps: int = 0
-    batched_prompts: int = 0
-    batched_pieces: int = 0
-    finished: dict[str, int] = field(default_factory=dict)
-
-
-_COUNTERS = (
-    "steps", "prompt_tokens", "generated_tokens", "prefix_hits", "cached_tokens", "drafted_tokens", "accepted_tokens", "mixed_steps",
-    "batched_prompts", "batched_pieces",
-)
+    plan: CallPlan
+    ran: ModelOutput
+    outputs: OutputBatch
 
 
 ALL_LOGITS_BYTES = 256 << 20  # an --all-logits graph's shared prefill call returns at most this many bytes of logits
@@ -212,6 +185,7 @@ class Engine:
             intra_op_threads=config.intra_op_threads,
             spinning=config.spinning,
             mixed=config.mixed_step and self.provider == "cpu",
+            drafter=self.drafter,
         )
         self.table = SlotTable(config.slots, prefix_cache=config.prefix_cache, can_copy_rows=self.runner.can_copy_rows)
         self.scheduler = Scheduler(
@@ -225,6 +199,8 @@ class Engine:
             batch_tokens=min(config.batch_tokens, all_logits_tokens(config.chunk, dims.vocab_size))
             if self.manifest.all_logits
             else config.batch_tokens,
+            mixed=self.runner.mixed_session is not None,
+            speculate=self.drafter is not None,
         )
         self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids, self.vocab_size)
         self._listeners: list[EngineListener] = []
@@ -232,12 +208,10 @@ class Engine:
         self._lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
         self._closing = False
-        self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._finished: collections.Counter[str] = collections.Counter()
+        if config.warm_up:  # in this thread, before the loop's starts: a warm-up that fails leaves no thread behind
+            self._warm_up(config.warm_up)
         self._thread = threading.Thread(target=self._loop, name="kvexport-engine", daemon=True)
         self._thread.start()
-        if config.warm_up:
-            self._warm_up(config.warm_up)
         if listener is not None:
             self._listeners.append(listener)
 
@@ -370,17 +344,7 @@ class Engine:
     def stats(self) -> EngineStats:
         """What the engine holds and has done so far."""
         with self._lock:
-            in_use, prefilling, waiting = self.scheduler.counts()
-            return EngineStats(
-                slots=self.slots,
-                slots_in_use=in_use,
-                running=in_use - prefilling,
-                waiting=waiting,
-                prefilling=prefilling,
-                pinned=self.table.pinned,
-                finished=dict(self._finished),
-                **self._counters,
-            )
+            return self.scheduler.stats()
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Take no new requests; finish the admitted and waiting ones (``drain``) or cancel them; stop the loop."""
@@ -407,6 +371,9 @@ class Engine:
         for ONNX Runtime's first run at a size (memory it allocates and touches): sixteen
         128-token prompts to GPT-2 on 2 cores got their first tokens after 834 ms when the
         warm-up shared a call of two prompts, 472 ms after this one (443-488 ms later on).
+
+        Runs in the constructor's thread, before the loop's starts (:meth:`_run_until_idle`);
+        a call that fails raises here, in one line.
         """
         length = max(1, min(self.chunk, self.capacity // 2))
         new = max(1, min(8, self.capacity - length))
@@ -418,37 +385,68 @@ class Engine:
         states = [RequestState(r.id, r.prompt, params, cancelled=cancels[i]) for i, r in enumerate(requests)]
         for group in (slice(0, 1), slice(1, None)):
             self._enqueue(requests[group], states[group], bounded=False)
+            try:
+                self._run_until_idle()
+            except Exception as exc:
+                raise KvexportError(
+                    f"the engine's warm-up failed: {type(exc).__name__}: {first_line(exc)[:300]} (is {self.directory} a whole, "
+                    "unchanged export? kvexport check tells)"
+                ) from exc
             for state in states[group]:
                 state.result()
         with self._lock:
-            self._counters = dict.fromkeys(_COUNTERS, 0)
-            self._finished.clear()
-            self.table.forget()
-            self.scheduler.budget.forget()
+            self.scheduler.forget()
 
     # ---------------------------------------------------------------- loop
 
     def _loop(self) -> None:
+        """The engine's thread: one step after another, until :meth:`close` and nothing is left."""
+        done: _Step | None = None
         while True:
-            plan = None
+            plan: CallPlan | None = None
             try:
-                with self._lock:
-                    while self.scheduler.idle and not self._closing:
-                        self._wake.wait()
-                    if self._closing and self.scheduler.idle:
-                        return
-                    if not self.scheduler.active and not self.scheduler.prefix_jobs:  # a burst may be starting
-                        self._gather()
-                    plan = self.scheduler.schedule()
-                    for _, placement in plan.admitted:
-                        if placement.reused:
-                            self._counters["prefix_hits"] += 1
-                            self._counters["cached_tokens"] += placement.reused
-                self._step(plan)
-            except Exception as exc:  # a failed run ends the requests it held, not the engine
-                self._fail_all(exc, waiting=plan is None)  # a plan that could not be made: the queue too
-                for job in plan.prefixes if plan is not None else ():
-                    self._abandon_prefix(job, exc)
+                with self._lock:  # once a step: the last step's outputs in, this step's plan out
+                    if done is not None:
+                        self.scheduler.update_from_output(done.plan, done.ran, done.outputs)
+                    else:
+                        while self.scheduler.idle and not self._closing:
+                            self._wake.wait()
+                    plan = self._plan()
+            except Exception as exc:  # a plan that could not be made: the queue ends too
+                self._fail(exc, waiting=True)
+                done = None
+                continue
+            if done is not None:
+                self._publish(done)
+            elif plan is None:  # idle, and closing
+                return
+            done = self._run(plan) if plan is not None else None
+
+    def _run_until_idle(self) -> None:
+        """Step in this thread until nothing is left (the warm-up, before the loop's thread starts); a failed step raises."""
+        done: _Step | None = None
+        while True:
+            with self._lock:
+                if done is not None:
+                    self.scheduler.update_from_output(done.plan, done.ran, done.outputs)
+                plan = self._plan()
+            if done is not None:
+                self._publish(done)
+            if plan is None and done is None:
+                return
+            done = self._step(plan) if plan is not None else None
+
+    def _plan(self) -> CallPlan | None:
+        """With the lock held: the scheduler's next plan (None: nothing to do); a burst may be gathered first."""
+        for _ in range(2):  # a round that ended with no call: the next one starts now
+            if self.scheduler.idle:
+                return None
+            if self.scheduler.at_rest:  # a burst may be starting
+                self._gather()
+            plan = self.scheduler.next_call()
+            if plan is not None:
+                return plan
+        return None
 
     def _gather(self) -> None:
         """With the lock held, requests waiting and none admitted: let the rest of a burst arrive (``gather_ms``).
@@ -459,74 +457,58 @@ class Engine:
         """
         gap = self.config.gather_ms / 1000 if self.scheduler.batch_prompts else 0.0
         deadline = time.monotonic() + 10 * gap
-        seen = len(self.scheduler.waiting)
-        while gap and not self._closing and seen < len(self.table) - self.table.pinned:
+        seen = self.scheduler.queued
+        while gap and not self._closing and seen < self.scheduler.request_slots:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
             self._wake.wait(min(gap, left))
-            if len(self.scheduler.waiting) == seen:  # none came within the gap
+            if self.scheduler.queued == seen:  # none came within the gap
                 return
-            seen = len(self.scheduler.waiting)
+            seen = self.scheduler.queued
 
-    def _step(self, plan: StepPlan) -> None:
-        """What one plan asks for: drops, row copies, prefixes, prompt chunks, then the decode call."""
-        ended = self.output.abort([r.id for r in plan.dropped + plan.cancelled], "cancelled")
-        for request, placement in plan.admitted:
-            if placement.copy_from is not None:
-                self.runner.copy_rows(placement.copy_from, placement.slot, placement.reused)
-            self.output.admitted(request.id, placement.reused)
-        self._update(ended)
-        for job in plan.prefixes:
-            try:
-                self.runner.run_piece(job.slot, job.tokens, 0)
-            except Exception as exc:  # its own pinned rows only: the running requests are unharmed
-                self._abandon_prefix(job, exc)
-                continue
-            with self._lock:
-                self.scheduler.prefix_cached(job)
-                self._counters["prompt_tokens"] += len(job.tokens)
-            job.done.set()
-        last = plan.prefill[-1] if plan.prefill else None
-        mixed = last if isinstance(last, PrefillChunk) and self.runner.mixed_session is not None else None
-        for index, chunk in enumerate(plan.prefill):
-            if plan.burst and index and self._arrived(plan):  # the rest of the plan is planned again, with them
-                break
-            if isinstance(chunk, PrefillBatch):
-                self._prefill_batch(chunk)
-                continue
-            if chunk.request.status is not Status.PREFILLING or chunk.request.cancelled:  # a cancel ends it next step
-                continue
-            if chunk is mixed:  # the step's last chunk and its decode call, in one call
-                with self._lock:
-                    decode = self.scheduler.decode_plan(beside=chunk)
-                if decode is not None:
-                    self._mixed(chunk, decode)
-                    return
-            self._update(self._prefill(chunk))
-        self._update(self._decode())
+    def _run(self, plan: CallPlan) -> _Step | None:
+        """:meth:`_step`, where a failed run ends the requests it held, not the engine."""
+        try:
+            return self._step(plan)
+        except Exception as exc:
+            self._fail(exc)
+            return None
 
-    def _arrived(self, plan: StepPlan) -> bool:
-        """Whether requests came since ``plan`` was made, with slots free for them.
+    def _step(self, plan: CallPlan) -> _Step:
+        """Execute ``plan`` (the runner) and turn its logits into tokens and events (the output processor); both return data."""
+        call = plan.call
+        sampling = self.output.sampling_of(call.request.id) if isinstance(call, SpeculativePlan) else None
+        ran = self.runner.execute(plan, sampling=sampling)
+        return _Step(plan, ran, self._outputs(plan, ran))
 
-        A burst over HTTP reaches the engine over tens of ms, and a step that prefills a
-        burst runs for a second or more (up to ``BURST_TOKENS`` tokens): requests that miss
-        its plan would wait for all of it, then share smaller calls. So a step planned in a
-        burst ends early, between two calls, when more come: the next plan admits them, and
-        their first pieces share calls with the prompts not yet begun. Sixteen 512-token
-        requests sent at once by ``benchmarks/serve_load.py`` reached the engine as 7 then 9,
-        or as 1 then 15 (the first one's two pieces, 265 ms, ran before the rest were admitted).
+    def _outputs(self, plan: CallPlan, ran: ModelOutput) -> OutputBatch:
+        """The output processor's part of a step: tokens and events from the logits ``ran`` holds.
+
+        The round's cancelled requests end; each prompt chunk's logits give its prompt
+        log-probabilities and, the prompt's last, its first token; the decode rows give their
+        next tokens, a speculative round its kept drafts and the next.
         """
-        with self._lock:
-            return len(self.scheduler.waiting) > plan.waiting and bool(self.table.free(self.scheduler.active))
+        outputs = OutputBatch()
+        if plan.start is not None:
+            outputs.extend(self.output.abort([r.id for r in plan.start.dropped + plan.start.cancelled], "cancelled"))
+            for request, placement in plan.start.admitted:
+                self.output.admitted(request.id, placement.reused)
+        for chunk, logits in zip(plan.chunks, ran.prompt, strict=True):
+            if self.runner.all_logits:
+                self.output.prompt_logprobs(chunk.request.id, logits, chunk.start)
+            if chunk.last:
+                outputs.extend(self.output.first_token(chunk.request.id, logits[-1]))
+        decode = plan.decode
+        if decode is not None and ran.decode is not None:
+            outputs.extend(self.output.decoded([r.id for r in decode.requests], ran.decode, [r.slot for r in decode.requests]))
+        if isinstance(plan.call, SpeculativePlan):
+            outputs.extend(self.output.accepted(plan.call.request.id, ran.accepted))
+        return outputs
 
-    def _update(self, outputs: OutputBatch) -> None:
-        """Hand a step's outputs to the scheduler and the listeners, then give the callers their events."""
-        with self._lock:
-            self.scheduler.update_from_output(outputs)
-            self._counters["generated_tokens"] += outputs.generated
-            for finished in outputs.finished:
-                self._finished[finished.reason] += 1
+    def _publish(self, step: _Step) -> None:
+        """Tell the listeners, then give the callers their events (a cached prefix: its waiter)."""
+        outputs = step.outputs
         try:
             for listener in self._listeners:
                 for seconds in outputs.first_token_s:
@@ -537,99 +519,23 @@ class Engine:
                     listener.on_finish(finished.reason, finished.prompt_tokens, finished.completion_tokens)
         finally:  # the callers get their events even if a listener fails
             self.output.publish(outputs)
+            job = step.plan.call
+            if isinstance(job, PrefixJob):
+                job.error = step.ran.error
+                job.done.set()
 
-    def _abandon_prefix(self, job: PrefixJob, exc: Exception) -> None:
-        """A prefix that was not cached: its slot is free again and ``register_prefix`` raises."""
-        if job.done.is_set():
-            return
-        with self._lock:
-            self.scheduler.prefix_failed(job)
-        job.error = f"{type(exc).__name__}: {first_line(exc)[:300]}"
-        job.done.set()
-
-    def _prefill(self, chunk: PrefillChunk) -> OutputBatch:
-        """One prompt chunk at batch 1 into its slot; the prompt's last chunk gives the first token."""
-        started = time.perf_counter()
-        logits = self.runner.run_piece(chunk.request.slot, chunk.tokens, chunk.start)
-        return self._prefilled(chunk, logits, time.perf_counter() - started)
-
-    def _prefill_batch(self, batch: PrefillBatch) -> None:
-        """Prompts' pieces in one call; each row as :meth:`_prefill`'s would be, its first token if it ends the prompt.
-
-        Every row is recorded, a request cancelled since the plan too: the call wrote its
-        rows. The call's time is not the budget's measure of a prompt token (one row's).
-        """
-        logits = self.runner.run_rows(batch.first, [chunk.tokens for chunk in batch.chunks], batch.start)
-        with self._lock:
-            self._counters["batched_pieces" if batch.start else "batched_prompts"] += len(batch.chunks)
-        outputs = OutputBatch()
-        for chunk, rows in zip(batch.chunks, logits, strict=True):
-            outputs.extend(self._prefilled(chunk, rows))
-        self._update(outputs)
-
-    def _mixed(self, chunk: PrefillChunk, plan: DecodePlan) -> None:
-        """``chunk`` and the decode call over every running row, in one call (the runner's mixed step)."""
-        started = time.perf_counter()
-        prompt_logits, logits = self.runner.mixed(chunk.request.slot, chunk.tokens, chunk.start, plan.tokens, plan.positions)
-        seconds = time.perf_counter() - started
-        with self._lock:
-            self.scheduler.budget.mixed(len(chunk.tokens), seconds)
-            self._counters["steps"] += 1
-            self._counters["mixed_steps"] += 1
-        self._update(self._prefilled(chunk, prompt_logits))
-        self._update(self.output.decoded([r.id for r in plan.requests], logits, [r.slot for r in plan.requests]))
-
-    def _prefilled(self, chunk: PrefillChunk, logits: Any, seconds: float | None = None) -> OutputBatch:
-        """``chunk`` gave ``logits`` (its call alone took ``seconds``): its rows are recorded, and its last gives the first token."""
-        request = chunk.request
-        with self._lock:
-            if seconds is not None:
-                self.scheduler.budget.prefilled(len(chunk.tokens), seconds)
-            self.scheduler.prefilled(chunk)
-            self._counters["prompt_tokens"] += len(chunk.tokens)
-        if self.runner.all_logits:
-            self.output.prompt_logprobs(request.id, logits, chunk.start)
-        if chunk.last:
-            return self.output.first_token(request.id, logits[-1])
-        return OutputBatch()
-
-    def _decode(self) -> OutputBatch:
-        """One call for every running row (or a speculative round); each row's next token."""
-        with self._lock:
-            plan = self.scheduler.decode_plan(speculate=self.drafter is not None)
-        if plan is None:
-            return OutputBatch()
-        if plan.speculative is not None:
-            return self._speculative_step(plan.speculative)
-        started = time.perf_counter()
-        logits = self.runner.decode(plan.tokens, plan.positions)
-        seconds = time.perf_counter() - started
-        with self._lock:
-            self.scheduler.budget.decoded(seconds)
-            self._counters["steps"] += 1
-        return self.output.decoded([r.id for r in plan.requests], logits, [r.slot for r in plan.requests])
-
-    def _speculative_step(self, plan: SpeculativePlan) -> OutputBatch:
-        """One request alone: draft tokens, verify them in one call; the kept ones and the next are its tokens."""
-        assert self.drafter is not None
-        request = plan.request
-        sampling, rng = self.output.sampling_of(request.id)
-        start = request.length
-
-        def run(piece: Sequence[int]) -> Any:
-            return self.runner.run_piece(request.slot, piece, start)
-
-        drafts, kept, following = speculative_round(self.drafter, plan.budget, plan.context, plan.room, run, sampling, rng)
-        with self._lock:
-            self.scheduler.speculated(plan, drafts, kept)
-            self._counters["steps"] += 1
-            self._counters["drafted_tokens"] += len(drafts)
-            self._counters["accepted_tokens"] += kept
-        return self.output.accepted(request.id, [*drafts[:kept], following])
-
-    def _fail_all(self, exc: Exception, *, waiting: bool = False) -> None:
-        """End every admitted request (and the waiting ones too, when ``waiting``) with the error."""
+    def _fail(self, exc: Exception, *, waiting: bool = False) -> None:
+        """End every admitted request (and the waiting ones too, when ``waiting``) with the error; the round's prefixes not cached are given up."""
         message = f"{type(exc).__name__}: {first_line(exc)[:300]}"
         with self._lock:
             failed = [r.id for r in self.scheduler.unfinished(waiting=waiting)]
-        self._update(self.output.abort(failed, "error", message))
+            abandoned = self.scheduler.end_round()
+        step = _Step(CallPlan(), ModelOutput(), self.output.abort(failed, "error", message))
+        with self._lock:
+            self.scheduler.update_from_output(step.plan, None, step.outputs)
+        try:
+            self._publish(step)
+        finally:
+            for job in abandoned:
+                job.error = message
+                job.done.set()

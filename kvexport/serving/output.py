@@ -1,7 +1,7 @@
 """The output processor: logits to tokens, log-probabilities, stops, text and stream events.
 
 For each request with a row of logits it applies the request's logits processors and
-samples (:mod:`kvexport.serving.processors`), records the log-probabilities it asked
+samples (:mod:`kvexport.runtime.sampling`, the one sampler), records the log-probabilities it asked
 for (of the model's own distribution), feeds the token to the request's text stream and
 decides whether the request ends (EOS, a stop token, a stop string or ``max_tokens``).
 A request's tokens depend only on its own logits, settings and random stream, never on
@@ -27,10 +27,9 @@ from dataclasses import dataclass, field
 import numpy as np
 from tokenizers import Tokenizer
 
-from kvexport.runtime.sampling import SamplingConfig, log_softmax
+from kvexport.runtime.sampling import SamplingConfig, choose, controlled_scores, log_softmax
 from kvexport.runtime.text import TextStream
 from kvexport.serving.errors import ParameterError
-from kvexport.serving.processors import choose, controlled_scores, logprob_of
 from kvexport.serving.request import Logprob, SamplingParams, TokenEvent
 from kvexport.serving.structured import Constraint, Grammars, Matcher
 
@@ -371,6 +370,22 @@ class OutputProcessor:
         assert event.finish_reason is not None
         batch.finished.append(Finished(state.id, event.finish_reason, state.prompt_tokens, state.completion_tokens))
         batch.events.append((state, event))
+
+
+def logprob_of(logprobs: np.ndarray, token: int, top: int, ids: tuple[int, ...] | None = None) -> Logprob:
+    """The :class:`Logprob` of ``token`` in one row of log-probabilities, with the ``top`` likeliest tokens, or ``ids``' in their order."""
+    if top < 0:  # -1: every token
+        top = logprobs.shape[-1]
+    if ids:
+        alternatives = tuple((int(t), float(logprobs[t])) for t in ids)
+    elif top:
+        best = np.argpartition(-logprobs, top - 1)[:top]
+        best = best[np.argsort(-logprobs[best], kind="stable")]
+        alternatives = tuple((int(t), float(logprobs[t])) for t in best)
+    else:
+        alternatives = ()
+    rank = int((logprobs > logprobs[token]).sum()) + 1
+    return Logprob(int(token), float(logprobs[token]), rank, alternatives)
 
 
 def _needs_row(state: RequestState) -> bool:

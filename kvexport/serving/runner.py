@@ -1,4 +1,9 @@
-"""The model runner: the session, the slot buffers and the bindings; runs a plan's calls, returns logits.
+"""The model runner: the session, the slot buffers and the bindings; runs a step's plan, returns its logits as data.
+
+:meth:`ModelRunner.execute` takes a step's :class:`~kvexport.serving.scheduler.CallPlan`
+(the admitted requests' row copies, then one call) and returns a :class:`ModelOutput`: the
+logits of each prompt piece and of the decode rows, or a speculative round's tokens, and
+the call's time. It changes no request or scheduler state.
 
 The prefill graph of an in-place export serves both phases, so the runner opens one ONNX
 Runtime session, whose intra-op threads may spin between runs without a second
@@ -17,7 +22,9 @@ packed into the same GEMMs. It packs the weights a second time (that session's m
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 import onnxruntime as ort
@@ -26,13 +33,44 @@ from kvexport.errors import KvexportError, first_line
 from kvexport.passes.vocabulary import ROWS_AFTER_PAST
 from kvexport.runtime.cache import SlotCache, numpy_dtype
 from kvexport.runtime.opened import OpenedExport
+from kvexport.runtime.sampling import SamplingConfig
 from kvexport.runtime.session import open_mixed_session, open_session, session_options
+from kvexport.runtime.speculative import Drafter, speculative_round
+from kvexport.serving.scheduler import (
+    CallPlan,
+    DecodePlan,
+    MixedCall,
+    PrefillBatch,
+    PrefillChunk,
+    PrefixJob,
+    SpeculativePlan,
+)
 
 DECODE_PREFIX = "decode."  # the mixed graph's decode half: decode.attention_mask, decode.past.*, decode.present.* (passes/mixed_step.py)
 
 
+@dataclass
+class ModelOutput:
+    """What one step's call gave, as data.
+
+    ``prompt``: the logits of each prompt chunk it ran, in :attr:`CallPlan.chunks`' order
+    ([n or 1, V], fp32). ``decode``: the decode rows' ([rows, V], the session's dtype; a
+    view, valid until the next call). ``drafts`` / ``kept`` / ``accepted``: a speculative
+    round's drafts, how many were kept, and the tokens it took (the kept drafts and the
+    next). ``error``: why a prefix was not cached. ``seconds``: the call's time.
+    """
+
+    prompt: list[np.ndarray] = field(default_factory=list)
+    decode: np.ndarray | None = None
+    drafts: list[int] = field(default_factory=list)
+    kept: int = 0
+    accepted: list[int] = field(default_factory=list)
+    error: str | None = None
+    seconds: float = 0.0
+
+
 class ModelRunner:
-    """Runs prompt chunks and decode calls over ``slots`` rows of ``capacity`` tokens."""
+    """Runs prompt chunks and decode calls over ``slots`` rows of ``capacity`` tokens (``drafter``: speculative rounds too)."""
 
     def __init__(
         self,
@@ -43,8 +81,10 @@ class ModelRunner:
         intra_op_threads: int | None = None,
         spinning: bool = True,
         mixed: bool = False,
+        drafter: Drafter | None = None,
     ) -> None:
         manifest = opened.manifest
+        self.drafter = drafter
         self.dtype = numpy_dtype(manifest.dtype)
         self.vocab_size = manifest.dims.vocab_size
         self.all_logits = manifest.all_logits
@@ -68,6 +108,54 @@ class ModelRunner:
         self._logits = np.zeros((slots, 1, self.vocab_size), self.dtype)
         self._bindings: dict[int, ort.IOBinding] = {}
         self._mixed_bindings: dict[tuple[int, int], ort.IOBinding] = {}
+
+    def execute(self, plan: CallPlan, *, sampling: tuple[SamplingConfig, np.random.Generator] | None = None) -> ModelOutput:
+        """Run one step's plan: the admitted requests' row copies, then its call.
+
+        ``sampling``: a speculative round's request's settings and random stream. A prefix
+        that fails to run is reported (``error``), not raised: only its own pinned rows are
+        harmed, never a running request's.
+        """
+        if plan.start is not None:
+            for _, placement in plan.start.admitted:
+                if placement.copy_from is not None:
+                    self.copy_rows(placement.copy_from, placement.slot, placement.reused)
+        call, output = plan.call, ModelOutput()
+        started = time.perf_counter()
+        if isinstance(call, PrefixJob):
+            try:
+                self.run_piece(call.slot, call.tokens, 0)
+            except Exception as exc:
+                output.error = f"{type(exc).__name__}: {first_line(exc)[:300]}"
+        elif isinstance(call, PrefillChunk):
+            output.prompt = [self.run_piece(call.request.slot, call.tokens, call.start)]
+        elif isinstance(call, PrefillBatch):
+            output.prompt = list(self.run_rows(call.first, [chunk.tokens for chunk in call.chunks], call.start))
+        elif isinstance(call, MixedCall):
+            chunk, decode = call.chunk, call.decode
+            prompt, output.decode = self.mixed(chunk.request.slot, chunk.tokens, chunk.start, decode.tokens, decode.positions)
+            output.prompt = [prompt]
+        elif isinstance(call, DecodePlan):
+            output.decode = self.decode(call.tokens, call.positions)
+        elif isinstance(call, SpeculativePlan):
+            self._speculate(call, output, sampling)
+        output.seconds = time.perf_counter() - started
+        return output
+
+    def _speculate(
+        self, plan: SpeculativePlan, output: ModelOutput, sampling: tuple[SamplingConfig, np.random.Generator] | None
+    ) -> None:
+        """One request alone: draft tokens, verify them in one call; the kept ones and the next are its tokens."""
+        if self.drafter is None or sampling is None:
+            raise RuntimeError("a speculative round needs the runner's drafter and the request's sampling")
+        request = plan.request
+        slot, start = request.slot, request.length
+
+        def run(piece: Sequence[int]) -> np.ndarray:
+            return self.run_piece(slot, piece, start)
+
+        drafts, kept, following = speculative_round(self.drafter, plan.budget, plan.context, plan.room, run, *sampling)
+        output.drafts, output.kept, output.accepted = list(drafts), kept, [*drafts[:kept], following]
 
     @property
     def can_copy_rows(self) -> bool:

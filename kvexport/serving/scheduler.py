@@ -1,13 +1,15 @@
 """The scheduler: the queue, admission, slot placement and the prefill token budget.
 
-Plain Python (no ONNX Runtime, onnx or torch): each engine step asks it for a
-:class:`StepPlan` (which requests enter which slots, which prefixes to pin, which prompt
-chunks to prefill, which requests were cancelled), and, once those have run, for a
-:class:`DecodePlan` (one batched call over every running row, or a speculative round for
-a request running alone). It alone changes the requests' state
-(:class:`~kvexport.serving.request.Request`) and the cache's bookkeeping
-(:class:`~kvexport.serving.slots.SlotTable`): from its plans, and from the outputs the
-engine hands it (:meth:`Scheduler.update_from_output`).
+Plain Python (no ONNX Runtime, onnx or torch). A round of calls starts with a
+:class:`StepPlan` (:meth:`Scheduler.schedule`: which requests enter which slots, which
+prefixes to pin, which prompt chunks to prefill, which requests were cancelled) and ends
+with its :class:`DecodePlan` (one batched call over every running row, or a speculative
+round for a request running alone), planned once the prompt chunks have run. The engine
+asks for one :class:`CallPlan` a step (:meth:`Scheduler.next_call`: the round's next
+call), has it run, and hands back what it gave (:meth:`Scheduler.update_from_output`).
+The scheduler alone changes the requests' state (:class:`~kvexport.serving.request.Request`),
+the cache's bookkeeping (:class:`~kvexport.serving.slots.SlotTable`) and the counts
+:meth:`Scheduler.stats` reports: from its plans, and from those outputs.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import itertools
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from kvexport.drafting import DEFAULT_DRAFT_TOKENS, DraftBudget
 from kvexport.errors import KvexportError
@@ -193,6 +195,79 @@ class SpeculativePlan:
     budget: DraftBudget
 
 
+@dataclass(frozen=True)
+class MixedCall:
+    """A round's last prompt chunk and its decode call over every running row, in one call (``EngineConfig.mixed_step``)."""
+
+    chunk: PrefillChunk
+    decode: DecodePlan
+
+
+Call: TypeAlias = PrefixJob | PrefillChunk | PrefillBatch | MixedCall | DecodePlan | SpeculativePlan
+
+
+@dataclass
+class CallPlan:
+    """What one engine step runs: a round's admissions, drops and cancels (its first step), then at most one call.
+
+    ``start``: the round's :class:`StepPlan` on its first step (the admitted requests' rows
+    to copy, the requests to end as cancelled), else None. ``call``: the model call.
+    """
+
+    start: StepPlan | None = None
+    call: Call | None = None
+
+    @property
+    def chunks(self) -> tuple[PrefillChunk, ...]:
+        """The prompt chunks the call runs, in the order of its prompt logits."""
+        call = self.call
+        if isinstance(call, PrefillChunk):
+            return (call,)
+        if isinstance(call, PrefillBatch):
+            return call.chunks
+        if isinstance(call, MixedCall):
+            return (call.chunk,)
+        return ()
+
+    @property
+    def decode(self) -> DecodePlan | None:
+        """The decode call's rows, when the call decodes (alone or beside a chunk)."""
+        if isinstance(self.call, DecodePlan):
+            return self.call
+        if isinstance(self.call, MixedCall):
+            return self.call.decode
+        return None
+
+
+@dataclass
+class _Round:
+    """A round under way: its plan, the prefixes still to cache, and where its prompt calls are."""
+
+    plan: StepPlan
+    prefixes: collections.deque[PrefixJob]
+    next_call: int = 0
+
+
+class Ran(Protocol):
+    """What the scheduler reads of a call's run (a :class:`~kvexport.serving.runner.ModelOutput`)."""
+
+    @property
+    def seconds(self) -> float:
+        """How long the call took."""
+
+    @property
+    def drafts(self) -> Sequence[int]:
+        """A speculative round's drafted tokens."""
+
+    @property
+    def kept(self) -> int:
+        """How many of the drafts were kept."""
+
+    @property
+    def error(self) -> str | None:
+        """Why a prefix was not cached (None: it was)."""
+
+
 class Outputs(Protocol):
     """What the scheduler reads of a step's outputs (an :class:`~kvexport.serving.output.OutputBatch`)."""
 
@@ -203,6 +278,10 @@ class Outputs(Protocol):
     @property
     def finished(self) -> Sequence[Ended]:
         """The requests that ended."""
+
+    @property
+    def generated(self) -> int:
+        """Tokens made."""
 
 
 class Ended(Protocol):
@@ -215,6 +294,44 @@ class Ended(Protocol):
     @property
     def reason(self) -> str:
         """``stop``, ``length``, ``cancelled`` or ``error``."""
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's state (``/metrics`` and tests read it).
+
+    ``prompt_tokens`` counts the prompt tokens prefilled; ``cached_tokens`` those reused
+    from the prefix cache instead, over ``prefix_hits`` requests; ``pinned`` the slots
+    kept for registered prefixes; ``drafted_tokens`` / ``accepted_tokens`` the speculative
+    drafts proposed and kept; ``mixed_steps`` the decode steps that ran in one call with a
+    prompt chunk (``EngineConfig.mixed_step``); ``batched_prompts`` the prompts whose first
+    piece ran in one call with others' (``EngineConfig.batch_prompts``), ``batched_pieces``
+    the later pieces (after a past) that did.
+    """
+
+    slots: int
+    slots_in_use: int
+    running: int
+    waiting: int
+    prefilling: int
+    steps: int
+    prompt_tokens: int
+    generated_tokens: int
+    prefix_hits: int = 0
+    cached_tokens: int = 0
+    pinned: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    mixed_steps: int = 0
+    batched_prompts: int = 0
+    batched_pieces: int = 0
+    finished: dict[str, int] = field(default_factory=dict)
+
+
+_COUNTERS = (
+    "steps", "prompt_tokens", "generated_tokens", "prefix_hits", "cached_tokens", "drafted_tokens", "accepted_tokens", "mixed_steps",
+    "batched_prompts", "batched_pieces",
+)
 
 
 class Scheduler:
@@ -236,6 +353,9 @@ class Scheduler:
         batch_after_past: with ``batch_prompts``, later pieces share calls too: those of
             prompts in consecutive slots that hold as many tokens each (a burst's second
             pieces), where the runner can (``ModelRunner.can_batch_after_past``).
+        mixed: a round's last prompt chunk runs in one call with its decode call
+            (:class:`MixedCall`), where the runner has the mixed step.
+        speculate: a request running alone decodes speculatively (an engine with a drafter).
 
     """
 
@@ -250,8 +370,12 @@ class Scheduler:
         batch_prompts: bool = False,
         batch_tokens: int | None = None,
         batch_after_past: bool = False,
+        mixed: bool = False,
+        speculate: bool = False,
     ) -> None:
         self.table = table
+        self.mixed = mixed
+        self.speculate = speculate
         self.batch_prompts = batch_prompts
         self.batch_after_past = batch_after_past
         self.batch_tokens = batch_tokens
@@ -263,11 +387,50 @@ class Scheduler:
         self.active: dict[int, Request] = {}  # slot -> request (prefilling or running)
         self.prefix_jobs: collections.deque[PrefixJob] = collections.deque()
         self.requests: dict[str, Request] = {}  # id -> every request not finished yet
+        self._round: _Round | None = None  # the round whose calls next_call hands out
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._finished: collections.Counter[str] = collections.Counter()
 
     @property
     def idle(self) -> bool:
         """Nothing to do."""
         return not self.waiting and not self.active and not self.prefix_jobs
+
+    @property
+    def at_rest(self) -> bool:
+        """No round under way, no request admitted and no prefix to cache: the next round may start a burst."""
+        return self._round is None and not self.active and not self.prefix_jobs
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self.waiting)
+
+    @property
+    def request_slots(self) -> int:
+        """The slots requests may take: all but those kept for registered prefixes."""
+        return len(self.table) - self.table.pinned
+
+    def stats(self) -> EngineStats:
+        """What the scheduler holds and has counted so far."""
+        in_use, prefilling, waiting = self.counts()
+        return EngineStats(
+            slots=len(self.table),
+            slots_in_use=in_use,
+            running=in_use - prefilling,
+            waiting=waiting,
+            prefilling=prefilling,
+            pinned=self.table.pinned,
+            finished=dict(self._finished),
+            **self._counters,
+        )
+
+    def forget(self) -> None:
+        """Drop the counts, the cached rows and the measured costs (after the engine's warm-up)."""
+        self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._finished.clear()
+        self.table.forget()
+        self.budget.forget()
 
     def add(self, request: Request) -> None:
         """Queue a request; :class:`EngineFull` when ``max_queue`` already wait beyond the free slots."""
@@ -344,6 +507,9 @@ class Scheduler:
             request.prefilled = request.length = request.cached_tokens = placement.reused
             self.active[placement.slot] = request
             plan.admitted.append((request, placement))
+            if placement.reused:
+                self._counters["prefix_hits"] += 1
+                self._counters["cached_tokens"] += placement.reused
         self.waiting.extendleft(reversed(held))
         prefilling = sorted((r for r in self.active.values() if r.status is Status.PREFILLING), key=lambda r: r.submitted)
         running = len(self.active) - len(prefilling)
@@ -367,6 +533,79 @@ class Scheduler:
                 budget -= len(piece)
         plan.waiting = len(self.waiting)
         return plan
+
+    def next_call(self) -> CallPlan | None:
+        """The next step's plan: a new round's start (:meth:`schedule`) with its first call, or the round's next call.
+
+        A round hands out its prefixes, then its prompt calls in order, then its decode call
+        (:meth:`decode_plan`), planned once the calls before it have run and their outputs
+        are in (:meth:`update_from_output`). On the way it skips a chunk whose request was
+        cancelled (it ends next round), ends a round planned in a burst early, between two
+        calls, when requests came with slots free for them (:meth:`_arrived`), and runs the
+        round's last chunk in one call with its decode call (:class:`MixedCall`) when
+        ``mixed``. A round whose start ends requests (cancelled) runs no call on that step,
+        so that they have ended before its calls are planned. None: the round under way
+        ended with no call (nothing runs); the next call starts a new one.
+        """
+        start = None
+        if self._round is None:
+            start = self.schedule()
+            self._round = _Round(start, collections.deque(start.prefixes))
+            if start.dropped or start.cancelled:
+                return CallPlan(start)
+        call = self._round_call(self._round)
+        if call is None or isinstance(call, (DecodePlan, MixedCall, SpeculativePlan)):
+            self._round = None  # the decode call ends the round
+        if start is None and call is None:
+            return None
+        return CallPlan(start, call)
+
+    def _round_call(self, current: _Round) -> Call | None:
+        """The round's next call (see :meth:`next_call`); None once it has none left."""
+        if current.prefixes:
+            return current.prefixes.popleft()
+        plan = current.plan
+        while current.next_call < len(plan.prefill):
+            index = current.next_call
+            current.next_call += 1
+            call = plan.prefill[index]
+            if plan.burst and index and self._arrived(plan):  # the rest of the plan is planned again, with them
+                break
+            if isinstance(call, PrefillBatch):
+                return call
+            if call.request.status is not Status.PREFILLING or call.request.cancelled:  # a cancel ends it next round
+                continue
+            if self.mixed and index == len(plan.prefill) - 1:  # the round's last chunk and its decode call, in one call
+                decode = self.decode_plan(beside=call)
+                if decode is not None:
+                    return MixedCall(call, decode)
+            return call
+        current.next_call = len(plan.prefill)
+        decode = self.decode_plan(speculate=self.speculate)
+        if decode is not None and decode.speculative is not None:
+            return decode.speculative
+        return decode
+
+    def _arrived(self, plan: StepPlan) -> bool:
+        """Whether requests came since ``plan`` was made, with slots free for them.
+
+        A burst over HTTP reaches the engine over tens of ms, and a round that prefills a
+        burst runs for a second or more (up to ``BURST_TOKENS`` tokens): requests that miss
+        its plan would wait for all of it, then share smaller calls. So a round planned in a
+        burst ends early, between two calls, when more come: the next plan admits them, and
+        their first pieces share calls with the prompts not yet begun. Sixteen 512-token
+        requests sent at once by ``benchmarks/serve_load.py`` reached the engine as 7 then 9,
+        or as 1 then 15 (the first one's two pieces, 265 ms, ran before the rest were admitted).
+        """
+        return len(self.waiting) > plan.waiting and bool(self.table.free(self.active))
+
+    def end_round(self) -> list[PrefixJob]:
+        """A call failed: the round under way ends; its prefixes not yet cached are given up (their slots free again), and returned."""
+        left = list(self._round.prefixes) if self._round is not None else []
+        self._round = None
+        for job in left:
+            self.prefix_failed(job)
+        return left
 
     def _batches(self, prefilling: Sequence[Request], starts: dict[str, int], budget: int) -> list[PrefillBatch]:
         """The prompts' next pieces that share calls, within ``budget`` tokens, each prompt's after its ``starts`` tokens.
@@ -465,8 +704,17 @@ class Scheduler:
         self.table.wrote(request.slot, request.length, [request.next_token, *drafts[:kept]])
         request.length = self.table.length(request.slot)
 
-    def update_from_output(self, outputs: Outputs) -> None:
-        """Take a step's outputs: each request's new tokens (the last is fed next), and the requests that ended."""
+    def update_from_output(self, plan: CallPlan, ran: Ran | None, outputs: Outputs) -> None:
+        """Take a step's outputs: what its call wrote and cost, each request's new tokens (the last is fed next), the requests that ended.
+
+        ``ran``: what the runner reported of ``plan``'s call (None: no call ran, as when a
+        failed step's requests end).
+        """
+        if ran is not None:
+            self._ran(plan.call, ran)
+        self._counters["generated_tokens"] += outputs.generated
+        for ended in outputs.finished:
+            self._finished[ended.reason] += 1
         for request_id, tokens in outputs.tokens.items():
             request = self.requests.get(request_id)
             if request is not None and tokens:
@@ -476,6 +724,40 @@ class Scheduler:
             request = self.requests.get(ended.request_id)
             if request is not None:
                 self.finish(request, valid=ended.reason != "error")  # a failed run may have left rows half written
+
+    def _ran(self, call: Call | None, ran: Ran) -> None:
+        """``call`` ran: its rows are recorded, its time measured into the budget, its counts kept."""
+        counters = self._counters
+        if isinstance(call, PrefixJob):
+            if ran.error is None:
+                self.prefix_cached(call)
+                counters["prompt_tokens"] += len(call.tokens)
+            else:
+                self.prefix_failed(call)
+        elif isinstance(call, PrefillChunk):
+            self.budget.prefilled(len(call.tokens), ran.seconds)
+            self._prefilled_counted(call)
+        elif isinstance(call, PrefillBatch):  # the call's time is not the budget's measure of a prompt token (one row's)
+            counters["batched_pieces" if call.start else "batched_prompts"] += len(call.chunks)
+            for chunk in call.chunks:  # every row, a request cancelled since the plan too: the call wrote its rows
+                self._prefilled_counted(chunk)
+        elif isinstance(call, MixedCall):
+            self.budget.mixed(len(call.chunk.tokens), ran.seconds)
+            counters["steps"] += 1
+            counters["mixed_steps"] += 1
+            self._prefilled_counted(call.chunk)
+        elif isinstance(call, DecodePlan):
+            self.budget.decoded(ran.seconds)
+            counters["steps"] += 1
+        elif isinstance(call, SpeculativePlan):
+            self.speculated(call, ran.drafts, ran.kept)
+            counters["steps"] += 1
+            counters["drafted_tokens"] += len(ran.drafts)
+            counters["accepted_tokens"] += ran.kept
+
+    def _prefilled_counted(self, chunk: PrefillChunk) -> None:
+        self.prefilled(chunk)
+        self._counters["prompt_tokens"] += len(chunk.tokens)
 
     def finish(self, request: Request, *, valid: bool = True) -> None:
         """``request`` ended: it leaves the queue, or its slot is free again (its rows stay cached when ``valid``)."""
