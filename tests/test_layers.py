@@ -7,6 +7,7 @@ still a dependency) is read with ``ast`` and its target's layer looked up in ``A
 from __future__ import annotations
 
 import ast
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -40,8 +41,8 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _module_of(path: Path) -> str:
-    relative = path.relative_to(ROOT).with_suffix("")
+def _module_of(path: Path, root: Path) -> str:
+    relative = path.relative_to(root).with_suffix("")
     parts = list(relative.parts)
     if parts[0] == "passes":  # installed as kvexport.passes
         parts.insert(0, "kvexport")
@@ -50,9 +51,9 @@ def _module_of(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
+def _imports(path: Path, root: Path) -> list[tuple[int, str]]:
     """(line, absolute module) of every kvexport import in a file."""
-    module = _module_of(path)
+    module = _module_of(path, root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -69,22 +70,22 @@ def _imports(path: Path) -> list[tuple[int, str]]:
     return [(line, target) for line, target in found if target == "kvexport" or target.startswith("kvexport.")]
 
 
-def _sources() -> list[Path]:
-    files = [p for p in (ROOT / "kvexport").rglob("*.py") if "passes" not in p.relative_to(ROOT).parts]
-    return sorted(files + list((ROOT / "passes").glob("*.py")))
+def _sources(root: Path) -> list[Path]:
+    files = [p for p in (root / "kvexport").rglob("*.py") if "passes" not in p.relative_to(root).parts]
+    return sorted(files + list((root / "passes").glob("*.py")))
 
 
-def crossings() -> list[str]:
-    """One line per import that the map does not allow."""
+def crossings(root: Path = ROOT) -> list[str]:
+    """One line per import that the map does not allow, in the ``kvexport`` and ``passes`` under ``root``."""
     problems = []
-    for path in _sources():
-        layer = _layer(_module_of(path))
+    for path in _sources(root):
+        layer = _layer(_module_of(path, root))
         assert layer in ALLOWED, f"{path}: a package missing from the map; add it to ALLOWED and the docs"
-        for line, target in _imports(path):
+        for line, target in _imports(path, root):
             target_layer = _layer(target)
             allowed = ALLOWED[layer] | (INFRASTRUCTURE if layer != "passes" else set())
             if target_layer != layer and target_layer not in allowed:
-                problems.append(f"{path.relative_to(ROOT)}:{line}: {layer} imports {target}")
+                problems.append(f"{path.relative_to(root)}:{line}: {layer} imports {target}")
     return problems
 
 
@@ -92,15 +93,17 @@ def test_no_import_crosses_the_package_map() -> None:
     assert crossings() == []
 
 
-def test_the_check_sees_a_crossing() -> None:
-    """The reader resolves relative imports and finds lazy ones: a runtime module importing serving fails."""
-    runtime = ROOT / "kvexport" / "runtime"
-    probe = runtime / "_layer_probe.py"
+def test_the_check_sees_a_crossing(tmp_path: Path) -> None:
+    """The reader resolves relative imports and finds lazy ones: a runtime module importing serving fails.
+
+    The probe goes into a copy of the sources, never into the checkout (a test run beside it
+    would see it, and a killed run would leave it there).
+    """
+    for package in ("kvexport", "passes"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    probe = tmp_path / "kvexport" / "runtime" / "_layer_probe.py"
     probe.write_text("def f():\n    from ..serving import engine\n    return engine\n")
-    try:
-        assert crossings() == ["kvexport/runtime/_layer_probe.py:2: runtime imports kvexport.serving"]
-    finally:
-        probe.unlink()
+    assert crossings(tmp_path) == ["kvexport/runtime/_layer_probe.py:2: runtime imports kvexport.serving"]
 
 
 def test_installing_kvexport_claims_no_bare_passes_name(tmp_path: Path) -> None:
