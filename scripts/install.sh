@@ -26,3 +26,10 @@ if ! command -v chromium >/dev/null 2>&1 || ! command -v chromedriver >/dev/null
     echo "note: tests/test_playground.py needs chromium and chromium-driver: sudo apt-get install chromium chromium-driver" >&2
   fi
 fi
+# onnxruntime-genai in .venv-genai/, an environment of its own (it needs the CPU onnxruntime, which must not
+# sit beside onnxruntime-gpu), for examples/genai_generate.py and tests/test_examples.py; the version
+# pinned in scripts/genai-requirements.txt. pip leaves a venv that already holds it as it is.
+if [ ! -x .venv-genai/bin/python ]; then
+  .venv/bin/python -m venv .venv-genai
+fi
+.venv-genai/bin/python -m pip install -q --disable-pip-version-check -r scripts/genai-requirements.txt

@@ -1,8 +1,9 @@
 """The examples run against both cache layouts; onnxruntime-genai runs an in-place export as it is.
 
 onnxruntime-genai needs the CPU ``onnxruntime`` package, which must not sit beside
-``onnxruntime-gpu``: its test builds (once, then reuses) a separate environment,
-``.venv-genai`` at the repository root, with ``onnxruntime-genai`` alone.
+``onnxruntime-gpu``: its tests run in a separate environment, ``.venv-genai`` at the
+repository root, which ``scripts/install.sh`` builds with the version pinned in
+``scripts/genai-requirements.txt``; they skip, saying so, where it is missing.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -21,8 +21,8 @@ from kvexport.runtime import Generator
 
 ROOT = Path(__file__).parent.parent
 GENAI_VENV = ROOT / ".venv-genai"
+GENAI_REQUIREMENTS = ROOT / "scripts" / "genai-requirements.txt"
 FOREIGN = ROOT / "tests" / "data" / "foreign"
-GENAI_PACKAGE = "onnxruntime-genai==0.18.0"
 PROMPT = [464, 6766, 318, 4171]
 
 
@@ -82,16 +82,20 @@ def test_genai_files_only_for_the_in_place_layout(tiny_export: Path, tiny_ort_ex
     assert not (tiny_export / "genai_config.json").exists()
 
 
-def _genai_python() -> Path:
+@pytest.fixture(scope="module")
+def genai_python() -> Path:
+    """``.venv-genai``'s python, holding the pinned onnxruntime-genai; the test skips where the venv is missing."""
+    (pinned,) = [line for line in GENAI_REQUIREMENTS.read_text().splitlines() if line and not line.startswith("#")]
+    package, version = pinned.split("==")
     python = GENAI_VENV / "bin" / "python"
-    probe = [str(python), "-c", "import onnxruntime_genai"]
-    if not python.exists() or subprocess.run(probe, capture_output=True).returncode != 0:
-        subprocess.run([sys.executable, "-m", "venv", "--clear", str(GENAI_VENV)], check=True)
-        subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", GENAI_PACKAGE],
-            check=True,
-            timeout=600,
-        )
+    if not python.exists():
+        pytest.skip(f"no {GENAI_VENV.name}/ ({pinned} in an environment of its own): scripts/install.sh builds it")
+    probe = f"import importlib.metadata as m, onnxruntime_genai; print(m.version({package!r}))"
+    found = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120)
+    assert found.returncode == 0 and found.stdout.split() == [version], (
+        f"{GENAI_VENV.name}/ does not hold {pinned} ({found.stdout.strip() or found.stderr.strip()[-300:]}): "
+        f"rerun scripts/install.sh"
+    )
     return python
 
 
@@ -99,15 +103,16 @@ _GENAI_CASES = {"exported": "tiny_ort_export", "imported": "imported_export", "l
 
 
 @pytest.mark.parametrize("which", sorted(_GENAI_CASES))
-def test_onnxruntime_genai_runs_the_export_as_the_generator_does(which: str, request: pytest.FixtureRequest) -> None:
+def test_onnxruntime_genai_runs_the_export_as_the_generator_does(
+    which: str, genai_python: Path, request: pytest.FixtureRequest
+) -> None:
     """Our own in-place exports (GPT-2 and a Llama), and Optimum's graph after ``kvexport import``."""
     directory: Path = request.getfixturevalue(_GENAI_CASES[which])
     assert json.loads((directory / "kvexport.json").read_text())["genai"]["written"]
     prompt = PROMPT if which == "exported" else [5, 17, 300, 42]
     eos = Generator(directory).eos_token_id
-    python = _genai_python()
     done = subprocess.run(
-        [str(python), str(ROOT / "examples" / "genai_generate.py"), str(directory), "--ids=" + ",".join(map(str, prompt)), "12"],
+        [str(genai_python), str(ROOT / "examples" / "genai_generate.py"), str(directory), "--ids=" + ",".join(map(str, prompt)), "12"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -120,15 +125,16 @@ def test_onnxruntime_genai_runs_the_export_as_the_generator_does(which: str, req
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_onnxruntime_genai_batches_prompts_of_different_lengths_as_the_generator_runs_each(family: str, request: pytest.FixtureRequest) -> None:
+def test_onnxruntime_genai_batches_prompts_of_different_lengths_as_the_generator_runs_each(
+    family: str, genai_python: Path, request: pytest.FixtureRequest
+) -> None:
     """onnxruntime-genai right-pads a batch; each row's length reaches the graph through the mask (and, for the
     Llama, each row's positions through ``position_ids``)."""
     tiny_ort_export: Path = request.getfixturevalue("tiny_ort_export" if family == "gpt2" else "llama_ort_export")
     first = PROMPT if family == "gpt2" else [464, 676, 318, 1171]  # the trained Llama has 2,048 tokens
     prompts = [first, [7, 8], [300], [5, 17, 300, 42, 9, 11]]
-    python = _genai_python()
     done = subprocess.run(
-        [str(python), str(ROOT / "examples" / "genai_generate.py"), str(tiny_ort_export), "--ids=" + ";".join(",".join(map(str, p)) for p in prompts), "8"],
+        [str(genai_python), str(ROOT / "examples" / "genai_generate.py"), str(tiny_ort_export), "--ids=" + ";".join(",".join(map(str, p)) for p in prompts), "8"],
         capture_output=True,
         text=True,
         timeout=300,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import graphlib
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -41,8 +42,8 @@ def _layer(module: str) -> str:
     return parts[1] if len(parts) > 1 else "__init__"
 
 
-def _module_of(path: Path) -> str:
-    relative = path.relative_to(ROOT).with_suffix("")
+def _module_of(path: Path, root: Path) -> str:
+    relative = path.relative_to(root).with_suffix("")
     parts = list(relative.parts)
     if parts[0] == "passes":  # installed as kvexport.passes
         parts.insert(0, "kvexport")
@@ -51,9 +52,9 @@ def _module_of(path: Path) -> str:
     return ".".join(parts)
 
 
-def _imports(path: Path, submodules: bool = False) -> list[tuple[int, str]]:
+def _imports(path: Path, root: Path, submodules: bool = False) -> list[tuple[int, str]]:
     """(line, absolute module) of every kvexport import in a file; with ``submodules``, ``from package import module`` gives the module."""
-    module = _module_of(path)
+    module = _module_of(path, root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -67,36 +68,36 @@ def _imports(path: Path, submodules: bool = False) -> list[tuple[int, str]]:
             else:
                 target = node.module or ""
             named = [f"{target}.{alias.name}" for alias in node.names] if submodules else [target]
-            targets = {name if _is_module(name) else target for name in named}
+            targets = {name if _is_module(name, root) else target for name in named}
             found += [(node.lineno, name) for name in sorted(targets)]
     return [(line, target) for line, target in found if target == "kvexport" or target.startswith("kvexport.")]
 
 
-def _is_module(module: str) -> bool:
-    """Whether ``module`` (``kvexport.…``) is a file or package of the checkout."""
+def _is_module(module: str, root: Path) -> bool:
+    """Whether ``module`` (``kvexport.…``) is a file or package of the sources under ``root``."""
     parts = module.split(".")
     if parts[:2] == ["kvexport", "passes"]:  # installed as kvexport.passes from the top-level folder
         parts = parts[1:]
-    path = ROOT.joinpath(*parts)
+    path = root.joinpath(*parts)
     return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
 
 
-def _sources() -> list[Path]:
-    files = [p for p in (ROOT / "kvexport").rglob("*.py") if "passes" not in p.relative_to(ROOT).parts]
-    return sorted(files + list((ROOT / "passes").glob("*.py")))
+def _sources(root: Path) -> list[Path]:
+    files = [p for p in (root / "kvexport").rglob("*.py") if "passes" not in p.relative_to(root).parts]
+    return sorted(files + list((root / "passes").glob("*.py")))
 
 
-def crossings() -> list[str]:
-    """One line per import that the map does not allow."""
+def crossings(root: Path = ROOT) -> list[str]:
+    """One line per import that the map does not allow, in the ``kvexport`` and ``passes`` under ``root``."""
     problems = []
-    for path in _sources():
-        layer = _layer(_module_of(path))
+    for path in _sources(root):
+        layer = _layer(_module_of(path, root))
         assert layer in ALLOWED, f"{path}: a package missing from the map; add it to ALLOWED and the docs"
-        for line, target in _imports(path):
+        for line, target in _imports(path, root):
             target_layer = _layer(target)
             allowed = ALLOWED[layer] | (INFRASTRUCTURE if layer != "passes" else set())
             if target_layer != layer and target_layer not in allowed:
-                problems.append(f"{path.relative_to(ROOT)}:{line}: {layer} imports {target}")
+                problems.append(f"{path.relative_to(root)}:{line}: {layer} imports {target}")
     return problems
 
 
@@ -104,9 +105,20 @@ def test_no_import_crosses_the_package_map() -> None:
     assert crossings() == []
 
 
-def circle() -> list[str]:
+def _copy_of_the_sources(tmp_path: Path) -> Path:
+    """``kvexport`` and ``passes`` copied under ``tmp_path``: a probe goes there, never into the checkout
+    (a test run beside it would see it, and a killed run would leave it there)."""
+    for package in ("kvexport", "passes"):
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    return tmp_path
+
+
+def circle(root: Path = ROOT) -> list[str]:
     """One import circle among kvexport's modules (lazy imports count), as the modules around it; empty if none."""
-    graph = {_module_of(path): {target for _, target in _imports(path, submodules=True)} - {_module_of(path)} for path in _sources()}
+    graph = {
+        _module_of(path, root): {target for _, target in _imports(path, root, submodules=True)} - {_module_of(path, root)}
+        for path in _sources(root)
+    }
     try:
         graphlib.TopologicalSorter(graph).prepare()
     except graphlib.CycleError as exc:
@@ -119,17 +131,19 @@ def test_no_module_imports_itself_through_others() -> None:
     assert circle() == []
 
 
-def test_the_check_sees_a_circle() -> None:
+def test_the_check_sees_a_circle(tmp_path: Path) -> None:
     """Two modules that import each other, one of them lazily, are a circle."""
-    serving = ROOT / "kvexport" / "serving"
-    probes = [serving / "_circle_a.py", serving / "_circle_b.py"]
-    probes[0].write_text("def f():\n    from kvexport.serving import _circle_b\n    return _circle_b\n")
-    probes[1].write_text("from kvexport.serving import _circle_a\n")
-    try:
-        assert set(circle()) == {"kvexport.serving._circle_a", "kvexport.serving._circle_b"}
-    finally:
-        for probe in probes:
-            probe.unlink()
+    serving = _copy_of_the_sources(tmp_path) / "kvexport" / "serving"
+    (serving / "_circle_a.py").write_text("def f():\n    from kvexport.serving import _circle_b\n    return _circle_b\n")
+    (serving / "_circle_b.py").write_text("from kvexport.serving import _circle_a\n")
+    assert set(circle(tmp_path)) == {"kvexport.serving._circle_a", "kvexport.serving._circle_b"}
+
+
+def test_the_check_sees_a_crossing(tmp_path: Path) -> None:
+    """The reader resolves relative imports and finds lazy ones: a runtime module importing serving fails."""
+    probe = _copy_of_the_sources(tmp_path) / "kvexport" / "runtime" / "_layer_probe.py"
+    probe.write_text("def f():\n    from ..serving import engine\n    return engine\n")
+    assert crossings(tmp_path) == ["kvexport/runtime/_layer_probe.py:2: runtime imports kvexport.serving"]
 
 
 def test_installing_kvexport_claims_no_bare_passes_name(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -53,29 +54,54 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=10).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+# the line ``kvexport serve --replicas`` writes once ``serve.run`` has returned: Serve's
+# application is RUNNING, which it is only when every replica runs (its /health answers as
+# soon as the first one does)
+SERVING = " through Ray Serve, "
+
+
 @contextlib.contextmanager
 def ray_deployment(export: Path, *extra: str) -> Iterator[tuple[str, subprocess.Popen[str]]]:
-    """``kvexport serve EXPORT --replicas 2`` started as a user would; stopped by SIGTERM, and
-    waited for until Ray's processes have gone."""
+    """``kvexport serve EXPORT --replicas 2`` started as a user would, yielded once every replica is up;
+    stopped by SIGTERM, and waited for until Ray's processes have gone."""
     before = _ray_processes()
     port = _free_port()
     # the key from the environment, as a deployment would pass it: every replica requires it
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "RAY_USAGE_STATS_ENABLED": "0", "KVEXPORT_API_KEY": API_KEY}
+    # Serve's controller kills an HTTP proxy not ready within 5 s of being asked to start, and
+    # serve.start() then fails; on two shared, busy cores starting its worker takes longer
+    env["RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"] = "60"
     command = [sys.executable, "-m", "kvexport.cli", "serve", str(export), "--replicas", "2"]
     command += ["--slots", "4", "--max-context", "128", "--port", str(port), *extra]
-    process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # stderr is read as it comes (a full pipe would stall the server), and kept for a failure's message
+    stderr: list[str] = []
+    serving = threading.Event()
+
+    def read_stderr() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            stderr.append(line)
+            if SERVING in line:
+                serving.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and process.poll() is None:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and process.poll() is None and not serving.wait(0.5):
+        pass
+    if not serving.is_set() or not _healthy(url):
         process.kill()
-        pytest.fail(f"the Ray Serve deployment did not come up: {process.communicate(timeout=30)[1][-2000:]}")
+        reader.join(30)
+        pytest.fail(f"the Ray Serve deployment did not come up: {''.join(stderr)[-2000:]}")
     try:
         yield url, process
     finally:
@@ -88,6 +114,7 @@ def ray_deployment(export: Path, *extra: str) -> Iterator[tuple[str, subprocess.
         deadline = time.monotonic() + 30
         while _ray_processes() - before and time.monotonic() < deadline:
             time.sleep(0.5)
+        reader.join(10)
 
 
 @pytest.fixture(scope="module")
@@ -111,8 +138,9 @@ def _until_both_answer(
 ) -> tuple[set[str], list[httpx.Response]]:
     """Rounds of ``send`` (a batch of concurrent requests) until two replicas have answered, at most ``rounds``.
 
-    Serve answers /health once one replica is up, and under load the second can come up a
-    round later; every response of every round is returned, for the caller's checks.
+    Both replicas run before the first round (:func:`ray_deployment`), but Serve's router owes
+    no spread: it picks the shorter of two queues, and a tie either way; every response of
+    every round is returned, for the caller's checks.
     """
     replicas: set[str] = set()
     responses: list[httpx.Response] = []
