@@ -141,6 +141,6 @@ def test_an_imported_graph_takes_a_quantized_cache_and_verifies(optimum_dir: Pat
     refused = CliRunner().invoke(main, ["import", str(optimum_dir), "--out", str(tmp_path / "o"), "--kv-cache", "int8"])
     assert refused.exit_code == 2
     assert refused.stderr.strip() == (
-        "Error: --kv-cache int8 needs the in-place cache (GroupQueryAttention), not --cache concat; use ort attention (kvexport gpt2 --target ort-cpu, kvexport import --attention ort)"
+        "Error: --kv-cache int8 needs the in-place cache (GroupQueryAttention), not --cache concat; use ort attention (kvexport export --target ort-cpu, kvexport import --attention ort)"
     )
     assert not (tmp_path / "o").exists()

@@ -83,7 +83,7 @@ def test_each_cache_dtype_loads_in_a_cpu_session_and_generates(trained_exports: 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--kv-cache", "int8"], "Error: --kv-cache int8 needs the in-place cache (GroupQueryAttention), not --cache concat; use ort attention (kvexport gpt2 --target ort-cpu, kvexport import --attention ort)"),
+        (["--kv-cache", "int8"], "Error: --kv-cache int8 needs the in-place cache (GroupQueryAttention), not --cache concat; use ort attention (kvexport export --target ort-cpu, kvexport import --attention ort)"),
         (["--target", "ort-cpu", "--kv-cache", "fp16"], "Error: --kv-cache fp16 with fp32 graphs: a float cache has the graph's dtype; use --dtype fp16, or --kv-cache int8 / int4"),
         (["--target", "ort-cpu", "--dtype", "fp16", "--kv-cache", "int4"], "Error: --kv-cache int4 needs fp32 graphs (its scales are calibrated on CPU), not fp16; drop --dtype fp16"),
     ],

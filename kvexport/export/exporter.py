@@ -496,7 +496,7 @@ def _export_graphs(
             return strategy_name, graphs, attempts
     tried = "; ".join(f"{a.strategy}/{a.graph}: {a.error}" for a in attempts if not a.ok)
     raise ExportError(
-        f"every export strategy failed ({tried}); see `kvexport gpt2 --help` for --exporter"
+        f"every export strategy failed ({tried}); see `kvexport export --help` for --exporter"
     )
 
 

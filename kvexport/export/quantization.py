@@ -144,7 +144,7 @@ def kv_cache_quantization(kind: str | None, dtype: DtypeKind, cache: CacheKind) 
     if cache is not CacheKind.SHARED_BUFFER:
         raise KvexportError(
             f"--kv-cache {kind} needs the in-place cache (GroupQueryAttention), not --cache {cache.value}; "
-            "use ort attention (kvexport gpt2 --target ort-cpu, kvexport import --attention ort)"
+            "use ort attention (kvexport export --target ort-cpu, kvexport import --attention ort)"
         )
     if dtype is not DtypeKind.FP32:
         raise KvexportError(

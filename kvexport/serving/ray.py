@@ -74,7 +74,7 @@ def build(
     config = config or EngineConfig()
     path = Path(directory).resolve()
     if not (path / "kvexport.json").is_file():
-        raise KvexportError(f"{directory}: no kvexport.json; pass an export directory (kvexport gpt2 --out ...)")
+        raise KvexportError(f"{directory}: no kvexport.json; pass an export directory (kvexport export --out ...)")
     api = api or ApiConfig()
     ChatTemplate.find(path, api.chat_template)  # a bad template file fails here, not in every replica
     deployment = KvexportReplica.options(  # type: ignore[attr-defined]
