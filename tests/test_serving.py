@@ -35,6 +35,7 @@ from kvexport.runtime import Generator
 from kvexport.serving import Engine, EngineFull, SamplingParams
 from kvexport.serving.app import create_app
 from kvexport.serving.config import ApiConfig
+from kvexport.serving.output import RequestState
 from tests.conftest import TRAINED
 
 HELDOUT_IDS = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode((TRAINED / "heldout.txt").read_text()).ids
@@ -232,6 +233,39 @@ def test_without_the_prefix_cache_every_prompt_is_prefilled(trained_exports: dic
         with pytest.raises(KvexportError, match="registered prefixes need the prefix cache"):
             engine.register_prefix(prompt)
         assert engine.stats().cached_tokens == 0 and engine.stats().prompt_tokens == 2 * len(prompt)
+
+
+def test_a_listener_that_raises_ends_the_requests_it_saw_and_the_engine_serves_on(trained_exports: dict[str, Path]) -> None:
+    import threading
+
+    class Faulty:
+        raised = False
+
+        def on_first_token(self, seconds: float) -> None:
+            if not Faulty.raised:
+                Faulty.raised = True
+                raise RuntimeError("a metrics bug")
+
+        def on_token(self, seconds: float) -> None:
+            pass
+
+        def on_finish(self, reason: str, prompt_tokens: int, completion_tokens: int) -> None:
+            pass
+
+    def within_a_minute(handle: RequestState) -> tuple[list[int], str, str] | None:
+        ended: list[tuple[list[int], str, str]] = []
+        waiter = threading.Thread(target=lambda: ended.append(handle.result()), daemon=True)
+        waiter.start()
+        waiter.join(60)
+        return ended[0] if ended else None  # None: the engine's thread is gone
+
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    with Engine(trained_exports["none"], slots=2, max_context=64) as engine:
+        engine.add_listener(Faulty())
+        first = within_a_minute(engine.submit(HELDOUT_IDS[:20], greedy))
+        assert first is not None and first[2] == "error"
+        after = within_a_minute(engine.submit(HELDOUT_IDS[:20], greedy))
+        assert after is not None and after[2] == "length" and len(after[0]) == 4
 
 
 def test_stop_strings_end_the_text_before_them(trained_exports: dict[str, Path]) -> None:

@@ -406,21 +406,28 @@ class Engine:
             plan: CallPlan | None = None
             try:
                 with self._lock:  # once a step: the last step's outputs in, this step's plan out
-                    if done is not None:
-                        self.scheduler.update_from_output(done.plan, done.ran, done.outputs)
-                    else:
+                    if done is None:
                         while self.scheduler.idle and not self._closing:
                             self._wake.wait()
-                    plan = self._plan()
+                        plan = self._plan()
+                    else:
+                        self.scheduler.update_from_output(done.plan, done.ran, done.outputs)
+                        if not self.scheduler.at_rest:  # at rest, a burst may be gathered: its callers hear first
+                            plan = self._plan()
             except Exception as exc:  # a plan that could not be made: the queue ends too
+                if done is not None:
+                    self._publish_or_fail(done)
                 self._fail(exc, waiting=True)
                 done = None
                 continue
             if done is not None:
-                self._publish(done)
+                self._publish_or_fail(done)
+                if plan is None:  # idle, or at rest: the next turn waits, or gathers and plans
+                    done = None
+                    continue
             elif plan is None:  # idle, and closing
                 return
-            done = self._run(plan) if plan is not None else None
+            done = self._run(plan)
 
     def _run_until_idle(self) -> None:
         """Step in this thread until nothing is left (the warm-up, before the loop's thread starts); a failed step raises."""
@@ -472,8 +479,15 @@ class Engine:
         try:
             return self._step(plan)
         except Exception as exc:
-            self._fail(exc)
+            self._fail(exc, plan=plan)
             return None
+
+    def _publish_or_fail(self, step: _Step) -> None:
+        """:meth:`_publish`, where a listener that raises ends the requests held with its error, not the engine's thread."""
+        try:
+            self._publish(step)
+        except Exception as exc:
+            self._fail(exc)
 
     def _step(self, plan: CallPlan) -> _Step:
         """Execute ``plan`` (the runner) and turn its logits into tokens and events (the output processor); both return data."""
@@ -524,12 +538,19 @@ class Engine:
                 job.error = step.ran.error
                 job.done.set()
 
-    def _fail(self, exc: Exception, *, waiting: bool = False) -> None:
-        """End every admitted request (and the waiting ones too, when ``waiting``) with the error; the round's prefixes not cached are given up."""
+    def _fail(self, exc: Exception, *, waiting: bool = False, plan: CallPlan | None = None) -> None:
+        """End every admitted request (and the waiting ones too, when ``waiting``) with the error; the round's prefixes not cached are given up.
+
+        ``plan``: the call that failed; a prefix it was caching is given up too (the round no longer holds it).
+        """
         message = f"{type(exc).__name__}: {first_line(exc)[:300]}"
         with self._lock:
             failed = [r.id for r in self.scheduler.unfinished(waiting=waiting)]
             abandoned = self.scheduler.end_round()
+            job = plan.call if plan is not None else None
+            if isinstance(job, PrefixJob) and not job.done.is_set():
+                self.scheduler.prefix_failed(job)
+                abandoned.append(job)
         step = _Step(CallPlan(), ModelOutput(), self.output.abort(failed, "error", message))
         with self._lock:
             self.scheduler.update_from_output(step.plan, None, step.outputs)
