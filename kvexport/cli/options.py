@@ -7,7 +7,6 @@ Flag, type, choices, bounds, default and help come from the field (its ``metadat
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import typing
 from collections.abc import Callable
@@ -18,16 +17,15 @@ from typing import Any, TypeVar
 import click
 
 from kvexport.cli.base import json_option, run
-from kvexport.export.choices import ExportChoices, QuantizationChoice, QuantizeKind
+from kvexport.export.choices import EXPORT_FIELDS, ExportChoices, QuantizationChoice, QuantizeKind
 
 F = TypeVar("F", bound=Callable[..., Any])
-_FIELDS = {f.name: f for f in dataclasses.fields(ExportChoices)}
 _UNSET: Any = object()
 
 
 def choice_option(name: str, *, default: Any = _UNSET, shown: Any = _UNSET) -> Callable[[F], F]:
     """A click option for the :class:`ExportChoices` field ``name``; ``default`` / ``shown`` override the field's."""
-    setting = _FIELDS[name]
+    setting = EXPORT_FIELDS[name]
     meta = setting.metadata
     value = setting.default if default is _UNSET else default
     value = value.value if isinstance(value, Enum) else value
@@ -143,7 +141,7 @@ def export_options(function: F) -> F:
     The command gets them as keywords named as the fields, the quantization knobs as one
     ``quantization`` (:func:`quantization_options`), and ``out`` and ``as_json``.
     """
-    flagged = [f.name for f in dataclasses.fields(ExportChoices) if f.metadata["flag"] and f.name != "quantize"]
+    flagged = [name for name, f in EXPORT_FIELDS.items() if f.metadata["flag"] and name != "quantize"]
     options: list[Callable[[Any], Any]] = [
         click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="Output directory.")
     ]

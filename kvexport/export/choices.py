@@ -287,7 +287,7 @@ class ExportChoices:
             if value is not None:
                 object.__setattr__(self, name, choose(kind, value, flag_of(name)))
         for name in ("kv_cache", "exporter"):
-            value, allowed = getattr(self, name), _FIELDS[name].metadata["choices"]
+            value, allowed = getattr(self, name), EXPORT_FIELDS[name].metadata["choices"]
             if value is not None and value not in allowed:
                 raise KvexportError(f"{flag_of(name)} {value}: choose from {', '.join(allowed)}")
 
@@ -298,22 +298,24 @@ class ExportChoices:
 
     def replace(self, **given: Any) -> ExportChoices:
         """These choices with some fields replaced; a name that is not a field is one clear line."""
-        unknown = sorted(set(given) - set(_FIELDS))
+        unknown = sorted(set(given) - set(EXPORT_FIELDS))
         if unknown:
-            raise KvexportError(f"unknown export option {', '.join(unknown)}; choose from {', '.join(_FIELDS)}")
+            raise KvexportError(f"unknown export option {', '.join(unknown)}; choose from {', '.join(EXPORT_FIELDS)}")
         return dataclasses.replace(self, **given)
 
 
-_FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(ExportChoices)}
+# name -> field of ExportChoices, in declaration order (the CLI reads its options from them)
+EXPORT_FIELDS: dict[str, dataclasses.Field[Any]] = {f.name: f for f in dataclasses.fields(ExportChoices)}
 
 
 def flag_of(name: str) -> str:
     """The CLI flag of an :class:`ExportChoices` field (``kv_cache`` -> ``--kv-cache``)."""
-    return str(_FIELDS[name].metadata["flag"] or "--" + name.replace("_", "-"))
+    return str(EXPORT_FIELDS[name].metadata["flag"] or "--" + name.replace("_", "-"))
 
 
 __all__ = [
     "CACHE_DESCRIPTIONS",
+    "EXPORT_FIELDS",
     "TARGET_DEFAULTS",
     "AttentionKind",
     "CacheKind",
