@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from .fold_shapes import FoldShapesPass
     from .fuse_attention import FuseAttentionPass
     from .fuse_ort_block import FuseOrtBlockPass
+    from .pack_projections import PackProjectionsPass
     from .pipeline import (
         DEFAULT_REWRITE_PASSES,
         PASS_NAMES,
@@ -48,6 +49,7 @@ _LAZY = {
     "FoldShapesPass": ".fold_shapes",
     "FuseAttentionPass": ".fuse_attention",
     "FuseOrtBlockPass": ".fuse_ort_block",
+    "PackProjectionsPass": ".pack_projections",
     "PassInputError": ".errors",
     "DEFAULT_REWRITE_PASSES": ".pipeline",
     "PASS_NAMES": ".pipeline",
@@ -90,6 +92,7 @@ __all__ = [
     "FuseAttentionPass",
     "FuseOrtBlockPass",
     "NoCacheError",
+    "PackProjectionsPass",
     "PassInputError",
     "PassReport",
     "PromptAttentionPass",

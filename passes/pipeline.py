@@ -20,6 +20,7 @@ from .cleanup import CleanupPass
 from .fold_shapes import FoldShapesPass, count_ops
 from .fuse_attention import FuseAttentionPass, count_attention_ops
 from .fuse_ort_block import FuseOrtBlockPass
+from .pack_projections import PackProjectionsPass
 from .quantize_weights import QuantizationConfig, QuantizeWeightsPass
 from .rename_cache import RenameCachePass
 from .shared_buffer_cache import SharedBufferCachePass
@@ -87,6 +88,7 @@ class PipelineOptions:
     quantization: QuantizationConfig | None = None
     explain: bool = False
     skip_layer_norm: bool = True
+    pack_projections: bool = False
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,14 @@ REGISTRY: tuple[PassSpec, ...] = (
         requirement="shared_buffer_cache rewrites ONNX Runtime attention; use it with --attention ort",
     ),
     PassSpec(
+        "pack_projections",
+        lambda o: PackProjectionsPass(),
+        default=lambda o: o.pack_projections,
+        implied=lambda o: o.pack_projections,
+        attention=_ORT,
+        requirement="pack_projections packs GroupQueryAttention's projections; use it with --attention ort",
+    ),
+    PassSpec(
         "quantize_weights",
         lambda o: QuantizeWeightsPass(o.quantization),
         default=lambda o: o.quantization is not None,
@@ -161,6 +171,7 @@ def build_pipeline(
     quantization: QuantizationConfig | None = None,
     explain: bool = False,
     skip_layer_norm: bool = True,
+    pack_projections: bool = False,
 ) -> list[tuple[str, InPlacePass]]:
     """The named passes to run, in pipeline order (see :data:`REGISTRY`).
 
@@ -178,6 +189,9 @@ def build_pipeline(
         skip_layer_norm: let ``fuse_ort_block`` fuse a LayerNorm's residual ``Add`` into
             ``SkipLayerNormalization`` (one kernel on CUDA); False for CPU graphs, where
             ONNX Runtime's kernel of that op is slower than the two.
+        pack_projections: add ``pack_projections`` (needs ``attention="ort"``): each
+            GroupQueryAttention's query, key and value from one ``MatMul``, the form ONNX
+            Runtime's CUDA provider loads (see :mod:`passes.pack_projections`).
 
     Raises:
         ValueError: an unknown attention or pass name, or a pass that the attention choice
@@ -188,7 +202,7 @@ def build_pipeline(
         chosen = Attention(attention)
     except ValueError:
         raise ValueError(f"unknown attention {attention!r}; choose from {', '.join(a.value for a in Attention)}") from None
-    options = PipelineOptions(chosen, shared_buffer, quantization, explain, skip_layer_norm)
+    options = PipelineOptions(chosen, shared_buffer, quantization, explain, skip_layer_norm, pack_projections)
     unknown = set(passes or ()).difference(PASS_NAMES)
     if unknown:
         raise ValueError(f"unknown pass {sorted(unknown)}; choose from {', '.join(PASS_NAMES)}")

@@ -119,7 +119,7 @@ def test_verify_exit_code_is_1_when_a_check_fails(tmp_path: Path, tiny_export: P
         (
             ["rewrite", "{tmp}/nope.onnx", "{tmp}/out.onnx", "--passes", "rename_cache,squash"],
             "Error: --passes: unknown pass ['squash']; choose from rename_cache, transposed_weight_gemm, "
-            "fold_shapes, fuse_attention, fuse_ort_block, shared_buffer_cache, quantize_weights, cleanup",
+            "fold_shapes, fuse_attention, fuse_ort_block, shared_buffer_cache, pack_projections, quantize_weights, cleanup",
         ),
         (
             ["gpt2", "--out", "{tmp}/a-file/o", "--random-init"],

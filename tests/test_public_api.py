@@ -48,6 +48,7 @@ def test_passes_public_names() -> None:
         "FuseAttentionPass",
         "FuseOrtBlockPass",
         "NoCacheError",
+        "PackProjectionsPass",
         "PassInputError",
         "PromptAttentionPass",
         "PassReport",

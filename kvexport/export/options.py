@@ -111,12 +111,15 @@ class ExportOptions:
 
         An ``ort-cpu`` graph keeps a LayerNorm's residual ``Add`` unfused: ONNX Runtime's CPU
         ``SkipLayerNormalization`` is slower than the two ops (see :mod:`kvexport.passes.fuse_ort_block`).
+        An ``ort-cuda`` graph computes each attention's query, key and value with one ``MatMul``: the
+        form ONNX Runtime's CUDA provider loads (see :mod:`kvexport.passes.pack_projections`).
         """
         return build_pipeline(
             self.attention.value,
             shared_buffer=self.in_place_cache,
             quantization=self.quantization,
             skip_layer_norm=self.target is not TargetKind.ORT_CPU,
+            pack_projections=self.target is TargetKind.ORT_CUDA,
         )
 
     def quantization_record(self) -> dict[str, Any] | None:
