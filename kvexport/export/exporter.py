@@ -37,7 +37,7 @@ from kvexport.bundle.model_info import ModelDims
 from kvexport.bundle.storage import atomic_output_dir, check_output_dir
 from kvexport.errors import ExportError, KvexportError, first_line
 from kvexport.export.calibration import quantize_cache_step
-from kvexport.export.choices import EXPORT_STRATEGIES, ExportChoices
+from kvexport.export.choices import EXPORT_STRATEGIES, ExportChoices, TargetKind
 from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
@@ -45,6 +45,7 @@ from kvexport.models.base import ModelFamily, read_config, source_of, weights_fi
 from kvexport.passes import run_pipeline
 from kvexport.passes.cache_names import cache_names
 from kvexport.progress import Progress, silent
+from kvexport.runtime.cuda_support import cuda_findings
 
 IO_INPUTS = ["input_ids", "attention_mask", "position_ids"]
 
@@ -580,8 +581,26 @@ def export_model(
             scratch.mkdir()
             record = quantize_cache_step(graphs, record, scratch, progress)
         manifest = write_export_directory(tmp, graphs, record, progress)
+        if options.target is TargetKind.ORT_CUDA:
+            refuse_what_cuda_cannot_load(tmp, progress)
     progress(f"wrote {out_path}")
     return ExportResult(out_path, manifest, strategy, attempts, time.perf_counter() - started)
+
+
+def refuse_what_cuda_cannot_load(directory: Path, progress: Progress) -> None:
+    """Refuse, in one line, graphs the CUDA provider would fail on; the notes go to ``progress``.
+
+    Read without a GPU (:mod:`kvexport.runtime.cuda_support`): the shapes CUDA's graph
+    transformers break, and ONNX Runtime ops with no CUDA kernel for their types.
+    """
+    findings = cuda_findings(directory)
+    errors = [f for f in findings if f.level == "error"]
+    if errors:
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise KvexportError(f"--target ort-cuda: {errors[0]}{more}; nothing written")
+    on_cpu = sorted({f.message.split(" ", 1)[0] for f in findings})
+    if on_cpu:
+        progress(f"note: under CUDA these ops run on the CPU provider (no CUDA kernel for their types): {', '.join(on_cpu)}")
 
 
 def export_gpt2(out: str | Path, model: str = "gpt2", **options: Any) -> ExportResult:

@@ -49,9 +49,9 @@ from kvexport.errors import KvexportError, first_line
 from kvexport.runtime.kernels import library_path
 from kvexport.runtime.session import (
     CPU_REWRITES_VERSION,
-    cpu_disabled_optimizers,
     cpu_flags_line,
     cpu_graph,
+    disabled_optimizers,
     prompt_attention_products,
     session_options,
     signed_int8_weights,
@@ -136,7 +136,7 @@ def build(directory: Path, target: Path) -> None:
             options.log_severity_level = 3  # the "hardware specific" warning is why the cache is keyed
             path = directory / manifest.graphs[graph].file
             ort.InferenceSession(
-                cpu_graph(path, options), options, providers=["CPUExecutionProvider"], disabled_optimizers=cpu_disabled_optimizers("cpu")
+                cpu_graph(path, options), options, providers=["CPUExecutionProvider"], disabled_optimizers=disabled_optimizers("cpu")
             )
         final = work / "final"
         final.mkdir()

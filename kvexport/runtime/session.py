@@ -292,15 +292,22 @@ def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | Non
     return bool(pipeline) and PassManager(pipeline)(model).modified
 
 
-def cpu_disabled_optimizers(provider: str) -> list[str]:
+def disabled_optimizers(provider: str) -> list[str]:
     """ONNX Runtime's graph optimizers a session on ``provider`` leaves out.
 
     On CPU, ``SkipLayerNormFusion``: ``ort-cpu`` exports keep a LayerNorm's residual ``Add``
     unfused (see :mod:`kvexport.passes.fuse_ort_block`) because ONNX Runtime's CPU
     ``SkipLayerNormalization`` is the slower; left on, the optimizer fuses back the one
     residual sum that nothing else reads (GPT-2's last, before ``ln_f``).
+
+    On CUDA, ``GroupQueryAttentionFusion``: it rewrites a ``GroupQueryAttention`` whose query
+    and key are rotated straight from their ``MatMul`` ops and leaves the node's inputs
+    miscounted when it has more than nine, so the session fails to load (every Llama-family
+    ``ort-cuda`` export before :mod:`kvexport.passes.pack_projections`); on kvexport's rotary
+    tables, indexed by token, its rotation would be wrong besides. Exports written since
+    do not match it; older ones load with it off.
     """
-    return ["SkipLayerNormFusion"] if provider == "cpu" else []
+    return ["SkipLayerNormFusion"] if provider == "cpu" else ["GroupQueryAttentionFusion"]
 
 
 def _inference_session(
@@ -310,7 +317,7 @@ def _inference_session(
     resolved = resolve_provider(provider)
     try:
         return ort.InferenceSession(
-            model, options, providers=session_providers(resolved), disabled_optimizers=cpu_disabled_optimizers(resolved)
+            model, options, providers=session_providers(resolved), disabled_optimizers=disabled_optimizers(resolved)
         )
     except Exception as exc:  # ORT raises its own Fail / InvalidGraph / RuntimeException types
         raise ManifestError(f"{graph_path}: ONNX Runtime cannot load {what} ({first_line(exc)[:300]})") from exc

@@ -1,8 +1,9 @@
 """``kvexport check``: an export directory checked without torch, then run for a few steps.
 
 The manifest, each file's size and hash, each graph's external data and IO against the
-manifest (:func:`kvexport.bundle.integrity.preflight`), then a few greedy steps through the
-Generator. Every finding is a :class:`Check`; the report's ``ok`` is the verdict.
+manifest (:func:`kvexport.bundle.integrity.preflight`), for an ``ort-cuda`` export what the
+CUDA provider would make of its graphs (:mod:`kvexport.runtime.cuda_support`, no GPU
+needed), then a few greedy steps through the Generator. Every finding is a :class:`Check`; the report's ``ok`` is the verdict.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvexport.bundle.integrity import preflight
 from kvexport.bundle.manifest import GRAPH_NAMES, Manifest, read_manifest
 from kvexport.errors import KvexportError
 from kvexport.progress import Progress, silent
+from kvexport.runtime.cuda_support import cuda_findings
 from kvexport.runtime.generator import Generator
 
 
@@ -85,6 +87,8 @@ def check(
         report.checks.append(Check(f"{graph} external data", True, "every location inside the directory"))
         io = found.io_problems[graph]
         report.checks.append(Check(f"{graph} IO", not io, "; ".join(io) or "as in the manifest"))
+    if manifest.target == "ort-cuda":
+        report.checks.append(_cuda_support(path))
     if problems or found.graph_problems():
         report.seconds = time.perf_counter() - started
         return report
@@ -92,6 +96,17 @@ def check(
     report.checks.append(_greedy_steps(path, manifest, steps, provider))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _cuda_support(path: Path) -> Check:
+    """What the CUDA provider would make of the graphs, read without a GPU (:mod:`kvexport.runtime.cuda_support`)."""
+    findings = cuda_findings(path)
+    errors = [str(f) for f in findings if f.level == "error"]
+    on_cpu = sorted({f"{f.message.split(' ', 1)[0]}" for f in findings if f.level == "note"})
+    detail = "; ".join(errors[:3]) if errors else "every ONNX Runtime op has a CUDA kernel for its types, no CUDA optimizer breaks a node"
+    if on_cpu:
+        detail += f" (on the CPU provider under CUDA: {', '.join(on_cpu)})"
+    return Check("CUDA kernels", not errors, detail)
 
 
 def _greedy_steps(path: Path, manifest: Manifest, steps: int, provider: str) -> Check:
