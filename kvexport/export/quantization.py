@@ -146,7 +146,9 @@ def kv_cache_quantization(kind: str | None, dtype: DtypeKind, cache: CacheKind) 
             f"--kv-cache {kind} needs the in-place cache (GroupQueryAttention), not --cache {cache.value}; "
             "use ort attention (kvexport export --target ort-cpu, kvexport import --attention ort)"
         )
-    if dtype is not DtypeKind.FP32:
+    # an int8 cache under fp16 graphs is what ONNX Runtime's CUDA GroupQueryAttention takes (T float16,
+    # T_CACHE int8, k_scale / v_scale); calibrated on CPU, where the op runs that pair too
+    if dtype is not DtypeKind.FP32 and kind != "int8":
         raise KvexportError(
             f"--kv-cache {kind} needs fp32 graphs (its scales are calibrated on CPU), not {dtype.value}; "
             "drop --dtype fp16"

@@ -167,6 +167,14 @@ class LlamaStyleFamily(ModelFamily):
             )
         model.eval()
         converted: PreTrainedModel = model.to(dtype=dtypes[dtype])
+        # The rotary frequencies stay fp32 whatever the dtype, as transformers computes the angles:
+        # Phi-3's longrope picks between its fp32 long factors and these in the graph, and an fp16
+        # buffer there stops torch.export ("Tensor dtype mismatch! Expected: torch.float16").
+        for module in converted.modules():
+            for name in ("inv_freq", "original_inv_freq"):
+                value = getattr(module, name, None)
+                if isinstance(value, torch.Tensor) and value.dtype != torch.float32:
+                    setattr(module, name, value.float())
         # One eager call builds what rope updates build lazily on their first call (Phi-3's long
         # factors): built during an export's trace instead, it would stay a fake tensor on the
         # module and break the next graph's export.
