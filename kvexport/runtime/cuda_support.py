@@ -16,9 +16,13 @@ attention. Two things can be read off a graph here, with no GPU and no CUDA libr
   with none runs on the CPU provider, behind copies between the devices; an ONNX Runtime
   op (``com.microsoft``) with none is an error here, a standard op a note.
 
-What still needs a GPU to see: the kernels' own runtime checks (shapes, head sizes,
-attributes a kernel refuses when it runs), numbers, speed, and the transformers that do not
-fail but change results. ``kvexport export --target ort-cuda`` refuses a graph with an
+Of ONNX Runtime's graph transformers, ``GroupQueryAttentionFusion`` is the one registered
+for the CUDA provider alone (``cuda_eps`` in ``graph_transformer_utils.cc``); every other
+fusion is registered for the CPU provider too, so the CPU sessions the tests open run it on
+every export. ``GpuOpsPrepack`` (CUDA only) re-lays fp16 4-bit ``MatMulNBits`` weights for
+the SM80 kernels when a session asks for it. What still needs a GPU to see: that one, the
+kernels' own runtime checks (shapes, head sizes, attributes a kernel refuses when it
+runs), numbers and speed. ``kvexport export --target ort-cuda`` refuses a graph with an
 error-level finding; ``kvexport check`` lists them for an ``ort-cuda`` export.
 """
 
