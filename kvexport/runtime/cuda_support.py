@@ -132,11 +132,15 @@ def kernel_findings(model: onnx.ModelProto, name: str) -> list[CudaFinding]:
         if entries and any(_admits(e, actual) for e in entries):
             continue
         level = "error" if domain == MS_DOMAIN else "note"
-        what = "no CUDA kernel" if entries or not table.get(domain, {}).get(node.op_type) else "no CUDA kernel at all"
-        shown = ", ".join(t or "?" for t in actual)
+        if not table.get(domain, {}).get(node.op_type):
+            what = "no CUDA kernel at all"
+        elif not entries:
+            what = f"no CUDA kernel for opset {version}"
+        else:
+            what = "no CUDA kernel for inputs (" + ", ".join(t or "?" for t in actual) + ")"
         findings.append(CudaFinding(
             name, node.name or node.op_type, level,
-            f"{node.op_type} ({domain} opset {version}) has {what} for inputs ({shown}); it runs on the CPU provider",
+            f"{node.op_type} ({domain} opset {version}) has {what}; it runs on the CPU provider",
         ))
     return findings
 
