@@ -272,6 +272,40 @@ def smollm2_gguf(cache: Path) -> Path:
     return target
 
 
+def gguf_with_layers(source: Path, out: Path, layers: int, *, architecture: str | None = None, metadata: dict[str, Any] | None = None) -> Path:
+    """A copy of the GGUF file ``source`` with only its first ``layers`` decoder blocks, written to ``out``.
+
+    Every other tensor (embedding, final norm, head) and every block tensor of those layers
+    keep their type and bytes as they are (a real file's blocks in a cheaper model for
+    tests); ``{arch}.block_count`` is set to ``layers``. ``architecture`` writes another
+    ``general.architecture`` (the keys keep their prefix: a file kvexport must refuse), and
+    ``metadata`` sets string fields (``tokenizer.chat_template``, say).
+    """
+    import gguf
+
+    reader = gguf.GGUFReader(source)
+    arch = str(reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(out, architecture or arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = layers if key == f"{arch}.block_count" else field.contents()
+        if key in (metadata or {}):
+            value = (metadata or {})[key]
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        parts = tensor.name.split(".")
+        if parts[0] == "blk" and int(parts[1]) >= layers:
+            continue
+        writer.add_tensor(tensor.name, tensor.data, raw_dtype=tensor.tensor_type)  # a quantized one's rows are its bytes
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
 def smollm2_checkpoint(out: Path, cache: Path, *, layers: int | None = None) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face directory in ``out`` (fp32 safetensors, tokenizer, chat template).
 

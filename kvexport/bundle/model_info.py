@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from kvexport.errors import KvexportError
 
-SourceKind = Literal["random-init", "local", "hub", "graph"]
+SourceKind = Literal["random-init", "local", "hub", "graph", "gguf"]
 Dtype = Literal["fp32", "fp16"]
 
 # manifest format 1 stored GPT-2's config keys; format 2 stores the generic names
@@ -57,7 +57,7 @@ class ModelSource:
 
     ``kind`` is ``random-init`` (``name`` is a preset or a config path, weights are
     seeded random), ``local`` (``name`` is a Hugging Face model directory) or ``hub``
-    (``name`` is a hub id) or ``graph`` (``kvexport import`` of a graph without its
+    (``name`` is a hub id), ``gguf`` (``name`` is a GGUF file, :mod:`kvexport.models.gguf`) or ``graph`` (``kvexport import`` of a graph without its
     checkpoint: ``name`` is the graph; there is nothing to rebuild). For random init, ``config`` holds the full config so the
     reference can be rebuilt without the original file.
     """
@@ -75,7 +75,7 @@ class ModelSource:
     def from_dict(cls, data: dict[str, Any]) -> ModelSource:
         """Inverse of :meth:`to_dict`."""
         kind = data.get("kind")
-        if kind not in ("random-init", "local", "hub", "graph"):
+        if kind not in ("random-init", "local", "hub", "graph", "gguf"):
             raise KvexportError(f"manifest model source has unknown kind {kind!r}")
         return cls(
             kind=kind, name=str(data["name"]), seed=data.get("seed"), config=data.get("config")
@@ -87,4 +87,6 @@ class ModelSource:
             return f"{self.name} (random init, seed {self.seed})"
         if self.kind == "graph":
             return f"{self.name} (imported graph, no checkpoint)"
+        if self.kind == "gguf":
+            return f"{self.name} (GGUF)"
         return f"{self.name} ({self.kind})"

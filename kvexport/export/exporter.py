@@ -33,7 +33,7 @@ import torch
 from transformers import PreTrainedModel
 
 from kvexport.bundle.manifest import Manifest
-from kvexport.bundle.model_info import ModelDims
+from kvexport.bundle.model_info import ModelDims, ModelSource
 from kvexport.bundle.storage import atomic_output_dir, check_output_dir
 from kvexport.errors import ExportError, KvexportError, first_line
 from kvexport.export.calibration import quantize_cache_step
@@ -42,6 +42,7 @@ from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
 from kvexport.models.base import ModelFamily, read_config, source_of, weights_fingerprint
+from kvexport.models.gguf import gguf_config, read_gguf, save_gguf_tokenizer
 from kvexport.passes import run_pipeline
 from kvexport.passes.cache_names import cache_names
 from kvexport.progress import Progress, silent
@@ -541,7 +542,9 @@ def export_model(
     started = time.perf_counter()
     check_attention(chosen, options)
     source = source_of(chosen, model, random_init=asked.random_init, seed=asked.seed)
-    if source.config is not None or source.kind == "local":  # refused before minutes of loading
+    if source.kind == "gguf":  # the file's metadata was read and checked by source_of; its config here
+        chosen.check_export(gguf_config(Path(source.name)), options.attention.value, f"--model {model}")
+    elif source.config is not None or source.kind == "local":  # refused before minutes of loading
         chosen.check_export(source.config or read_config(Path(source.name)), options.attention.value, f"--model {model}")
     progress(f"loading {source.describe()}")
     torch_model = chosen.load(source, options.dtype.value, allow_pickle=asked.allow_pickle)
@@ -562,6 +565,7 @@ def export_model(
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
     ):
         strategy, graphs, attempts = _export_graphs(requests, strategies, Path(work), progress)
+        tokenizer_dir, exported = _tokenizer_source(source, Path(work))
         if "decode" not in graphs:
             progress("decode graph: the prefill graph at one token a row")
             graphs["decode"] = decode_from_prefill(graphs["prefill"])
@@ -570,9 +574,10 @@ def export_model(
             dims=dims,
             weights_fingerprint=fingerprint,
             options=options,
-            export={"strategy": strategy, "attempts": [a.__dict__ for a in attempts]},
+            export={"strategy": strategy, "attempts": [a.__dict__ for a in attempts], **exported},
             passes=_run_passes(graphs, options, progress),
-            tokenizer_dir=Path(source.name) if source.kind == "local" else None,
+            tokenizer_dir=tokenizer_dir,
+            tokenizer_origin=f"{Path(source.name).name} (GGUF metadata)" if source.kind == "gguf" else None,
             started=started,
             family=chosen,
         )
@@ -585,6 +590,21 @@ def export_model(
             refuse_what_cuda_cannot_load(tmp, progress)
     progress(f"wrote {out_path}")
     return ExportResult(out_path, manifest, strategy, attempts, time.perf_counter() - started)
+
+
+def _tokenizer_source(source: ModelSource, work: Path) -> tuple[Path | None, dict[str, Any]]:
+    """Where the export's tokenizer comes from, and what the manifest's ``export`` record adds for the source.
+
+    A checkpoint directory ships its own files; a GGUF file's tokenizer and chat template are
+    written from its metadata into ``work`` (:func:`~kvexport.models.gguf.save_gguf_tokenizer`),
+    and the manifest records the file's tensor types (:meth:`~kvexport.models.gguf.GgufSummary.to_dict`).
+    """
+    if source.kind == "local":
+        return Path(source.name), {}
+    if source.kind == "gguf":
+        path = Path(source.name)
+        return save_gguf_tokenizer(path, work / "gguf-tokenizer"), {"gguf": read_gguf(path).to_dict()}
+    return None, {}
 
 
 def refuse_what_cuda_cannot_load(directory: Path, progress: Progress) -> None:

@@ -89,6 +89,8 @@ class ExportRecord:
     all_logits: bool | None = None  # None: the options' choice
     # the manifest's cache record for a quantized cache (calibration's result); None: a float cache
     cache_quantization: dict[str, Any] | None = None
+    # what the manifest names as the tokenizer's source where ``tokenizer_dir`` is scratch (a GGUF's)
+    tokenizer_origin: str | None = None
 
 
 # a quantized cache is not known to load in onnxruntime-genai (not tried: it needs the CPU
@@ -154,7 +156,8 @@ def write_export_directory(
 def _write_tokenizer(directory: Path, record: ExportRecord, progress: Progress) -> dict[str, Any]:
     """``tokenizer.json`` the family ships (and the checkpoint's chat template, if any); the manifest's ``tokenizer`` record."""
     choice = record.family.tokenizer(record.tokenizer_dir, record.dims.vocab_size)
-    info: dict[str, Any] = {"file": None, "source": choice.source, "eos_token_id": choice.eos_token_id}
+    source = record.tokenizer_origin or choice.source
+    info: dict[str, Any] = {"file": None, "source": source, "eos_token_id": choice.eos_token_id}
     if choice.eos_token_ids:
         info["eos_token_ids"] = list(choice.eos_token_ids)
     if choice.tokenizer is not None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from kvexport.errors import KvexportError
 from kvexport.models.base import ModelFamily, read_config
+from kvexport.models.gguf import is_gguf, read_gguf
 
 # model_type -> "module:attribute" of the ModelFamily that exports it
 FAMILIES: dict[str, str] = {
@@ -45,13 +46,15 @@ def family_for(model_type: object, where: str = "config.json") -> ModelFamily:
 
 
 def family_of_model(model: str, *, random_init: bool) -> ModelFamily:
-    """The family of ``--model``: a preset name (with ``--random-init``), a config file, or a model directory."""
+    """The family of ``--model``: a preset name (with ``--random-init``), a config file, a model directory or a GGUF file."""
     if random_init:
         for model_type in known_model_types():
             family = family_for(model_type)
             if model in family.presets:
                 return family
     path = Path(model)
+    if is_gguf(path):
+        return family_for(read_gguf(path).model_type, f"{model} (general.architecture)")
     if not path.exists():
         presets = [p for t in known_model_types() for p in family_for(t).presets]
         raise KvexportError(

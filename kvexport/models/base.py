@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvexport.bundle.model_info import Dtype, ModelDims, ModelSource
 from kvexport.errors import KvexportError
+from kvexport.models.gguf import is_gguf, read_gguf
 from kvexport.models.tokenizer import GPT2_GENAI_TOKENIZER, TokenizerChoice
 
 if TYPE_CHECKING:
@@ -151,11 +152,13 @@ def source_of(family: ModelFamily, model: str, *, random_init: bool, seed: int =
         config = family.random_init_config(model)
         return ModelSource(kind="random-init", name=model, seed=seed, config=config)
     path = Path(model)
+    if is_gguf(path):
+        return ModelSource(kind="gguf", name=str(read_gguf(path).path))
     if path.exists():
         if not path.is_dir():
             raise KvexportError(
                 f"--model {model}: is a file; pass a Hugging Face model directory "
-                "(config.json + model.safetensors), or a config with --random-init"
+                "(config.json + model.safetensors), a .gguf file, or a config with --random-init"
             )
         return ModelSource(kind="local", name=str(path.resolve()))
     if model.startswith((".", "/", "~")) or model.count("/") > 1:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from kvexport.bundle.model_info import Dtype, ModelDims, ModelSource
 from kvexport.errors import KvexportError, first_line
 from kvexport.models.base import ModelFamily, read_config, source_of, weights_fingerprint
+from kvexport.models.gguf import gguf_config, gguf_model
 from kvexport.models.tokenizer import TokenizerChoice, choose_tokenizer
 
 if TYPE_CHECKING:
@@ -156,6 +157,10 @@ def load_gpt2(source: ModelSource, dtype: Dtype = "fp32", allow_pickle: bool = F
         model = GPT2LMHeadModel(config)
     elif source.kind == "local":
         model = _load_local(Path(source.name), allow_pickle)
+    elif source.kind == "gguf":
+        read = gguf_config(Path(source.name))
+        FAMILY.check_config(read, source.name)
+        model = gguf_model(Path(source.name), GPT2Config(**{k: v for k, v in read.items() if k != "model_type"}))
     else:
         model = _load_hub(source.name)
     model.eval()

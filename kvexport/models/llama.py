@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from kvexport.bundle.model_info import Dtype, ModelDims, ModelSource
 from kvexport.errors import KvexportError, first_line
 from kvexport.models.base import ModelFamily, read_config
+from kvexport.models.gguf import gguf_config, gguf_model
 from kvexport.models.tokenizer import TokenizerChoice, checkpoint_tokenizer
 
 if TYPE_CHECKING:
@@ -160,6 +161,8 @@ class LlamaStyleFamily(ModelFamily):
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         elif source.kind == "local":
             model = self._load_local(Path(source.name), allow_pickle)
+        elif source.kind == "gguf":
+            model = self._load_gguf(Path(source.name))
         else:
             raise KvexportError(
                 f"--model {source.name}: no such directory; pass a local model directory "
@@ -201,6 +204,17 @@ class LlamaStyleFamily(ModelFamily):
         except (OSError, ValueError, RuntimeError) as exc:
             raise KvexportError(f"{path}: could not load the model ({first_line(exc)})") from exc
         result: PreTrainedModel = model
+        return result
+
+    def _load_gguf(self, path: Path) -> PreTrainedModel:
+        from transformers import AutoConfig
+
+        config = _renamed_rope(gguf_config(path))
+        self.check_config(config, str(path))
+        self.check_supported(config, str(path))
+        built = AutoConfig.for_model(**config)
+        built._attn_implementation = "eager"  # the reference verify compares against
+        result: PreTrainedModel = gguf_model(path, built)
         return result
 
     def prefill_module(self, model: PreTrainedModel, all_logits: bool = False) -> torch.nn.Module:
