@@ -21,7 +21,7 @@ from .fold_shapes import FoldShapesPass, count_ops
 from .fuse_attention import FuseAttentionPass, count_attention_ops
 from .fuse_ort_block import FuseOrtBlockPass
 from .pack_projections import PackProjectionsPass
-from .quantize_weights import QuantizationConfig, QuantizeWeightsPass
+from .quantize_weights import BlockSource, QuantizationConfig, QuantizeWeightsPass
 from .rename_cache import RenameCachePass
 from .shared_buffer_cache import SharedBufferCachePass
 from .transposed_weight_gemm import TransposedWeightGemmPass
@@ -89,6 +89,7 @@ class PipelineOptions:
     explain: bool = False
     skip_layer_norm: bool = True
     pack_projections: bool = False
+    block_source: BlockSource | None = None  # the source file's blocks, for quantize_weights to keep
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ REGISTRY: tuple[PassSpec, ...] = (
     ),
     PassSpec(
         "quantize_weights",
-        lambda o: QuantizeWeightsPass(o.quantization),
+        lambda o: QuantizeWeightsPass(o.quantization, o.block_source),
         default=lambda o: o.quantization is not None,
         implied=lambda o: o.quantization is not None,
         attention=_ORT,
@@ -172,6 +173,7 @@ def build_pipeline(
     explain: bool = False,
     skip_layer_norm: bool = True,
     pack_projections: bool = False,
+    block_source: BlockSource | None = None,
 ) -> list[tuple[str, InPlacePass]]:
     """The named passes to run, in pipeline order (see :data:`REGISTRY`).
 
@@ -192,6 +194,8 @@ def build_pipeline(
         pack_projections: add ``pack_projections`` (needs ``attention="ort"``): each
             GroupQueryAttention's query, key and value from one ``MatMul``, the form ONNX
             Runtime's CUDA provider loads (see :mod:`passes.pack_projections`).
+        block_source: where ``quantize_weights`` finds the blocks a source file (a GGUF's)
+            stores a weight in, to keep them as they are (:class:`~passes.quantize_weights.BlockSource`).
 
     Raises:
         ValueError: an unknown attention or pass name, or a pass that the attention choice
@@ -202,7 +206,7 @@ def build_pipeline(
         chosen = Attention(attention)
     except ValueError:
         raise ValueError(f"unknown attention {attention!r}; choose from {', '.join(a.value for a in Attention)}") from None
-    options = PipelineOptions(chosen, shared_buffer, quantization, explain, skip_layer_norm, pack_projections)
+    options = PipelineOptions(chosen, shared_buffer, quantization, explain, skip_layer_norm, pack_projections, block_source)
     unknown = set(passes or ()).difference(PASS_NAMES)
     if unknown:
         raise ValueError(f"unknown pass {sorted(unknown)}; choose from {', '.join(PASS_NAMES)}")

@@ -97,7 +97,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import onnx_ir as ir
@@ -199,6 +199,33 @@ class QuantizationConfig:
 
 
 @dataclass(frozen=True)
+class SourceBlocks:
+    """A weight's blocks as its source file holds them (a GGUF's), for :class:`QuantizeWeightsPass` to keep.
+
+    Rows are the weight's output columns (``N``), in the graph's order; blocks run along ``K``.
+    ``kind`` names the source format (``Q8_0``, ``Q4_0``, ``Q4_1``, ``Q4_K``). ``codes`` are
+    ``uint8 [N, K/bs, bs]``: for 8 bits ``q + 128`` (``w = (code - 128) * scale``), for 4 bits
+    ``q`` in 0-15 with ``w = q * scale + offset``. ``scales`` and ``offsets`` are fp32
+    ``[N, K/bs]`` (``offsets`` None for 8 bits).
+    """
+
+    kind: str
+    codes: np.ndarray
+    scales: np.ndarray
+    offsets: np.ndarray | None
+    bits: int
+    block_size: int
+
+
+class BlockSource(Protocol):
+    """Where a weight's source blocks are found by its values (:meth:`find`); see :class:`SourceBlocks`."""
+
+    def find(self, k_by_n: np.ndarray) -> SourceBlocks | None:
+        """The source's blocks whose dequantized values are exactly ``k_by_n`` (``[K, N]``), or None."""
+        ...
+
+
+@dataclass(frozen=True)
 class _Packed:
     """One weight quantized by ONNX Runtime, in ``MatMulNBits``' layout."""
 
@@ -240,16 +267,17 @@ class QuantizeWeightsPass(InPlacePass):
     on its own), ``left_float`` (candidates that had to stay in float).
     """
 
-    def __init__(self, config: QuantizationConfig | None = None) -> None:
+    def __init__(self, config: QuantizationConfig | None = None, source: BlockSource | None = None) -> None:
         super().__init__()
         self.config = config or QuantizationConfig()
+        self.source = source
         self.counts: dict[str, int] = {}
         self._blocked = False  # the rows quantized by one QuantizeLinear (opset 21), not Div then QuantizeLinear
         self._block_sums: dict[tuple[int, int], ir.Value] = {}  # (id(activation), block) -> Concat(X, X @ S)
 
     def call(self, model: ir.Model) -> PassResult:
         """Quantize ``model``'s weights in place."""
-        self.counts = {"matmul": 0, "lm_head": 0, "gather_shared": 0, "gather": 0, "left_float": 0, "offsets": 0}
+        self.counts = {"matmul": 0, "lm_head": 0, "gather_shared": 0, "gather": 0, "left_float": 0, "offsets": 0, "kept": 0}
         self._block_sums = {}
         graph = model.graph
         heads = _head_nodes(graph)
@@ -265,7 +293,7 @@ class QuantizeWeightsPass(InPlacePass):
         for node in list(graph):  # after the head, so a tied embedding can share it
             if node.op_type == "Gather" and node.domain in ("", "ai.onnx"):
                 self._gather(graph, node, packs)
-        modified = any(v for k, v in self.counts.items() if k not in ("left_float", "offsets"))
+        modified = any(v for k, v in self.counts.items() if k not in ("left_float", "offsets", "kept"))
         if modified:
             model.opset_imports.setdefault(MS_DOMAIN, 1)
             _drop_unused_initializers(graph)
@@ -416,11 +444,17 @@ class QuantizeWeightsPass(InPlacePass):
         symmetric = self.config.symmetric or (self.config.offsets and not offsets)
         name = weight.name or "weight"
         offset_rows = 0
+        kept = self._kept(k_by_n, bits, block_size, offsets=offsets, symmetric=symmetric)
+        if kept is not None and kept.bits == 8:  # Q8_0 stays 8-bit in a 4-bit scheme too: the file's own numbers
+            bits, offsets, symmetric = 8, False, True
         if offsets:
-            data, scales, zero_points = _offset_blocks(k_by_n.astype(np.float64), bits, block_size, array.dtype)
+            data, scales, zero_points = _offset_blocks(k_by_n.astype(np.float64), bits, block_size, array.dtype, kept=kept)
             offset_rows = k_by_n.shape[0] // block_size
         elif symmetric and bits == 8:
-            data, scales = _q8_0_blocks(k_by_n.astype(np.float64), block_size, array.dtype)
+            if kept is not None:  # Q8_0's own codes and scales
+                data, scales = kept.codes, kept.scales.astype(array.dtype)
+            else:
+                data, scales = _q8_0_blocks(k_by_n.astype(np.float64), block_size, array.dtype)
             zero_points = None
         else:
             config_class, quantizer_class = _ort_block_quantizer()
@@ -447,6 +481,25 @@ class QuantizeWeightsPass(InPlacePass):
         )
         cache[id(weight)] = packed
         return packed
+
+    def _kept(self, k_by_n: np.ndarray, bits: int, block_size: int, *, offsets: bool, symmetric: bool) -> SourceBlocks | None:
+        """The source's own blocks of this weight where this packing can hold them as they are.
+
+        Q8_0's codes and scales become 8-bit symmetric blocks, in a 4-bit scheme too (the
+        caller packs them in 8 bits); Q4_0's, Q4_1's and Q4_K's sub-blocks become 4-bit blocks
+        with offsets (codes and scales as they are, each block's offset as an integer zero point
+        plus its remainder) where the scheme packs 4 bits with offsets. Otherwise the weight's
+        values (the source's, dequantized) are quantized anew.
+        """
+        if self.source is None:
+            return None
+        found = self.source.find(k_by_n)
+        if found is None or found.block_size != block_size:
+            return None
+        if found.bits == 4 and not (bits == 4 and offsets):  # 4-bit blocks need the offsets' packing
+            return None
+        self.counts["kept"] += 1
+        return found
 
     def _pack_channels(
         self,
@@ -603,8 +656,18 @@ def _asymmetric_blocks(
     return codes, scales, zero, low + zero * step
 
 
+def _kept_offsets(kept: SourceBlocks, dtype: np.dtype | type) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A source's 4-bit blocks (``w = q * d + m``) as :func:`_asymmetric_blocks` returns its own: codes and scales as they are."""
+    assert kept.offsets is not None, "4-bit source blocks carry offsets"
+    scales = kept.scales.astype(dtype)
+    step = scales.astype(np.float64)
+    top = 2**kept.bits - 1
+    zero = np.clip(np.rint(-kept.offsets / np.where(step == 0, 1.0, step)), 0, top).astype(np.uint8)
+    return kept.codes, scales, zero, kept.offsets.astype(np.float64) + zero * step
+
+
 def _offset_blocks(
-    k_by_n: np.ndarray, bits: int, block: int, dtype: np.dtype | type = np.float32
+    k_by_n: np.ndarray, bits: int, block: int, dtype: np.dtype | type = np.float32, *, kept: SourceBlocks | None = None
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Asymmetric blocks that keep each block's float offset, in ``MatMulNBits``' layout, for ``K + K/bs`` rows.
 
@@ -612,10 +675,14 @@ def _offset_blocks(
     points (:func:`_asymmetric_blocks`); the ``K/bs`` rows after them hold each block's remainder,
     quantized in blocks of their own (the last one padded with zeros), for the activation's block
     sums to multiply. Returns the packed codes [N, blocks, bs*bits/8], the scales [N, blocks] and
-    the packed zero points. The scales are in ``dtype`` (the graph's).
+    the packed zero points. The scales are in ``dtype`` (the graph's). ``kept``: the source's
+    own blocks of these weights (:func:`_kept_offsets`) in place of quantizing them anew.
     """
     k, n = k_by_n.shape
-    codes, scales, zero, remainder = _asymmetric_blocks(k_by_n.T.reshape(n, k // block, block), bits, dtype)
+    if kept is not None:
+        codes, scales, zero, remainder = _kept_offsets(kept, dtype)
+    else:
+        codes, scales, zero, remainder = _asymmetric_blocks(k_by_n.T.reshape(n, k // block, block), bits, dtype)
     extra = -(-(k // block) // block)  # blocks of remainders
     padded = np.zeros((n, extra * block))
     padded[:, : k // block] = remainder

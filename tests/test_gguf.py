@@ -31,8 +31,17 @@ def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def exported(small_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("gguf-export") / "fp32"
+    """The file's default export: its scheme (int4, for Q4_1 blocks), the blocks kept."""
+    out = tmp_path_factory.mktemp("gguf-export") / "kept"
     export_model(out, str(small_gguf), target="ort-cpu")
+    return out
+
+
+@pytest.fixture(scope="module")
+def dequantized(small_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``--quantize none``: the file's weights dequantized to fp32."""
+    out = tmp_path_factory.mktemp("gguf-export") / "fp32"
+    export_model(out, str(small_gguf), target="ort-cpu", quantize="none")
     return out
 
 
@@ -52,12 +61,70 @@ def test_a_gguf_file_exports_with_its_tokenizer_template_and_tensor_types(small_
     assert manifest["tokenizer"]["eos_token_ids"] == [2]  # <|im_end|>, the file's tokenizer.ggml.eos_token_id
 
 
-def test_a_gguf_export_verifies_against_pytorch_on_the_files_dequantized_weights(exported: Path) -> None:
+def test_the_kept_blocks_are_the_files_bit_for_bit(small_gguf: Path, exported: Path) -> None:
+    import gguf
+    import onnx
+    from onnx import numpy_helper
+
+    manifest = json.loads((exported / "kvexport.json").read_text())
+    assert manifest["quantization"]["scheme"] == "int4"  # the file's own: its blocks are Q4_1
+    tensors = {t.name: t for t in gguf.GGUFReader(small_gguf).tensors}
+    kept = manifest["export"]["gguf"]["kept"]
+    assert kept == {name: t.tensor_type.name for name, t in tensors.items() if t.tensor_type.name != "F32"}
+    graph = onnx.load(str(exported / "prefill.onnx"))
+    values = {i.name: numpy_helper.to_array(i, str(exported)) for i in graph.graph.initializer}
+
+    def inputs(op: str, **attributes: int) -> list[np.ndarray]:
+        (node,) = [
+            node for node in graph.graph.node
+            if node.op_type == op and attributes.items() <= {a.name: a.i for a in node.attribute}.items()
+        ]
+        return [values[name] for name in node.input if name in values]
+
+    # the down projection ([576 out, 1536 in], rows in the file's order): the first 48 blocks of each
+    # row are the file's 4-bit codes (MatMulNBits packs two a byte, low nibble first) and scales
+    down = tensors["blk.0.ffn_down.weight"]
+    raw = np.asarray(down.data).reshape(576, 48, 20)
+    d, nibbles = raw[..., :2].copy().view(np.float16)[..., 0], raw[..., 4:]
+    file_codes = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=-1)
+    codes, scales, *_ = inputs("MatMulNBits", N=576, K=1536 + 48)  # + a row per block: the offsets' remainders
+    ours = np.stack([codes[:, :48] & 0x0F, codes[:, :48] >> 4], axis=-1).reshape(576, 48, 32)
+    assert np.array_equal(ours, file_codes)
+    assert np.array_equal(scales[:, :48], d.astype(np.float32))
+    # the tied embedding: the file's Q8_0 codes (q + 128) and scales, bit for bit
+    embedding = np.asarray(tensors["token_embd.weight"].data).reshape(49152, 18, 34)
+    rows, row_scales, *_ = inputs("GatherBlockQuantized")
+    assert np.array_equal(rows.reshape(49152, 18, 32), (embedding[..., 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8))
+    assert np.array_equal(row_scales, embedding[..., :2].copy().view(np.float16)[..., 0].astype(np.float32))
+
+
+def test_the_kept_export_verifies_within_int4s_tolerances_on_the_dequantized_weights(exported: Path) -> None:
     report = verify(exported, steps=4, record=False)
     assert report.ok, report.failures()
 
 
-def test_greedy_chat_tokens_equal_transformers_on_the_dequantized_gguf(small_gguf: Path, exported: Path) -> None:
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K"])
+def test_unpacked_blocks_give_the_gguf_packages_own_dequantized_values(kind: str) -> None:
+    import gguf
+    from gguf.quants import dequantize
+
+    from kvexport.models.gguf import unpack_blocks
+
+    quant = gguf.GGMLQuantizationType[kind]
+    per_block, size = gguf.GGML_QUANT_SIZES[quant]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (6, 4, size), dtype=np.uint8)  # any bytes are codes; the fp16 scales made finite
+    for start in (0, 2) if kind in ("Q4_1", "Q4_K") else (0,):
+        raw[..., start:start + 2] = rng.uniform(-0.1, 0.1, (6, 4, 1)).astype(np.float16).view(np.uint8)
+    raw = raw.reshape(6, -1)
+    codes, scales, offsets = unpack_blocks(kind, raw)
+    values = (codes.astype(np.float32) - (128 if offsets is None else 0)) * scales[..., None]
+    if offsets is not None:
+        values += offsets[..., None]
+    assert np.array_equal(values.reshape(6, 4 * per_block), dequantize(raw, quant))
+
+
+def test_greedy_chat_tokens_equal_transformers_on_the_dequantized_gguf(small_gguf: Path, dequantized: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -69,7 +136,7 @@ def test_greedy_chat_tokens_equal_transformers_on_the_dequantized_gguf(small_ggu
     reference = AutoModelForCausalLM.from_pretrained(small_gguf.parent, gguf_file=small_gguf.name, dtype=torch.float32)
     with torch.no_grad():
         expected = reference.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
-    ours = Generator(exported).generate(ids.numpy(), max_new_tokens=12)[0, ids.shape[1]:].tolist()
+    ours = Generator(dequantized).generate(ids.numpy(), max_new_tokens=12)[0, ids.shape[1]:].tolist()
     # both stop at <|im_end|>; the Generator pads a finished row with it
     assert ours[: len(expected)] == expected and set(ours[len(expected):]) <= {2}, (ours, expected)
 

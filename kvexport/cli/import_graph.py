@@ -10,7 +10,7 @@ import click
 from kvexport.cli.base import json_option, main, progress, run
 from kvexport.cli.options import choice_option, knobs, quantization_options
 from kvexport.cli.render import echo_pass_table
-from kvexport.export.choices import QuantizationChoice
+from kvexport.export.choices import QuantizationChoice, QuantizeKind
 
 
 @main.command("import")
@@ -51,7 +51,7 @@ def import_command(
             model=checkpoint,
             attention=attention,
             cache=cache,
-            quantize=quantization.scheme.value,
+            quantize=(quantization.scheme or QuantizeKind.NONE).value,
             quantization=chosen_knobs,
             kv_cache=kv_cache,
             force=force,

@@ -51,7 +51,7 @@ def quantization_options(function: F) -> F:
     @functools.wraps(function)
     def command(
         *args: Any,
-        quantize: str,
+        quantize: str | None,
         block_size: int | None,
         symmetric: bool | None,
         offsets: bool | None,
@@ -69,7 +69,7 @@ def quantization_options(function: F) -> F:
             "per_channel": per_channel,
         }
         overrides = {knob: value for knob, value in given.items() if value is not None}
-        choice = run(lambda: QuantizationChoice(QuantizeKind(quantize), overrides))
+        choice = run(lambda: QuantizationChoice(QuantizeKind(quantize) if quantize is not None else None, overrides))
         return function(*args, quantization=choice, **kwargs)
 
     for option in reversed(
@@ -157,5 +157,5 @@ def export_options(function: F) -> F:
 
 def export_choices(quantization: QuantizationChoice, given: dict[str, Any]) -> ExportChoices:
     """The :class:`ExportChoices` an export command's options stand for."""
-    scheme: QuantizeKind = quantization.scheme
+    scheme: QuantizeKind | None = quantization.scheme
     return run(lambda: ExportChoices(quantize=scheme, quantization=knobs(quantization, defaulted=True), **given))

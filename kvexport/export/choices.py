@@ -145,11 +145,11 @@ class QuantizationChoice:
     lays them over the scheme's defaults.
     """
 
-    scheme: QuantizeKind = QuantizeKind.NONE
+    scheme: QuantizeKind | None = None  # None: not given (a GGUF file's own scheme, else none)
     overrides: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.scheme is QuantizeKind.NONE and self.overrides:
+        if self.scheme in (None, QuantizeKind.NONE) and self.overrides:
             raise KvexportError(KNOBS_WITHOUT_SCHEME)
 
 
@@ -245,12 +245,14 @@ class ExportChoices:
             shown="shared-buffer for ort targets, else concat",
         ),
     )
-    quantize: QuantizeKind = field(
-        default=QuantizeKind.NONE,
+    quantize: QuantizeKind | None = field(
+        default=None,
         metadata=flagged(
-            "Weight-only quantization with ONNX Runtime's MatMulNBits / GatherBlockQuantized (ort attention only).",
+            "Weight-only quantization with ONNX Runtime's MatMulNBits / GatherBlockQuantized (ort attention only); "
+            "a GGUF file's blocks are kept where the scheme holds them.",
             flag="--quantize",
             choices=tuple(values(QuantizeKind)),
+            shown="a GGUF file's own (int4 for 4-bit blocks, int8 for 8-bit; none for float weights), else none",
         ),
     )
     quantization: QuantizationConfig | None = field(default=None, metadata=flagged("The scheme's knobs.", flag=None))

@@ -42,9 +42,16 @@ from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
 from kvexport.models.base import ModelFamily, read_config, source_of, weights_fingerprint
-from kvexport.models.gguf import gguf_config, read_gguf, save_gguf_tokenizer
+from kvexport.models.gguf import (
+    GgufBlockIndex,
+    gguf_config,
+    is_gguf,
+    read_gguf,
+    save_gguf_tokenizer,
+)
 from kvexport.passes import run_pipeline
 from kvexport.passes.cache_names import cache_names
+from kvexport.passes.quantize_weights import BlockSource
 from kvexport.progress import Progress, silent
 from kvexport.runtime.cuda_support import cuda_findings
 
@@ -533,8 +540,11 @@ def export_model(
     asked = (choices or ExportChoices()).replace(**given)
     out_path = Path(out)
     chosen = family_for(family) if family is not None else family_of_model(model, random_init=asked.random_init)
+    quantize: str = asked.quantize.value if asked.quantize is not None else "none"
+    if asked.quantize is None and is_gguf(model) and not asked.random_init:
+        quantize = read_gguf(Path(model)).scheme()  # the file's own scheme, whose blocks the export keeps
     options = ExportOptions.resolve(
-        asked.target, asked.attention, asked.dtype, asked.cache, asked.quantize, asked.quantization, asked.opset,
+        asked.target, asked.attention, asked.dtype, asked.cache, quantize, asked.quantization, asked.opset,
         asked.all_logits, asked.kv_cache, family=chosen.name,
     )
     strategies: Sequence[str] = asked.strategies
@@ -565,7 +575,12 @@ def export_model(
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
     ):
         strategy, graphs, attempts = _export_graphs(requests, strategies, Path(work), progress)
-        tokenizer_dir, exported = _tokenizer_source(source, Path(work))
+        blocks = None
+        if source.kind == "gguf" and options.quantization is not None:
+            progress("indexing the GGUF file's blocks (kept where the scheme holds them)")
+            blocks = GgufBlockIndex(Path(source.name))
+        passes = _run_passes(graphs, options, progress, blocks)
+        tokenizer_dir, exported = _tokenizer_source(source, Path(work), blocks)
         if "decode" not in graphs:
             progress("decode graph: the prefill graph at one token a row")
             graphs["decode"] = decode_from_prefill(graphs["prefill"])
@@ -575,7 +590,7 @@ def export_model(
             weights_fingerprint=fingerprint,
             options=options,
             export={"strategy": strategy, "attempts": [a.__dict__ for a in attempts], **exported},
-            passes=_run_passes(graphs, options, progress),
+            passes=passes,
             tokenizer_dir=tokenizer_dir,
             tokenizer_origin=f"{Path(source.name).name} (GGUF metadata)" if source.kind == "gguf" else None,
             started=started,
@@ -592,18 +607,20 @@ def export_model(
     return ExportResult(out_path, manifest, strategy, attempts, time.perf_counter() - started)
 
 
-def _tokenizer_source(source: ModelSource, work: Path) -> tuple[Path | None, dict[str, Any]]:
+def _tokenizer_source(source: ModelSource, work: Path, blocks: GgufBlockIndex | None) -> tuple[Path | None, dict[str, Any]]:
     """Where the export's tokenizer comes from, and what the manifest's ``export`` record adds for the source.
 
     A checkpoint directory ships its own files; a GGUF file's tokenizer and chat template are
     written from its metadata into ``work`` (:func:`~kvexport.models.gguf.save_gguf_tokenizer`),
-    and the manifest records the file's tensor types (:meth:`~kvexport.models.gguf.GgufSummary.to_dict`).
+    and the manifest records the file's tensor types and which of them ``blocks`` kept
+    (:meth:`~kvexport.models.gguf.GgufSummary.to_dict`).
     """
     if source.kind == "local":
         return Path(source.name), {}
     if source.kind == "gguf":
         path = Path(source.name)
-        return save_gguf_tokenizer(path, work / "gguf-tokenizer"), {"gguf": read_gguf(path).to_dict()}
+        kept = blocks.kept if blocks is not None else {}
+        return save_gguf_tokenizer(path, work / "gguf-tokenizer"), {"gguf": read_gguf(path).to_dict(kept)}
     return None, {}
 
 
@@ -632,11 +649,13 @@ def export_gpt2(out: str | Path, model: str = "gpt2", **options: Any) -> ExportR
     return export_model(out, model, family="gpt2", **options)
 
 
-def _run_passes(graphs: dict[str, ir.Model], options: ExportOptions, progress: Progress) -> list[dict[str, Any]]:
+def _run_passes(
+    graphs: dict[str, ir.Model], options: ExportOptions, progress: Progress, block_source: BlockSource | None = None
+) -> list[dict[str, Any]]:
     """The pass pipeline the options call for, on each graph; the manifest's pass reports."""
     pass_reports = []
     for name, graph in graphs.items():
         progress(f"running passes on {name}")
-        for pass_report in run_pipeline(graph, options.pipeline()):
+        for pass_report in run_pipeline(graph, options.pipeline(block_source)):
             pass_reports.append({"graph": name, **pass_report.to_json()})
     return pass_reports

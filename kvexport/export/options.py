@@ -32,7 +32,7 @@ from kvexport.passes.choices import Attention
 from kvexport.passes.fuse_attention import unfused_attention
 from kvexport.passes.pipeline import build_pipeline
 from kvexport.passes.quantize_cache import CacheQuantization
-from kvexport.passes.quantize_weights import QuantizationConfig
+from kvexport.passes.quantize_weights import BlockSource, QuantizationConfig
 
 if TYPE_CHECKING:
     import onnx_ir as ir
@@ -106,13 +106,14 @@ class ExportOptions:
         """Whether past and present share one buffer (``--cache shared-buffer``)."""
         return self.cache is CacheKind.SHARED_BUFFER
 
-    def pipeline(self) -> list[tuple[str, InPlacePass]]:
+    def pipeline(self, block_source: BlockSource | None = None) -> list[tuple[str, InPlacePass]]:
         """The passes these options call for, on each graph an export or import writes.
 
         An ``ort-cpu`` graph keeps a LayerNorm's residual ``Add`` unfused: ONNX Runtime's CPU
         ``SkipLayerNormalization`` is slower than the two ops (see :mod:`kvexport.passes.fuse_ort_block`).
         An ``ort-cuda`` graph computes each attention's query, key and value with one ``MatMul``: the
         form ONNX Runtime's CUDA provider loads (see :mod:`kvexport.passes.pack_projections`).
+        ``block_source``: a GGUF file's blocks, which the weight quantization keeps where its scheme holds them.
         """
         return build_pipeline(
             self.attention.value,
@@ -120,6 +121,7 @@ class ExportOptions:
             quantization=self.quantization,
             skip_layer_norm=self.target is not TargetKind.ORT_CPU,
             pack_projections=self.target is TargetKind.ORT_CUDA,
+            block_source=block_source,
         )
 
     def quantization_record(self) -> dict[str, Any] | None:

@@ -79,7 +79,7 @@ CACHE_TOLERANCES: dict[str, dict[str, float]] = {
 
 def quantization_config(choice: QuantizationChoice) -> QuantizationConfig | None:
     """The scheme's knobs with the user's overrides laid over them (None for float weights)."""
-    if choice.scheme is QuantizeKind.NONE:
+    if choice.scheme in (None, QuantizeKind.NONE):
         return None
     overrides = dict(choice.overrides)
     if (overrides.get("symmetric") or overrides.get("per_channel")) and "offsets" not in overrides:
