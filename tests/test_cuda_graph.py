@@ -216,3 +216,12 @@ def test_the_cuda_graph_flag_is_refused_on_cpu_in_one_line(exports: dict[str, Pa
     assert result.exit_code == 2, result.output
     assert result.output.strip().splitlines()[-1] == f"Error: {REFUSED_ON_CPU}"
     assert "Traceback" not in result.output
+
+
+def test_a_cache_that_grows_by_concatenation_has_no_fixed_step(tiny_export: Path) -> None:
+    with pytest.raises(KvexportError) as refused:
+        Generator(tiny_export, static_decode=True)
+    assert str(refused.value) == (
+        f"{tiny_export}: has the concat cache layout; --cuda-graph and static_decode need a decode step of one shape: "
+        "export with --target ort-cpu or ort-cuda (or --cache shared-buffer)"
+    )
