@@ -197,10 +197,12 @@ class FixedDecode:
         self.lock = threading.Lock()
         inputs = {i.name for i in session.get_inputs()}
         unknown = sorted(inputs - set(STEP_INPUTS) - set(cache.past))
-        if unknown or "input_ids" not in inputs or "attention_mask" not in inputs:
+        missing = [name for name in ("input_ids", "attention_mask") if name not in inputs]
+        if unknown or missing:
+            what = f"also takes {', '.join(unknown)}" if unknown else f"has no {', '.join(missing)}"
             raise CudaGraphError(
-                f"a fixed decode step feeds input_ids, attention_mask, position_ids and the cache; this graph also takes "
-                f"{', '.join(unknown) or 'no attention_mask'}: export with --target ort-cuda"
+                f"a fixed decode step feeds input_ids, attention_mask, position_ids and the cache; this graph {what}: "
+                "export with --target ort-cuda"
             )
         shapes = {"input_ids": [rows, 1], "attention_mask": [rows, self.capacity], "position_ids": [rows, 1]}
         self.inputs = {
