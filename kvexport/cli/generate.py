@@ -155,7 +155,7 @@ def generate_command(
     stats = generator.last_stats
     click.echo(
         f"kvexport: {stats.new_tokens} tokens, prompt {stats.prompt_tokens}; TTFT {stats.ttft_s * 1000:.1f} ms, "
-        f"decode {stats.decode_ms_per_token:.1f} ms/token, {stats.tokens_per_s:.1f} tokens/s ({generator.provider})",
+        f"decode {stats.decode_ms_per_token:.1f} ms/token, {stats.tokens_per_s:.1f} tokens/s ({generator.provider}{', CUDA graph' if generator.cuda_graph else ''})",
         err=True,
     )
 

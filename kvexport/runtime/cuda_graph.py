@@ -14,6 +14,9 @@ ONNX Runtime's sources (``core/session/inference_session.cc``,
   updated in place between runs;
 - the run option ``gpu_graph_id``: each id is captured on its first runs and replayed
   after; ``-1`` runs without capture or replay (0 is ONNX Runtime's own, the default).
+  onnxruntime-genai runs its prompt on the decoder's own capturing session that way
+  (``DecoderOnly_State::Run``: ``gpu_graph_id`` -1 on the first run, then one id per batch
+  size), and so does kvexport: one session, its weights loaded once.
 
 ``GroupQueryAttention`` (``contrib_ops/cuda/bert/group_query_attention.cc``) reads
 ``seqlens_k`` on the device but ``total_sequence_length`` from host memory, and sizes its

@@ -18,6 +18,10 @@ Design:
   logits row that sampling needs comes back to the host.
 - The sessions are shared and read-only after construction; all per-generation state
   lives in the call. A ``Generator`` is therefore safe to use from several threads.
+- With ``cuda_graph`` (or ``static_decode``, the same without capture) the cache is not the
+  call's: each (rows, bucketed capacity) keeps one at fixed addresses, with the decode
+  step's inputs and logits, so a captured step replays over the same memory
+  (:mod:`kvexport.runtime.cuda_graph`); generations of one shape take turns on it.
 """
 
 from __future__ import annotations
