@@ -309,48 +309,29 @@ def gguf_with_layers(source: Path, out: Path, layers: int, *, architecture: str 
 def smollm2_checkpoint(out: Path, cache: Path, *, layers: int | None = None) -> Path:
     """SmolLM2-135M-Instruct as a Hugging Face directory in ``out`` (fp32 safetensors, tokenizer, chat template).
 
-    transformers reads the GGUF (needs the ``gguf`` package) and dequantizes its Q4_1 blocks to
-    fp32; ``save_pretrained`` of that model fails, so the weights are loaded into a model built
-    from its config, and the GGUF's ``quantization_config`` is dropped. ``layers`` keeps only the
-    first decoder layers (a cheaper model for tests: the real embedding, norms, head and
-    activation outliers of those layers). Written once: an existing ``out/config.json`` is kept.
+    The GGUF is read as ``kvexport export --model FILE.gguf`` reads it (:mod:`kvexport.models.gguf`:
+    transformers dequantizes its Q4_1 blocks to fp32). ``layers`` keeps only the first decoder
+    layers (:func:`gguf_with_layers`: a cheaper model for tests with the real embedding, norms,
+    head and activation outliers of those layers). Written once: an existing
+    ``out/config.json`` is kept.
     """
     if (out / "config.json").is_file():
         return out
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    import tempfile
 
-    gguf = smollm2_gguf(cache)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    state = loaded.state_dict()
-    if layers is not None:
-        state = {
-            name: weight for name, weight in state.items()
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < layers
-        }
-        config.num_hidden_layers = layers
-        if getattr(config, "layer_types", None):
-            config.layer_types = config.layer_types[:layers]
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    loaded_keys = model.load_state_dict(state, strict=False)  # not strict: the dropped layers' weights
-    missing = [name for name in loaded_keys.missing_keys if name != "lm_head.weight" or not config.tie_word_embeddings]
-    if missing or loaded_keys.unexpected_keys:  # a transformers release that names the GGUF's tensors otherwise
-        raise RuntimeError(
-            f"{gguf.name}: the dequantized weights do not fill the model: missing {missing[:5]}, "
-            f"unexpected {loaded_keys.unexpected_keys[:5]}"
-        )
-    model.tie_weights()
+    from transformers import AutoConfig
+
+    from kvexport.models.gguf import gguf_config, gguf_model, save_gguf_tokenizer
+
     partial = out.with_name(f".{out.name}.partial")
     shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial, safe_serialization=True)
-    tokenizer.save_pretrained(partial)
-    GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    ).save_pretrained(partial)
+    with tempfile.TemporaryDirectory() as scratch:
+        gguf = smollm2_gguf(cache)
+        if layers is not None:
+            gguf = gguf_with_layers(gguf, Path(scratch) / gguf.name, layers)
+        model = gguf_model(gguf, AutoConfig.for_model(**gguf_config(gguf)))
+        model.save_pretrained(partial, safe_serialization=True)
+        save_gguf_tokenizer(gguf, partial)
     out.parent.mkdir(parents=True, exist_ok=True)
     partial.replace(out)
     return out
