@@ -74,6 +74,12 @@ def _drafter(prompt_lookup: bool, draft: Path | None, provider: str) -> Any:
 )
 @click.option("--max-new-tokens", default=50, show_default=True, type=int)
 @click.option(
+    "--chat",
+    is_flag=True,
+    help="PROMPT is a user's message: render it with the export's chat template and print only the answer.",
+)
+@click.option("--system", default=None, help="With --chat: a system message before the user's.")
+@click.option(
     "--share-weights",
     is_flag=True,
     help="One mapped copy of the weights (least memory, slower on CPU).",
@@ -102,6 +108,8 @@ def generate_command(
     directory: Path,
     prompt: str,
     max_new_tokens: int,
+    chat: bool,
+    system: str | None,
     share_weights: bool,
     prepacked: bool,
     prepack_dir: Path | None,
@@ -122,6 +130,11 @@ def generate_command(
 
     if not prompt:
         raise UserError("--prompt is empty; pass some text")
+    if system is not None and not chat:
+        raise UserError("--system is a chat's system message; add --chat")
+    shown = prompt
+    if chat:
+        prompt, shown = _chat_prompt(directory, prompt, system), ""
     drafter = _drafter(prompt_lookup, draft, provider)
     if drafter is not None:
         if share_weights or prepacked or truncate or cuda_graph:
@@ -129,7 +142,7 @@ def generate_command(
                 "--share-weights, --prepacked, --truncate and --cuda-graph are not for speculative decoding; drop them"
             )
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
-        _speculative_generate(directory, prompt, max_new_tokens, sampling, drafter, draft_tokens, provider)
+        _speculative_generate(directory, prompt, shown, max_new_tokens, sampling, drafter, draft_tokens, provider)
         return
     generator = run(
         lambda: Generator(
@@ -151,7 +164,7 @@ def generate_command(
         seed=seed,
         truncate=truncate,
     )
-    _echo_stream(prompt, pieces)
+    _echo_stream(shown, pieces)
     stats = generator.last_stats
     click.echo(
         f"kvexport: {stats.new_tokens} tokens, prompt {stats.prompt_tokens}; TTFT {stats.ttft_s * 1000:.1f} ms, "
@@ -160,8 +173,24 @@ def generate_command(
     )
 
 
+def _chat_prompt(directory: Path, message: str, system: str | None) -> str:
+    """``message`` (and ``system``) rendered with the export's chat template, as ``kvexport serve``'s chat route renders it."""
+    from kvexport.extras import require_extra
+
+    run(lambda: require_extra("serve", "kvexport generate --chat (the chat template is Jinja)"))
+    from kvexport.serving.chat import ChatTemplate
+
+    template = run(lambda: ChatTemplate.find(directory)) if (directory / "kvexport.json").is_file() else None
+    if template is None and (directory / "kvexport.json").is_file():
+        raise UserError(f"{directory}: the export ships no chat template (tokenizer_config.json); drop --chat")
+    if template is None:
+        return message  # no export there: the Generator says so in its own words
+    messages = ([{"role": "system", "content": system}] if system is not None else []) + [{"role": "user", "content": message}]
+    return run(lambda: template.render(messages, add_generation_prompt=True))
+
+
 def _echo_stream(prompt: str, pieces: Iterator[str]) -> None:
-    """The prompt, then each generated piece as it comes, to stdout."""
+    """The prompt (empty for a chat: the answer alone), then each generated piece as it comes, to stdout."""
     click.echo(prompt, nl=False)
 
     def stream() -> None:
@@ -174,14 +203,14 @@ def _echo_stream(prompt: str, pieces: Iterator[str]) -> None:
 
 
 def _speculative_generate(
-    directory: Path, prompt: str, max_new_tokens: int, sampling: Any, drafter: Any, draft_tokens: int, provider: str
+    directory: Path, prompt: str, shown: str, max_new_tokens: int, sampling: Any, drafter: Any, draft_tokens: int, provider: str
 ) -> None:
     """``kvexport generate`` with a drafter: the text, then the speculation's figures on stderr."""
     from kvexport.runtime.speculative import SpeculativeGenerator
 
     generator = run(lambda: SpeculativeGenerator(directory, drafter, draft_tokens=draft_tokens, provider=provider))
     pieces = generator.stream_text(prompt, max_new_tokens, sampling)
-    _echo_stream(prompt, pieces)
+    _echo_stream(shown, pieces)
     stats = generator.last_stats
     click.echo(
         f"kvexport: {stats.new_tokens} tokens in {stats.rounds} verify calls; drafts accepted {stats.accepted}/"

@@ -37,7 +37,13 @@ from kvexport.bundle.model_info import ModelDims, ModelSource
 from kvexport.bundle.storage import atomic_output_dir, check_output_dir
 from kvexport.errors import ExportError, KvexportError, first_line
 from kvexport.export.calibration import quantize_cache_step
-from kvexport.export.choices import EXPORT_STRATEGIES, ExportChoices, TargetKind
+from kvexport.export.choices import (
+    EXPORT_STRATEGIES,
+    TARGET_DEFAULTS,
+    AttentionKind,
+    ExportChoices,
+    TargetKind,
+)
 from kvexport.export.options import ExportOptions, check_attention
 from kvexport.export.writer import ExportRecord, rename_dims, write_export_directory
 from kvexport.models import family_for, family_of_model
@@ -540,9 +546,7 @@ def export_model(
     asked = (choices or ExportChoices()).replace(**given)
     out_path = Path(out)
     chosen = family_for(family) if family is not None else family_of_model(model, random_init=asked.random_init)
-    quantize: str = asked.quantize.value if asked.quantize is not None else "none"
-    if asked.quantize is None and is_gguf(model) and not asked.random_init:
-        quantize = read_gguf(Path(model)).scheme()  # the file's own scheme, whose blocks the export keeps
+    quantize = _quantize_asked(asked, model, progress)
     options = ExportOptions.resolve(
         asked.target, asked.attention, asked.dtype, asked.cache, quantize, asked.quantization, asked.opset,
         asked.all_logits, asked.kv_cache, family=chosen.name,
@@ -605,6 +609,23 @@ def export_model(
             refuse_what_cuda_cannot_load(tmp, progress)
     progress(f"wrote {out_path}")
     return ExportResult(out_path, manifest, strategy, attempts, time.perf_counter() - started)
+
+
+def _quantize_asked(asked: ExportChoices, model: str, progress: Progress) -> str:
+    """``--quantize`` as given; not given: a GGUF file's own scheme (its blocks kept) where the target's attention is ONNX Runtime's, else none."""
+    if asked.quantize is not None:
+        return str(asked.quantize.value)
+    if not is_gguf(model) or asked.random_init:
+        return "none"
+    scheme = read_gguf(Path(model)).scheme()
+    attention = asked.attention or TARGET_DEFAULTS[asked.target][0]
+    if scheme != "none" and attention is not AttentionKind.ORT:
+        progress(
+            f"note: {asked.target.value} graphs hold float weights, so the file's {scheme} blocks are dequantized to fp32; "
+            "--target ort-cpu or ort-cuda keeps them"
+        )
+        return "none"
+    return scheme
 
 
 def _tokenizer_source(source: ModelSource, work: Path, blocks: GgufBlockIndex | None) -> tuple[Path | None, dict[str, Any]]:
