@@ -1,0 +1,96 @@
+"""``scripts/gpu_check.py``: its verdict on the engine's tokens, and a CPU dry run of the whole script.
+
+The script is for a GPU machine (CI never has one); the dry run (``GPU_CHECK_PROVIDER=cpu``,
+a tiny model) runs every part of it here, so it cannot rot between GPU runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _compare() -> Any:
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("gpu_check", module)  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_verdict_tells_rounding_from_a_bug() -> None:
+    gpu_check = _compare()
+    run = gpu_check.EngineRun
+    near, far = ((5, -1.0), (7, -1.1)), ((5, -0.1), (7, -3.0))
+    reference = [[5, 5, 5], [5, 5, 5]]
+    alone = run([[5, 5, 5], [5, 5, 5]], [[near] * 3, [near, far, far]], 1.0)
+    # the 16-row engine flips row 0's second token where the reference's margin is 0.1: rounding
+    flipped = run([[5, 7, 7], [5, 5, 5]], [[near] * 3] * 2, 1.0)
+    verdict = gpu_check.compare_compositions("cuda", flipped, alone, reference, reference)
+    assert (verdict["ok"], verdict["verdict"]) == (True, "batch-shape rounding")
+    assert verdict["divergences"][0]["tokens_in"] == 1 and verdict["divergences"][0]["reference_margin"] == 0.1
+    # row 1 flips where the reference's margin is 2.9: no rounding does that
+    wide = run([[5, 5, 5], [5, 7, 7]], [[near] * 3] * 2, 1.0)
+    assert gpu_check.compare_compositions("cuda", wide, alone, reference, reference)["ok"] is False
+    # the same composition differs: an engine bug; on CPU any difference fails
+    assert gpu_check.compare_compositions("cuda", alone, flipped, reference, reference)["verdict"] == "engine bug"
+    assert gpu_check.compare_compositions("cpu", flipped, alone, reference, reference)["ok"] is False
+    assert gpu_check.compare_compositions("cpu", alone, alone, reference, reference)["verdict"] == "agree"
+
+
+def test_the_captured_path_is_asked_for_only_where_it_exists() -> None:
+    gpu_check = _compare()
+    options, reason = gpu_check.captured_options("cpu")
+    # the CPU provider has no CUDA graphs: the static decode binding where the Generator has it
+    assert options == {"static_decode": True} or (options is None and "static_decode" in reason)
+
+
+# the correctness checks a CPU dry run must pass (cache on device is n/a on CPU; the captured
+# path's tokens are checked where the Generator has a static decode binding)
+MUST_PASS = ("export", "verify", "no Memcpy in decode", "timing", "engine tokens vs Generator", "engine throughput", "serve throughput")
+
+
+def test_a_cpu_dry_run_of_the_whole_script_passes(tmp_path: Path) -> None:
+    gpu_check = _compare()
+    out = tmp_path / "gpu_check.json"
+    environment = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "HF_HUB_OFFLINE": "1",
+        "GPU_CHECK_PROVIDER": "cpu",
+        "GPU_CHECK_MODELS": "gpt2",
+        "GPU_CHECK_VARIANTS": "fp16",
+        "GPU_CHECK_CONTEXTS": "16,40",
+        "GPU_CHECK_BATCHES": "1,4",
+        "GPU_CHECK_TOKENS": "6",
+        "GPU_CHECK_REPEATS": "1",
+        "GPU_CHECK_CONCURRENCY": "4",
+        "GPU_CHECK_EXPORT_WORKERS": "1",
+        "GPU_CHECK_OUT": str(out),
+    }
+    ran = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "gpu_check.py")], env=environment, capture_output=True, text=True, timeout=300
+    )
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    assert summary["provider"] == "cpu" and summary["ok"] is True
+    assert set(summary["exports"]) == {"gpt2/fp16"}
+    checks = summary["exports"]["gpt2/fp16"]["checks"]
+    assert set(checks) == set(gpu_check.CHECKS)
+    assert all(check["status"] in ("PASS", "SKIP") for check in checks.values()), checks
+    assert all(checks[name]["status"] == "PASS" for name in MUST_PASS), checks
+    assert checks["cache on device"]["status"] == "SKIP" and "n/a" in checks["cache on device"]["reason"]
+    assert summary["exports"]["gpt2/fp16"]["figures"]["engine_verdict"]["verdict"] == "agree"
+    assert {"exports (wall, verify included)", "timing", "engine", "serve", "total"} <= set(summary["parts_s"])
+    assert [t["status"] for t in summary["targets"]] == ["SKIP"] * 3  # timing targets are CUDA's
+    # one line per check and per target, as the GPU run prints them
+    lines = [line for line in ran.stdout.splitlines() if line.startswith(("PASS ", "FAIL ", "SKIP ", "TARGET "))]
+    assert len(lines) == len(gpu_check.CHECKS) + 3 + 1  # the checks, the targets and the verdict line
