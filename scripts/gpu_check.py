@@ -408,13 +408,24 @@ def _jobs(settings: Settings, work: Path) -> list[ExportJob]:
     return jobs
 
 
-def run_exports(settings: Settings, jobs: list[ExportJob], results: Results) -> dict[str, dict[str, Any]]:
-    """Every export and its verify, ``settings.workers`` at a time (processes; 1: here)."""
+def run_exports(
+    settings: Settings, jobs: list[ExportJob], results: Results, arrived: Callable[[ExportJob, dict[str, Any]], None]
+) -> dict[str, dict[str, Any]]:
+    """Every export and its verify, ``settings.workers`` at a time (processes; 1: here).
+
+    ``arrived(job, outcome)`` runs here as each one finishes, while the others go on.
+    """
     started = time.perf_counter()
     done: dict[str, dict[str, Any]] = {}
+
+    def record(job: ExportJob, outcome: dict[str, Any]) -> None:
+        done[job.label] = outcome
+        record_export(settings, job, outcome, results)
+        arrived(job, outcome)
+
     if settings.workers <= 1:
         for job in jobs:
-            done[job.label] = export_and_verify(job)
+            record(job, export_and_verify(job))
     else:  # spawned, not forked: torch and ONNX Runtime's threads do not survive a fork
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(settings.workers, mp_context=context) as pool:
@@ -422,24 +433,28 @@ def run_exports(settings: Settings, jobs: list[ExportJob], results: Results) -> 
             for future in concurrent.futures.as_completed(futures):
                 job = futures[future]
                 try:
-                    done[job.label] = future.result()
+                    outcome = future.result()
                 except Exception as exc:  # the worker itself died
-                    done[job.label] = {"label": job.label, "out": job.out, "export_error": _one_line(exc)}
-    results.part("exports (wall, verify included)", time.perf_counter() - started)
+                    outcome = {"label": job.label, "out": job.out, "export_error": _one_line(exc)}
+                record(job, outcome)
+    results.part("exports (wall; verify and the correctness checks overlap it)", time.perf_counter() - started)
     results.part("export (sum over exports)", sum(r.get("export_s", 0.0) for r in done.values()))
     results.part("verify (sum over exports)", sum(r.get("verify_s", 0.0) for r in done.values()))
-    for job in jobs:
-        outcome = done[job.label]
-        if "export_error" in outcome:
-            results.check(job.label, "export", "FAIL", seconds=outcome.get("export_s"), error=outcome["export_error"])
-            continue
-        results.check(job.label, "export", "PASS", seconds=outcome["export_s"], choices=job.choices)
-        if "verify_error" in outcome:
-            results.check(job.label, "verify", "FAIL", seconds=outcome["verify_s"], error=outcome["verify_error"])
-        else:
-            report = outcome["verify"]
-            results.check(job.label, "verify", "PASS" if report["ok"] else "FAIL", seconds=outcome["verify_s"], provider=settings.provider, **report)
     return done
+
+
+def record_export(settings: Settings, job: ExportJob, outcome: dict[str, Any], results: Results) -> None:
+    """The export's and verify's lines."""
+    if "export_error" in outcome:
+        results.check(job.label, "export", "FAIL", seconds=outcome.get("export_s"), error=outcome["export_error"])
+        return
+    results.check(job.label, "export", "PASS", seconds=outcome["export_s"], choices=job.choices)
+    if "verify_error" in outcome:
+        results.check(job.label, "verify", "FAIL", seconds=outcome["verify_s"], error=outcome["verify_error"])
+        return
+    report = outcome["verify"]
+    status = "PASS" if report["ok"] else "FAIL"
+    results.check(job.label, "verify", status, seconds=outcome["verify_s"], provider=settings.provider, **report)
 
 
 # ---------------------------------------------------------------- per-export checks
@@ -503,18 +518,24 @@ def _pointer_kinds(pointers: set[int]) -> set[str]:
     return kinds
 
 
-def profile_decode(directory: Path, provider: str, prompt: list[int], work: Path) -> dict[str, Any]:
-    """ONNX Runtime's profile of decode steps: the Memcpy nodes that ran, and ops on the CPU provider."""
-    from kvexport.runtime.generator import Generator
+def profile_decode(generator: Any, directory: Path, provider: str, prompt: list[int], work: Path) -> dict[str, Any]:
+    """ONNX Runtime's profile of decode steps: the Memcpy nodes that ran, and ops on the CPU provider.
+
+    The Generator's decode steps run, for one generation, through a profiled session of
+    ``decode.onnx`` (its prompt does not).
+    """
     from kvexport.runtime.session import open_session, session_options
 
-    generator = Generator(directory, provider=provider)
     options = session_options()
     options.enable_profiling = True
     options.profile_file_prefix = str(work / f"profile-{directory.name}")
     profiled = open_session(directory / "decode.onnx", provider, options)
-    generator.sessions["decode"] = profiled  # the decode steps run through it; the prompt does not
-    generator.generate([prompt], 8, eos_token_id=-1)
+    plain = generator.sessions["decode"]
+    generator.sessions["decode"] = profiled
+    try:
+        generator.generate([prompt], 8, eos_token_id=-1)
+    finally:
+        generator.sessions["decode"] = plain
     events = json.loads(Path(profiled.end_profiling()).read_text())
     nodes = [e for e in events if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")]
     memcpy = sorted({e["name"] for e in nodes if "Memcpy" in e["name"] or "Memcpy" in str(e.get("args", {}).get("op_name", ""))})
@@ -530,16 +551,17 @@ def _prompts(vocab: int, rows: int, length: int) -> list[list[int]]:
     return bench_prompt(vocab, rows, length).tolist()
 
 
-def check_export(settings: Settings, label: str, directory: Path, results: Results, work: Path) -> None:
-    """Every check after export and verify, for one export; each one guarded."""
+def correctness_checks(settings: Settings, label: str, directory: Path, results: Results, work: Path) -> None:
+    """The checks whose outcome timing noise cannot change: cache device, Memcpy, the engine's tokens.
+
+    They run as each export arrives, while the other exports are still being made.
+    """
     from kvexport.runtime.generator import Generator
 
     provider = settings.provider
     started = time.perf_counter()
     generator = Generator(directory, provider=provider, trace_cache=True)
-    positions = generator.max_positions
-    context = settings.contexts[0]
-    prompt = _prompts(generator.vocab_size, 1, context)[0]
+    prompt = _prompts(generator.vocab_size, 1, min(settings.contexts[0], generator.max_positions - 8))[0]
 
     def cache_on_device() -> None:
         generator.generate([prompt], 4, eos_token_id=-1)
@@ -552,21 +574,32 @@ def check_export(settings: Settings, label: str, directory: Path, results: Resul
         results.check(label, "cache on device", "PASS" if ok else "FAIL", generator_buffers=kinds, buffers=len(pointers))
 
     def no_memcpy() -> None:
-        profile = profile_decode(directory, provider, prompt, work)
+        profile = profile_decode(generator, directory, provider, prompt, work)
         results.check(label, "no Memcpy in decode", "FAIL" if profile["memcpy"] else "PASS", **profile)
 
     guarded(results, label, "cache on device", cache_on_device)
     guarded(results, label, "no Memcpy in decode", no_memcpy)
     results.part("device checks", time.perf_counter() - started)
+    started = time.perf_counter()
+    guarded(results, label, "engine tokens vs Generator", lambda: engine_verdict(settings, label, directory, generator, results))
+    results.part("engine tokens", time.perf_counter() - started)
+
+
+def timing_checks(settings: Settings, label: str, directory: Path, results: Results, work: Path) -> None:
+    """The timings (after every export is made, so nothing else loads the cores), each guarded."""
+    from kvexport.runtime.generator import Generator
 
     started = time.perf_counter()
     captured: list[Any] = []
+    generator = Generator(directory, provider=settings.provider)
+    positions = generator.max_positions
     guarded(results, label, "timing", lambda: captured.append(timing(settings, label, directory, generator, results)))
     guarded(results, label, "captured tokens == uncaptured", lambda: captured_tokens(settings, label, generator, captured, results))
+    captured.clear()
     results.part("timing", time.perf_counter() - started)
 
     started = time.perf_counter()
-    guarded(results, label, "engine tokens vs Generator", lambda: engine_checks(settings, label, directory, generator, results))
+    guarded(results, label, "engine throughput", lambda: engine_throughput(settings, label, directory, positions, results))
     results.part("engine", time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -650,38 +683,45 @@ def _engine_run(engine: Any, prompts: list[list[int]], tokens: int, *, together:
     return EngineRun(token_rows, top2_rows, seconds)
 
 
-def engine_checks(settings: Settings, label: str, directory: Path, generator: Any, results: Results) -> None:
-    """The engine at the concurrency: its tokens against the Generator's (a verdict), its cache's device, its output tok/s."""
-    from kvexport.serving import Engine, EngineConfig, SamplingParams
+def _engine_config(settings: Settings, context: int) -> Any:
+    """The engine's settings here: a slot per concurrent request, each the prompt and its tokens long.
+
+    No prefix cache (each request's prompt runs, so "alone" is the Generator's arithmetic
+    alone) and no hashing of the files (verify checked them).
+    """
+    from kvexport.serving import EngineConfig
+
+    return EngineConfig(
+        slots=settings.concurrency,
+        max_context=context + settings.tokens,
+        provider=settings.provider,
+        prefix_cache=False,
+        check=False,
+        **engine_options(settings.provider),
+    )
+
+
+def engine_verdict(settings: Settings, label: str, directory: Path, generator: Any, results: Results) -> None:
+    """The engine's greedy tokens, all requests at once and each alone, against the Generator's (:func:`compare_compositions`)."""
+    from kvexport.serving import Engine
 
     tokens, rows = settings.tokens, settings.concurrency
     context = min(settings.contexts[0], generator.max_positions - tokens)
     prompts = _prompts(generator.vocab_size, rows, context)
-    # no prefix cache: each request's prompt runs, so "alone" is the same arithmetic as the Generator's alone
-    config = EngineConfig(
-        slots=rows, max_context=context + tokens, provider=settings.provider, prefix_cache=False, **engine_options(settings.provider)
-    )
-    with Engine(directory, config) as engine:
-        if settings.provider == "cuda":
+    with Engine(directory, _engine_config(settings, context)) as engine:
+        if settings.provider == "cuda":  # the slot buffers' own device, as ONNX Runtime holds them
             owners = getattr(getattr(engine.runner.cache, "banks", None), "_owners", [])
-            devices = sorted({value.device_name() for value in owners if hasattr(value, "device_name")})
+            devices = sorted({str(value.device_name()).lower() for value in owners if hasattr(value, "device_name")})
             results.figures(label, engine_cache_devices=devices)
+            if devices != ["cuda"]:
+                previous = results.exports[label]["checks"].get("cache on device", {})
+                results.check(label, "cache on device", "FAIL", engine_slot_buffers=devices, generator=previous)
         together = _engine_run(engine, prompts, tokens, together=True)
         alone = _engine_run(engine, prompts, tokens, together=False)
-        # output tok/s: the same burst again, no logprobs, timed from submit to the last token
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        started = time.perf_counter()
-        states = engine.submit_all([(prompt, params) for prompt in prompts])
-        produced = sum(sum(1 for e in state if e.token_id is not None) for state in states)
-        seconds = time.perf_counter() - started
     reference_batched = generator.generate(prompts, tokens, eos_token_id=-1)[:, context:].tolist()
     reference_alone = [generator.generate([prompt], tokens, eos_token_id=-1)[0, context:].tolist() for prompt in prompts]
     verdict = compare_compositions(settings.provider, together, alone, reference_batched, reference_alone)
     results.figures(label, engine_verdict=verdict)
-    devices = results.exports[label]["figures"].get("engine_cache_devices")
-    if devices is not None and [d.lower() for d in devices] != ["cuda"]:
-        previous = results.exports[label]["checks"].get("cache on device", {})
-        results.check(label, "cache on device", "FAIL", engine_slot_buffers=devices, generator=previous)
     results.check(
         label,
         "engine tokens vs Generator",
@@ -691,9 +731,25 @@ def engine_checks(settings: Settings, label: str, directory: Path, generator: An
         first=verdict["divergences"][:3],
         divergences=verdict["divergences"],
     )
-    rate = produced / seconds if seconds else 0.0
+
+
+def engine_throughput(settings: Settings, label: str, directory: Path, positions: int, results: Results) -> None:
+    """The engine's output tok/s: the concurrency's greedy requests submitted at once, from submit to the last token."""
+    from kvexport.serving import Engine, SamplingParams
+
+    tokens, rows = settings.tokens, settings.concurrency
+    context = min(settings.contexts[0], positions - tokens)
+    with Engine(directory, _engine_config(settings, context)) as engine:
+        prompts = _prompts(engine.vocab_size, rows, context)
+        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+        list(engine.submit(prompts[0], params))  # a first burst's costs out of the measurement
+        started = time.perf_counter()
+        states = engine.submit_all([(prompt, params) for prompt in prompts])
+        produced = sum(sum(1 for e in state if e.token_id is not None) for state in states)
+        seconds = time.perf_counter() - started
     ok = produced == rows * tokens
-    results.check(label, "engine throughput", "PASS" if ok else "FAIL", output_tok_s=round(rate, 1), tokens=produced, seconds=round(seconds, 3), concurrency=rows)
+    rate = round(produced / seconds, 1) if seconds else 0.0
+    results.check(label, "engine throughput", "PASS" if ok else "FAIL", output_tok_s=rate, tokens=produced, seconds=round(seconds, 3), concurrency=rows)
 
 
 def _free_port() -> int:
@@ -820,18 +876,21 @@ def main() -> int:
         print(f"FAIL {wanted} is not available here: {ort.get_available_providers()} (onnxruntime {ort.__version__})")
         return 1
     jobs = _jobs(settings, work)
-    done = run_exports(settings, jobs, results)
-    results.save()
-    for job in jobs:
-        if "export_error" in done[job.label]:
-            for name in CHECKS[1:]:
-                results.check(job.label, name, "SKIP", reason="the export failed")
-            continue
-        check_export(settings, job.label, Path(job.out), results, work)
+
+    def arrived(job: ExportJob, outcome: dict[str, Any]) -> None:
+        if "export_error" not in outcome:
+            correctness_checks(settings, job.label, Path(job.out), results, work)
+        results.save()
+
+    done = run_exports(settings, jobs, results, arrived)
+    for job in jobs:  # timings once nothing else runs
+        if "export_error" not in done[job.label]:
+            timing_checks(settings, job.label, Path(job.out), results, work)
         entry = results.exports[job.label]["checks"]
-        for name in CHECKS:  # a check its guard ended early never got a line
+        for name in CHECKS:  # a check that never ran says why
             if name not in entry:
-                results.check(job.label, name, "SKIP", reason="an earlier step of this export failed")
+                reason = "the export failed" if "export_error" in done[job.label] else "an earlier step of this export failed"
+                results.check(job.label, name, "SKIP", reason=reason)
         results.save()
     report_targets(settings, results)
     results.part("total", time.perf_counter() - results.started)
