@@ -89,7 +89,7 @@ def test_a_cpu_dry_run_of_the_whole_script_passes(tmp_path: Path) -> None:
     assert all(checks[name]["status"] == "PASS" for name in MUST_PASS), checks
     assert checks["cache on device"]["status"] == "SKIP" and "n/a" in checks["cache on device"]["reason"]
     assert summary["exports"]["gpt2/fp16"]["figures"]["engine_verdict"]["verdict"] == "agree"
-    assert {"exports (wall, verify included)", "timing", "engine", "serve", "total"} <= set(summary["parts_s"])
+    assert {"exports", "export (sum)", "verify (sum)", "device checks", "engine tokens", "timing", "engine", "serve", "total"} <= set(summary["parts_s"])
     assert [t["status"] for t in summary["targets"]] == ["SKIP"] * 3  # timing targets are CUDA's
     # one line per check and per target, as the GPU run prints them
     lines = [line for line in ran.stdout.splitlines() if line.startswith(("PASS ", "FAIL ", "SKIP ", "TARGET "))]
