@@ -483,11 +483,25 @@ def captured_options(provider: str) -> tuple[dict[str, Any] | None, str]:
 
 
 def engine_options(provider: str) -> dict[str, Any]:
-    """EngineConfig settings of the captured decode path where the config has it (CUDA only)."""
+    """EngineConfig settings of the captured decode path where the config has them.
+
+    CUDA: ``cuda_graph``; the CPU dry run: ``static_decode`` (the same fixed-address decode
+    calls, uncaptured).
+    """
     from kvexport.serving.config import EngineConfig
 
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    return {"cuda_graph": True} if provider == "cuda" and "cuda_graph" in fields else {}
+    wanted = "cuda_graph" if provider == "cuda" else "static_decode"
+    return {wanted: True} if wanted in fields else {}
+
+
+def _engine_flags(provider: str) -> list[str]:
+    """``kvexport serve``'s flags for :func:`engine_options` (a setting without a flag is left out)."""
+    from kvexport.serving.config import EngineConfig
+
+    chosen = engine_options(provider)
+    flags = [f.metadata.get("flag") for f in dataclasses.fields(EngineConfig) if f.name in chosen]
+    return [flag for flag in flags if flag]
 
 
 def _pointer_kinds(pointers: set[int]) -> set[str]:
@@ -737,7 +751,7 @@ def engine_verdict(settings: Settings, label: str, directory: Path, generator: A
     reference_batched = generator.generate(prompts, tokens, eos_token_id=-1)[:, context:].tolist()
     reference_alone = [generator.generate([prompt], tokens, eos_token_id=-1)[0, context:].tolist() for prompt in prompts]
     verdict = compare_compositions(settings.provider, together, alone, reference_batched, reference_alone)
-    results.figures(label, engine_verdict=verdict)
+    results.figures(label, engine_verdict=verdict, engine_decode=engine_options(settings.provider) or "plain")
     results.check(
         label,
         "engine tokens vs Generator",
@@ -776,8 +790,6 @@ def _free_port() -> int:
 
 def serve_check(settings: Settings, label: str, directory: Path, positions: int, results: Results, work: Path) -> None:
     """``kvexport serve`` in a child process; the concurrency's streamed completions through the ``openai`` client."""
-    from kvexport.serving.config import EngineConfig
-
     tokens, rows = settings.tokens, settings.concurrency
     context = min(settings.contexts[0], positions - tokens)
     port = _free_port()
@@ -785,10 +797,8 @@ def serve_check(settings: Settings, label: str, directory: Path, positions: int,
         sys.executable, "-m", "kvexport.cli", "serve", str(directory), "--host", "127.0.0.1", "--port", str(port),
         "--model-name", "gpu-check", "--slots", str(rows), "--max-context", str(context + tokens), "--provider", settings.provider, "--no-check",
     ]
-    captured = engine_options(settings.provider)
-    if captured:  # the flag the config declares for it
-        flag = next(f.metadata.get("flag") for f in dataclasses.fields(EngineConfig) if f.name == "cuda_graph")
-        command += [flag] if flag else []
+    captured = _engine_flags(settings.provider)
+    command += captured
     environment = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     log = work / f"serve-{directory.name}.log"
     started = time.perf_counter()
@@ -820,7 +830,7 @@ def serve_check(settings: Settings, label: str, directory: Path, positions: int,
         ok = produced == rows * tokens
         results.check(
             label, "serve throughput", "PASS" if ok else "FAIL", output_tok_s=round(produced / seconds, 1), tokens=produced,
-            seconds=round(seconds, 3), concurrency=rows, ready_s=round(ready_s, 1), captured=bool(captured), client=client_name,
+            seconds=round(seconds, 3), concurrency=rows, ready_s=round(ready_s, 1), flags=captured, client=client_name,
         )
     finally:
         if server.poll() is None:  # only the process started here, by its pid
