@@ -23,14 +23,18 @@ MISS: a slow run is visible without reading as a broken one); one JSON with ever
 and how long each part took. Exit 1 on any FAIL. A check that raises records FAIL with its
 one-line error, and the run goes on. Nothing is downloaded (random init, offline hub).
 
-Environment (defaults in brackets):
+Correctness checks run in this process as each export arrives, while the others are being
+made; the timings run once every export is made, so no export loads the cores while a decode
+step is timed.
+
+Environment (defaults in brackets; the CPU dry run's after a slash):
 ``GPU_CHECK_PROVIDER`` [cuda]: ``cpu`` dry-runs everything on the CPU provider with tiny
 models of each family, fp32, ``--target ort-cpu`` (the tests run it so the script cannot
 rot); ``GPU_CHECK_MODELS`` [gpt2,smollm2-135m,qwen2.5-0.5b,qwen3-0.6b];
-``GPU_CHECK_VARIANTS`` [fp16,int8,int4,kv-int8]; ``GPU_CHECK_CONTEXTS`` [128,1000]: TTFT's
-prompt lengths, the first also the decode and serving prompts'; ``GPU_CHECK_BATCHES``
-[1,16]; ``GPU_CHECK_TOKENS`` [64]: new tokens per decode measurement and request;
-``GPU_CHECK_REPEATS`` [3]; ``GPU_CHECK_CONCURRENCY`` [16]; ``GPU_CHECK_EXPORT_WORKERS``
+``GPU_CHECK_VARIANTS`` [fp16,int8,int4,kv-int8]; ``GPU_CHECK_CONTEXTS`` [128,1000 / 16,40]:
+TTFT's prompt lengths, the first also the decode and serving prompts'; ``GPU_CHECK_BATCHES``
+[1,16 / 1,4]; ``GPU_CHECK_TOKENS`` [64 / 8]: new tokens per decode measurement and request;
+``GPU_CHECK_REPEATS`` [3 / 1]; ``GPU_CHECK_CONCURRENCY`` [16 / 4]; ``GPU_CHECK_EXPORT_WORKERS``
 [min(4, cores)]: export processes (1: in this process); ``GPU_CHECK_OUT``: the JSON's path
 or directory [benchmarks/results/gpu_check-<date>.json on CUDA, a temporary directory on CPU].
 """
@@ -49,7 +53,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import urllib.request
@@ -156,15 +159,16 @@ class Settings:
             out = ROOT / "benchmarks" / "results" / f"gpu_check-{stamp}.json"
         else:
             out = Path(tempfile.mkdtemp(prefix="kvexport-gpu-check-")) / "gpu_check.json"
+        cpu = provider == "cpu"  # the dry run's defaults fit the tiny models' 128 positions and a small machine
         return cls(
             provider=provider,
             models=names("GPU_CHECK_MODELS", MODELS, MODELS),
             variants=names("GPU_CHECK_VARIANTS", VARIANTS, VARIANTS),
-            contexts=numbers("GPU_CHECK_CONTEXTS", "128,1000"),
-            batches=numbers("GPU_CHECK_BATCHES", "1,16"),
-            tokens=int(os.environ.get("GPU_CHECK_TOKENS", "64")),
-            repeats=int(os.environ.get("GPU_CHECK_REPEATS", "3")),
-            concurrency=int(os.environ.get("GPU_CHECK_CONCURRENCY", "16")),
+            contexts=numbers("GPU_CHECK_CONTEXTS", "16,40" if cpu else "128,1000"),
+            batches=numbers("GPU_CHECK_BATCHES", "1,4" if cpu else "1,16"),
+            tokens=int(os.environ.get("GPU_CHECK_TOKENS", "8" if cpu else "64")),
+            repeats=int(os.environ.get("GPU_CHECK_REPEATS", "1" if cpu else "3")),
+            concurrency=int(os.environ.get("GPU_CHECK_CONCURRENCY", "4" if cpu else "16")),
             workers=int(os.environ.get("GPU_CHECK_EXPORT_WORKERS", str(min(4, os.cpu_count() or 1)))),
             out=out,
         )
@@ -182,7 +186,6 @@ class Results:
         self.targets: list[dict[str, Any]] = []
         self.parts_s: dict[str, float] = {}
         self.started = time.perf_counter()
-        self.lock = threading.Lock()
 
     def check(self, label: str, name: str, status: str, **details: Any) -> None:
         """Record and print one check: PASS, FAIL or SKIP (``reason`` says why)."""

@@ -17,11 +17,12 @@
 # nothing: the models are random-init presets and the hub is offline.
 # It should take under 8 minutes on an H200 with 16 cores, exports included.
 #
-# Knobs (environment; defaults in brackets): GPU_CHECK_PROVIDER [cuda] (cpu: a dry run with tiny
-# models, as the tests run it), GPU_CHECK_MODELS [gpt2,smollm2-135m,qwen2.5-0.5b,qwen3-0.6b],
-# GPU_CHECK_VARIANTS [fp16,int8,int4,kv-int8], GPU_CHECK_CONTEXTS [128,1000],
-# GPU_CHECK_BATCHES [1,16], GPU_CHECK_TOKENS [64], GPU_CHECK_REPEATS [3],
-# GPU_CHECK_CONCURRENCY [16], GPU_CHECK_EXPORT_WORKERS [min(4, cores)], GPU_CHECK_OUT, PYTHON.
+# Knobs (environment; defaults in brackets, the CPU dry run's after a slash): GPU_CHECK_PROVIDER
+# [cuda] (cpu: a dry run with tiny models, as the tests run it), GPU_CHECK_MODELS
+# [gpt2,smollm2-135m,qwen2.5-0.5b,qwen3-0.6b], GPU_CHECK_VARIANTS [fp16,int8,int4,kv-int8],
+# GPU_CHECK_CONTEXTS [128,1000 / 16,40], GPU_CHECK_BATCHES [1,16 / 1,4], GPU_CHECK_TOKENS
+# [64 / 8], GPU_CHECK_REPEATS [3 / 1], GPU_CHECK_CONCURRENCY [16 / 4], GPU_CHECK_EXPORT_WORKERS
+# [min(4, cores)], GPU_CHECK_OUT (the JSON's path or directory), PYTHON.
 # Usage: bash scripts/gpu_check.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
