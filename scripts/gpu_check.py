@@ -94,6 +94,8 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2.5-0.5b": {**_TINY_LLAMA, "model_type": "qwen2"},
     "qwen3-0.6b": {**_TINY_LLAMA, "model_type": "qwen3", "num_attention_heads": 4, "head_dim": 16},
 }
+# how long each model's export takes, relatively (its layers: torch.export traces each one)
+EXPORT_WEIGHT = {"gpt2": 12, "smollm2-135m": 30, "qwen2.5-0.5b": 24, "qwen3-0.6b": 28}
 # The checks every export gets, in order; each ends PASS, FAIL or SKIP (with the reason).
 CHECKS = (
     "export",
@@ -432,7 +434,9 @@ def run_exports(
     else:  # spawned, not forked: torch and ONNX Runtime's threads do not survive a fork
         context = multiprocessing.get_context("spawn")
         with concurrent.futures.ProcessPoolExecutor(settings.workers, mp_context=context) as pool:
-            futures = {pool.submit(export_and_verify, job): job for job in jobs}
+            # the longest exports first (the deepest models, quantized after), so the last to start is short
+            ordered = sorted(jobs, key=lambda job: (-EXPORT_WEIGHT.get(job.label.split("/")[0], 0), job.label))
+            futures = {pool.submit(export_and_verify, job): job for job in ordered}
             for future in concurrent.futures.as_completed(futures):
                 job = futures[future]
                 try:
