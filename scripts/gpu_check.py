@@ -542,15 +542,19 @@ def _pointer_kinds(pointers: set[int]) -> set[str]:
 def profile_decode(generator: Any, directory: Path, provider: str, prompt: list[int], work: Path) -> dict[str, Any]:
     """ONNX Runtime's profile of decode steps: the Memcpy nodes that ran, and ops on the CPU provider.
 
-    The Generator's decode steps run, for one generation, through a profiled session of
-    ``decode.onnx`` (its prompt does not).
+    The Generator's decode steps run, for one generation, through a profiled session of the
+    graph that runs them: ``prefill.onnx`` for an in-place export (its prefill graph serves
+    both phases, as in the engine), else ``decode.onnx``. The prompt runs elsewhere, so the
+    profile holds decode steps alone.
     """
     from kvexport.runtime.session import open_session, session_options
 
+    graphs = generator.manifest.graphs
+    graph = "prefill" if generator.sessions["decode"] is generator.sessions["prefill"] else "decode"
     options = session_options()
     options.enable_profiling = True
     options.profile_file_prefix = str(work / f"profile-{directory.name}")
-    profiled = open_session(directory / "decode.onnx", provider, options)
+    profiled = open_session(directory / graphs[graph].file, provider, options)
     plain = generator.sessions["decode"]
     generator.sessions["decode"] = profiled
     try:
@@ -559,11 +563,13 @@ def profile_decode(generator: Any, directory: Path, provider: str, prompt: list[
         generator.sessions["decode"] = plain
     events = json.loads(Path(profiled.end_profiling()).read_text())
     nodes = [e for e in events if e.get("cat") == "Node" and str(e.get("name", "")).endswith("_kernel_time")]
+    if not nodes:  # the Generator ran its steps elsewhere: nothing was checked
+        raise RuntimeError(f"the profiled {graphs[graph].file} session ran no decode step")
     memcpy = sorted({e["name"] for e in nodes if "Memcpy" in e["name"] or "Memcpy" in str(e.get("args", {}).get("op_name", ""))})
     on_cpu = sorted({
         str(e.get("args", {}).get("op_name", "")) for e in nodes if e.get("args", {}).get("provider") == "CPUExecutionProvider"
     })
-    return {"memcpy": memcpy, "ops_on_cpu": on_cpu if provider != "cpu" else [], "kernels": len(nodes)}
+    return {"graph": graphs[graph].file, "memcpy": memcpy, "ops_on_cpu": on_cpu if provider != "cpu" else [], "kernels": len(nodes)}
 
 
 def _prompts(vocab: int, rows: int, length: int) -> list[list[int]]:
