@@ -88,6 +88,8 @@ def test_a_cpu_dry_run_of_the_whole_script_passes(tmp_path: Path) -> None:
     assert all(check["status"] in ("PASS", "SKIP") for check in checks.values()), checks
     assert all(checks[name]["status"] == "PASS" for name in MUST_PASS), checks
     assert checks["cache on device"]["status"] == "SKIP" and "n/a" in checks["cache on device"]["reason"]
+    # the profile is of the graph that runs the decode steps: an in-place export's prefill graph
+    assert checks["no Memcpy in decode"]["graph"] == "prefill.onnx" and checks["no Memcpy in decode"]["kernels"] > 0
     if gpu_check.captured_options("cpu")[0] is not None:  # the Generator has the static decode step: its tokens are checked
         assert checks["captured tokens == uncaptured"]["status"] == "PASS", checks
     assert summary["exports"]["gpt2/fp16"]["figures"]["engine_verdict"]["verdict"] == "agree"
