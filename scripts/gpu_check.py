@@ -698,9 +698,15 @@ def captured_tokens(settings: Settings, label: str, plain: Any, made: list[Any],
     got = captured.generate(prompts, tokens, eos_token_id=-1)
     single = plain.generate(prompts[:1], tokens, eos_token_id=-1)
     single_captured = captured.generate(prompts[:1], tokens, eos_token_id=-1)
-    same = bool((want == got).all()) and bool((single == single_captured).all())
-    differing = [int(r) for r in range(rows) if not (want[r] == got[r]).all()]
-    results.check(label, "captured tokens == uncaptured", "PASS" if same else "FAIL", rows=rows, differing_rows=differing)
+    start = prompts.shape[1]
+    # each differing row and the first new token where it differs, batched and at batch 1
+    first = {
+        f"b{rows} row {r}": _first_difference(got[r, start:].tolist(), want[r, start:].tolist()) for r in range(rows)
+    }
+    first["b1 row 0"] = _first_difference(single_captured[0, start:].tolist(), single[0, start:].tolist())
+    differing = {row: step for row, step in first.items() if step is not None}
+    status = "FAIL" if differing else "PASS"
+    results.check(label, "captured tokens == uncaptured", status, rows=rows, tokens=tokens, differing=differing)
 
 
 def _engine_run(engine: Any, prompts: list[list[int]], tokens: int, *, together: bool) -> EngineRun:
