@@ -572,10 +572,33 @@ def profile_decode(generator: Any, directory: Path, provider: str, prompt: list[
     return {"graph": graphs[graph].file, "memcpy": memcpy, "ops_on_cpu": on_cpu if provider != "cpu" else [], "kernels": len(nodes)}
 
 
-def _prompts(vocab: int, rows: int, length: int) -> list[list[int]]:
-    from kvexport.tools.bench import bench_prompt
+def bench_prompt(vocab: int, batch: int, context: int) -> Any:
+    """The seeded random prompt ``kvexport bench`` gives every system at one (batch, context) cell.
 
-    return bench_prompt(vocab, rows, length).tolist()
+    Its own formula (``kvexport.tools.bench.bench_prompt``), here so that this process never
+    imports torch: only the export workers and verify need it.
+    """
+    import numpy as np
+
+    return np.random.default_rng(context * 10 + batch).integers(0, vocab, (batch, context), dtype=np.int64)
+
+
+def time_generator(generator: Any, batch: int, context: int, new_tokens: int, repeats: int) -> tuple[float, float]:
+    """TTFT (best of ``repeats``) and the median decode step, in ms, as ``kvexport bench`` times a Generator."""
+    import numpy as np
+
+    ids = bench_prompt(generator.vocab_size, batch, context)
+    ttfts, steps = [], []
+    for _ in range(repeats):
+        for _ in generator.stream(ids, new_tokens, eos_token_id=-1):
+            pass
+        ttfts.append(generator.last_stats.ttft_s)
+        steps.extend(generator.last_stats.step_s)
+    return 1000 * min(ttfts), 1000 * float(np.median(steps)) if steps else 0.0
+
+
+def _prompts(vocab: int, rows: int, length: int) -> list[list[int]]:
+    return [[int(t) for t in row] for row in bench_prompt(vocab, rows, length)]
 
 
 def correctness_checks(settings: Settings, label: str, directory: Path, results: Results, work: Path) -> None:
@@ -642,7 +665,6 @@ def timing(settings: Settings, label: str, directory: Path, plain: Any, results:
     path that raises keeps the other's cells and fails the check with its error.
     """
     from kvexport.runtime.generator import Generator
-    from kvexport.tools.bench import bench_prompt, time_generator
 
     tokens, repeats = settings.tokens, settings.repeats
     context = settings.contexts[0]
@@ -655,14 +677,14 @@ def timing(settings: Settings, label: str, directory: Path, plain: Any, results:
             return
         for batch in settings.batches:
             generator.generate(bench_prompt(generator.vocab_size, batch, context), 4, eos_token_id=-1)  # warm
-            measured = time_generator(generator, batch, context, tokens, repeats)
-            cells[f"{name} decode b{batch}/c{context} ms"] = round(measured.decode_ms_per_token or 0.0, 4)
+            _, step_ms = time_generator(generator, batch, context, tokens, repeats)
+            cells[f"{name} decode b{batch}/c{context} ms"] = round(step_ms, 4)
         for length in settings.contexts:
             if length + 2 > generator.max_positions:
                 cells[f"{name} ttft c{length} ms"] = None  # longer than the model's positions
                 continue
-            measured = time_generator(generator, 1, length, 2, repeats)
-            cells[f"{name} ttft c{length} ms"] = round(measured.ttft_ms or 0.0, 3)
+            ttft_ms, _ = time_generator(generator, 1, length, 2, repeats)
+            cells[f"{name} ttft c{length} ms"] = round(ttft_ms, 3)
 
     captured_kw, why_not = captured_options(settings.provider)
     captured = None
@@ -685,8 +707,6 @@ def timing(settings: Settings, label: str, directory: Path, plain: Any, results:
 
 def captured_tokens(settings: Settings, label: str, plain: Any, made: list[Any], results: Results) -> None:
     """The captured Generator's greedy tokens against the uncaptured one's, batch 1 and the largest batch."""
-    from kvexport.tools.bench import bench_prompt
-
     captured = made[0] if made else None
     if captured is None:
         reason = results.exports[label]["figures"].get("captured_skipped", "the timing step failed")
