@@ -98,3 +98,11 @@ def test_a_cpu_dry_run_of_the_whole_script_passes(tmp_path: Path) -> None:
     # one line per check and per target, as the GPU run prints them
     lines = [line for line in ran.stdout.splitlines() if line.startswith(("PASS ", "FAIL ", "SKIP ", "TARGET "))]
     assert len(lines) == len(gpu_check.CHECKS) + 3 + 1  # the checks, the targets and the verdict line
+
+
+def test_the_prompts_are_kvexport_benchs() -> None:
+    from kvexport.tools.bench import bench_prompt
+
+    gpu_check = _compare()  # its own copy, so the script's process never imports torch
+    assert (gpu_check.bench_prompt(1001, 4, 16) == bench_prompt(1001, 4, 16)).all()
+    assert (gpu_check.bench_prompt(50257, 16, 128) == bench_prompt(50257, 16, 128)).all()
