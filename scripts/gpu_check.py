@@ -601,7 +601,25 @@ def _prompts(vocab: int, rows: int, length: int) -> list[list[int]]:
     return [[int(t) for t in row] for row in bench_prompt(vocab, rows, length)]
 
 
-def correctness_checks(settings: Settings, label: str, directory: Path, results: Results, work: Path) -> None:
+@dataclasses.dataclass
+class Opened:
+    """An export's Generator and engine, opened for the correctness checks and kept for the timings.
+
+    Opening a session of a 0.6B model takes seconds: each is opened once, while the other
+    exports are still being made, not again once the timings start.
+    """
+
+    generator: Any = None
+    engine: Any = None
+
+    def close(self) -> None:
+        """Close the engine (its thread and slots) and let the sessions go."""
+        if self.engine is not None:
+            self.engine.close(drain=False)
+        self.generator = self.engine = None
+
+
+def correctness_checks(settings: Settings, label: str, directory: Path, results: Results, work: Path) -> Opened:
     """The checks whose outcome timing noise cannot change: cache device, Memcpy, the engine's tokens.
 
     They run as each export arrives, while the other exports are still being made.
@@ -631,17 +649,19 @@ def correctness_checks(settings: Settings, label: str, directory: Path, results:
     guarded(results, label, "no Memcpy in decode", no_memcpy)
     results.part("device checks", time.perf_counter() - started)
     started = time.perf_counter()
-    guarded(results, label, "engine tokens vs Generator", lambda: engine_verdict(settings, label, directory, generator, results))
+    opened = Opened(generator)
+    guarded(results, label, "engine tokens vs Generator", lambda: engine_verdict(settings, label, directory, opened, results))
     results.part("engine tokens", time.perf_counter() - started)
+    return opened
 
 
-def timing_checks(settings: Settings, label: str, directory: Path, results: Results, work: Path) -> None:
+def timing_checks(settings: Settings, label: str, directory: Path, results: Results, work: Path, opened: Opened) -> None:
     """The timings (after every export is made, so nothing else loads the cores), each guarded."""
     from kvexport.runtime.generator import Generator
 
     started = time.perf_counter()
     captured: list[Any] = []
-    generator = Generator(directory, provider=settings.provider)
+    generator = opened.generator or Generator(directory, provider=settings.provider)
     positions = generator.max_positions
     guarded(results, label, "timing", lambda: captured.append(timing(settings, label, directory, generator, results)))
     guarded(results, label, "captured tokens == uncaptured", lambda: captured_tokens(settings, label, generator, captured, results))
@@ -649,7 +669,8 @@ def timing_checks(settings: Settings, label: str, directory: Path, results: Resu
     results.part("timing", time.perf_counter() - started)
 
     started = time.perf_counter()
-    guarded(results, label, "engine throughput", lambda: engine_throughput(settings, label, directory, positions, results))
+    guarded(results, label, "engine throughput", lambda: engine_throughput(settings, label, directory, positions, results, opened))
+    opened.close()
     results.part("engine", time.perf_counter() - started)
 
     started = time.perf_counter()
@@ -770,23 +791,27 @@ def _engine_config(settings: Settings, context: int) -> Any:
     )
 
 
-def engine_verdict(settings: Settings, label: str, directory: Path, generator: Any, results: Results) -> None:
-    """The engine's greedy tokens, all requests at once and each alone, against the Generator's (:func:`compare_compositions`)."""
+def engine_verdict(settings: Settings, label: str, directory: Path, opened: Opened, results: Results) -> None:
+    """The engine's greedy tokens, all requests at once and each alone, against the Generator's (:func:`compare_compositions`).
+
+    The engine stays open in ``opened`` for its throughput, timed later.
+    """
     from kvexport.serving import Engine
 
+    generator = opened.generator
     tokens, rows = settings.tokens, settings.concurrency
     context = min(settings.contexts[0], generator.max_positions - tokens)
     prompts = _prompts(generator.vocab_size, rows, context)
-    with Engine(directory, _engine_config(settings, context)) as engine:
-        if settings.provider == "cuda":  # the slot buffers' own device, as ONNX Runtime holds them
-            owners = getattr(getattr(engine.runner.cache, "banks", None), "_owners", [])
-            devices = sorted({str(value.device_name()).lower() for value in owners if hasattr(value, "device_name")})
-            results.figures(label, engine_cache_devices=devices)
-            if devices != ["cuda"]:
-                previous = results.exports[label]["checks"].get("cache on device", {})
-                results.check(label, "cache on device", "FAIL", engine_slot_buffers=devices, generator=previous)
-        together = _engine_run(engine, prompts, tokens, together=True)
-        alone = _engine_run(engine, prompts, tokens, together=False)
+    engine = opened.engine = Engine(directory, _engine_config(settings, context))
+    if settings.provider == "cuda":  # the slot buffers' own device, as ONNX Runtime holds them
+        owners = getattr(getattr(engine.runner.cache, "banks", None), "_owners", [])
+        devices = sorted({str(value.device_name()).lower() for value in owners if hasattr(value, "device_name")})
+        results.figures(label, engine_cache_devices=devices)
+        if devices != ["cuda"]:
+            previous = results.exports[label]["checks"].get("cache on device", {})
+            results.check(label, "cache on device", "FAIL", engine_slot_buffers=devices, generator=previous)
+    together = _engine_run(engine, prompts, tokens, together=True)
+    alone = _engine_run(engine, prompts, tokens, together=False)
     reference_batched = generator.generate(prompts, tokens, eos_token_id=-1)[:, context:].tolist()
     reference_alone = [generator.generate([prompt], tokens, eos_token_id=-1)[0, context:].tolist() for prompt in prompts]
     verdict = compare_compositions(settings.provider, together, alone, reference_batched, reference_alone)
@@ -802,20 +827,25 @@ def engine_verdict(settings: Settings, label: str, directory: Path, generator: A
     )
 
 
-def engine_throughput(settings: Settings, label: str, directory: Path, positions: int, results: Results) -> None:
-    """The engine's output tok/s: the concurrency's greedy requests submitted at once, from submit to the last token."""
+def engine_throughput(settings: Settings, label: str, directory: Path, positions: int, results: Results, opened: Opened) -> None:
+    """The engine's output tok/s: the concurrency's greedy requests submitted at once, from submit to the last token.
+
+    On the engine the verdict ran (warm), or a new one where that one did not open.
+    """
     from kvexport.serving import Engine, SamplingParams
 
     tokens, rows = settings.tokens, settings.concurrency
     context = min(settings.contexts[0], positions - tokens)
-    with Engine(directory, _engine_config(settings, context)) as engine:
-        prompts = _prompts(engine.vocab_size, rows, context)
-        params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
-        list(engine.submit(prompts[0], params))  # a first burst's costs out of the measurement
-        started = time.perf_counter()
-        states = engine.submit_all([(prompt, params) for prompt in prompts])
-        produced = sum(sum(1 for e in state if e.token_id is not None) for state in states)
-        seconds = time.perf_counter() - started
+    if opened.engine is None:
+        opened.engine = Engine(directory, _engine_config(settings, context))
+    engine = opened.engine
+    prompts = _prompts(engine.vocab_size, rows, context)
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    list(engine.submit(prompts[0], params))  # a first request's costs out of the measurement
+    started = time.perf_counter()
+    states = engine.submit_all([(prompt, params) for prompt in prompts])
+    produced = sum(sum(1 for e in state if e.token_id is not None) for state in states)
+    seconds = time.perf_counter() - started
     ok = produced == rows * tokens
     rate = round(produced / seconds, 1) if seconds else 0.0
     results.check(label, "engine throughput", "PASS" if ok else "FAIL", output_tok_s=rate, tokens=produced, seconds=round(seconds, 3), concurrency=rows)
@@ -972,15 +1002,20 @@ def main() -> int:
         return 1
     jobs = _jobs(settings, work)
 
+    opened: dict[str, Opened] = {}
+
     def arrived(job: ExportJob, outcome: dict[str, Any]) -> None:
         if "export_error" not in outcome:
-            correctness_checks(settings, job.label, Path(job.out), results, work)
+            try:
+                opened[job.label] = correctness_checks(settings, job.label, Path(job.out), results, work)
+            except Exception as exc:  # the Generator did not open: the checks that need it say so
+                results.check(job.label, "cache on device", "FAIL", error=_one_line(exc))
         results.save()
 
     done = run_exports(settings, jobs, results, arrived)
     for job in jobs:  # timings once nothing else runs
         if "export_error" not in done[job.label]:
-            timing_checks(settings, job.label, Path(job.out), results, work)
+            timing_checks(settings, job.label, Path(job.out), results, work, opened.pop(job.label, Opened()))
         entry = results.exports[job.label]["checks"]
         for name in CHECKS:  # a check that never ran says why
             if name not in entry:
