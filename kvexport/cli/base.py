@@ -101,6 +101,16 @@ def provider_option(function: F) -> F:
     )(function)
 
 
+def cuda_graph_option(function: F) -> F:
+    """``--cuda-graph``, as ``EngineConfig.cuda_graph`` defines it (``generate`` and ``bench``; ``serve`` gets it from the config)."""
+    from kvexport.serving.config import EngineConfig
+
+    setting = next(f for f in dataclasses.fields(EngineConfig) if f.name == "cuda_graph")
+    return click.option(
+        setting.metadata["flag"], "cuda_graph", is_flag=True, default=setting.default, help=setting.metadata["help"]
+    )(function)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="kvexport")
 def main() -> None:

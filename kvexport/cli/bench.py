@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from kvexport.cli.base import json_option, main, progress, provider_option, run
+from kvexport.cli.base import cuda_graph_option, json_option, main, progress, provider_option, run
 from kvexport.extras import require_export_extra, require_extra
 
 
@@ -79,6 +79,7 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> list[in
     help="Directory for bench.json and bench.png.",
 )
 @provider_option
+@cuda_graph_option
 @json_option
 def bench_command(
     directory: Path,
@@ -94,6 +95,7 @@ def bench_command(
     text: Path | None,
     results: Path,
     provider: str,
+    cuda_graph: bool,
     as_json: bool,
 ) -> None:
     """Time TTFT and decode ms/token against PyTorch, no-cache and the bandwidth floor, in one run."""
@@ -116,6 +118,7 @@ def bench_command(
             drafts=drafts,
             text=text,
             progress=progress,
+            cuda_graph=cuda_graph,
         )
     )
     results.mkdir(parents=True, exist_ok=True)

@@ -9,7 +9,7 @@ from typing import Any, TypeVar
 
 import click
 
-from kvexport.cli.base import UserError, main, provider_option, run
+from kvexport.cli.base import UserError, cuda_graph_option, main, provider_option, run
 from kvexport.drafting import DEFAULT_DRAFT_TOKENS
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -97,6 +97,7 @@ def _drafter(prompt_lookup: bool, draft: Path | None, provider: str) -> Any:
 @sampling_options
 @speculation_options
 @provider_option
+@cuda_graph_option
 def generate_command(
     directory: Path,
     prompt: str,
@@ -114,6 +115,7 @@ def generate_command(
     draft: Path | None,
     draft_tokens: int,
     provider: str,
+    cuda_graph: bool,
 ) -> None:
     """Stream generated text for PROMPT to stdout; TTFT and tokens/s go to stderr."""
     from kvexport.runtime import Generator, SamplingConfig
@@ -122,8 +124,10 @@ def generate_command(
         raise UserError("--prompt is empty; pass some text")
     drafter = _drafter(prompt_lookup, draft, provider)
     if drafter is not None:
-        if share_weights or prepacked or truncate:
-            raise UserError("--share-weights, --prepacked and --truncate are not for speculative decoding; drop them")
+        if share_weights or prepacked or truncate or cuda_graph:
+            raise UserError(
+                "--share-weights, --prepacked, --truncate and --cuda-graph are not for speculative decoding; drop them"
+            )
         sampling = SamplingConfig(do_sample, temperature, top_k, top_p, seed)
         _speculative_generate(directory, prompt, max_new_tokens, sampling, drafter, draft_tokens, provider)
         return
@@ -134,6 +138,7 @@ def generate_command(
             share_weights=share_weights,
             prepacked=prepacked,
             prepack_dir=prepack_dir,
+            cuda_graph=cuda_graph,
         )
     )
     pieces = generator.stream_text(
@@ -150,7 +155,7 @@ def generate_command(
     stats = generator.last_stats
     click.echo(
         f"kvexport: {stats.new_tokens} tokens, prompt {stats.prompt_tokens}; TTFT {stats.ttft_s * 1000:.1f} ms, "
-        f"decode {stats.decode_ms_per_token:.1f} ms/token, {stats.tokens_per_s:.1f} tokens/s ({generator.provider})",
+        f"decode {stats.decode_ms_per_token:.1f} ms/token, {stats.tokens_per_s:.1f} tokens/s ({generator.provider}{', CUDA graph' if generator.cuda_graph else ''})",
         err=True,
     )
 

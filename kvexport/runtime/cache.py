@@ -128,15 +128,25 @@ class SlotCache:
             binding.bind_input(prefix + past, self.banks.device, 0, self.cache_dtype, shape, pointer)
             binding.bind_output(prefix + present, self.banks.device, 0, self.cache_dtype, shape, pointer)
 
-    def run_piece(self, session: ort.InferenceSession, row: int, piece: Sequence[int], start: int) -> np.ndarray:
+    def run_piece(
+        self, session: ort.InferenceSession, row: int, piece: Sequence[int], start: int, run_options: ort.RunOptions | None = None
+    ) -> np.ndarray:
         """Run ``piece`` at batch 1 after the ``start`` tokens cached in ``row`` (the prefill graph).
 
         Its keys and values land in the row's positions ``start..``; returns the logits
         after each token (an ``--all-logits`` graph) or after the last: [n or 1, V], fp32.
+        ``run_options``: e.g. a CUDA-graph session's, that runs it uncaptured.
         """
-        return self._run(session, row, np.array([piece], np.int64), start)[0]
+        return self._run(session, row, np.array([piece], np.int64), start, run_options)[0]
 
-    def run_rows(self, session: ort.InferenceSession, first: int, pieces: Sequence[Sequence[int]], start: int = 0) -> np.ndarray:
+    def run_rows(
+        self,
+        session: ort.InferenceSession,
+        first: int,
+        pieces: Sequence[Sequence[int]],
+        start: int = 0,
+        run_options: ort.RunOptions | None = None,
+    ) -> np.ndarray:
         """Run ``pieces``, all one length, in rows ``first..`` after the ``start`` tokens each row holds (one call).
 
         GroupQueryAttention runs a batch of several tokens a row only when no row has a past
@@ -151,9 +161,11 @@ class SlotCache:
         length = len(pieces[0])
         if any(len(piece) != length for piece in pieces):
             raise ValueError(f"pieces of {sorted({len(piece) for piece in pieces})} tokens: one call takes pieces of one length")
-        return self._run(session, first, np.array(pieces, np.int64), start)
+        return self._run(session, first, np.array(pieces, np.int64), start, run_options)
 
-    def _run(self, session: ort.InferenceSession, first: int, ids: np.ndarray, start: int) -> np.ndarray:
+    def _run(
+        self, session: ort.InferenceSession, first: int, ids: np.ndarray, start: int, run_options: ort.RunOptions | None = None
+    ) -> np.ndarray:
         """``ids`` ([rows, n]) into rows ``first..`` after the ``start`` tokens each holds; logits [rows, n or 1, V], fp32."""
         rows, length = ids.shape
         end = start + length
@@ -167,7 +179,7 @@ class SlotCache:
         count = length if self.manifest.all_logits else 1
         logits = np.empty((rows, count, self.manifest.dims.vocab_size), self.dtype)
         binding.bind_output("logits", "cpu", 0, self.dtype, list(logits.shape), logits.ctypes.data)
-        session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding, run_options)
         return logits.astype(np.float32, copy=False)
 
     @property

@@ -18,10 +18,15 @@ Design:
   logits row that sampling needs comes back to the host.
 - The sessions are shared and read-only after construction; all per-generation state
   lives in the call. A ``Generator`` is therefore safe to use from several threads.
+- With ``cuda_graph`` (or ``static_decode``, the same without capture) the cache is not the
+  call's: each (rows, bucketed capacity) keeps one at fixed addresses, with the decode
+  step's inputs and logits, so a captured step replays over the same memory
+  (:mod:`kvexport.runtime.cuda_graph`); generations of one shape take turns on it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Generator as Generator_
 from collections.abc import Iterator, Sequence
@@ -37,11 +42,20 @@ from tokenizers import Tokenizer
 from kvexport.bundle.manifest import GRAPH_NAMES, Manifest
 from kvexport.errors import KvexportError
 from kvexport.passes.cache_names import cache_names
-from kvexport.runtime.cache import CacheBanks, cache_layout_of, numpy_dtype
+from kvexport.runtime.cache import CacheBanks, SlotCache, cache_layout_of, numpy_dtype
+from kvexport.runtime.cuda_graph import (
+    NO_CAPTURE,
+    FixedDecode,
+    GraphIds,
+    check_fixed_decode,
+    decode_capacity,
+    graph_run_options,
+    step_mask,
+)
 from kvexport.runtime.opened import check_room, check_token_ids, open_export
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
-from kvexport.runtime.session import open_session, session_options
+from kvexport.runtime.session import open_session, session_options, session_providers
 from kvexport.runtime.text import text_pieces
 
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
@@ -178,6 +192,15 @@ class Generator:
             a second session, as exports with the concat layout always do. By default the
             prefill graph serves them (it takes a past too): one session, spinning threads
             on CPU, the weights loaded once.
+        cuda_graph: CUDA, in-place exports: capture the decode step as a CUDA graph once per
+            (rows, capacity) and replay it (:mod:`kvexport.runtime.cuda_graph`); the prompt runs
+            uncaptured. The capacity is the next power of two that holds prompt + new tokens
+            (at least 256, at most the model's positions), and each (rows, capacity) keeps its
+            own cache buffers and inputs, at fixed addresses, for the Generator's life;
+            generations of one (rows, capacity) take turns. Refused on CPU, and for a graph
+            with nodes a capture cannot hold (named).
+        static_decode: the same fixed-capacity, fixed-address decode step, without capture
+            (any provider): what ``cuda_graph`` replays, testable on CPU.
 
     """
 
@@ -193,6 +216,8 @@ class Generator:
         check: bool = False,
         trace_cache: bool = False,
         decode_graph: bool = False,
+        cuda_graph: bool = False,
+        static_decode: bool = False,
     ) -> None:
         opened = open_export(directory, provider, check=check)
         self.directory = opened.directory
@@ -225,6 +250,12 @@ class Generator:
         # one session (the weights once), whose threads may spin between a run's nodes since
         # no second session's pool competes with them for the cores.
         graphs = ("prefill",) if self._in_place and not decode_graph else GRAPH_NAMES
+        self.cuda_graph, self.static_decode = cuda_graph, static_decode
+        if cuda_graph or static_decode:
+            opened.require_in_place("--cuda-graph and static_decode need a decode step of one shape")
+        if cuda_graph:
+            session_providers(self.provider, cuda_graph=True)  # refused on CPU, in one line
+            check_fixed_decode(paths[graphs[-1]])  # the graph the decode steps run
         self.sessions: dict[str, ort.InferenceSession] = {}
         for graph in graphs:
             options = session_options(intra_op_threads, spinning=len(graphs) == 1 and self.provider == "cpu")
@@ -232,8 +263,14 @@ class Generator:
                 self._weights.add_to(options, protos[graph])
                 # pre-packing would give each session a private re-laid copy of every weight
                 options.add_session_config_entry("session.disable_prepacking", "1")
-            self.sessions[graph] = open_session(paths[graph], self.provider, options)
+            captures = cuda_graph and graph == graphs[-1]  # the session that runs the decode steps
+            self.sessions[graph] = open_session(paths[graph], self.provider, options, cuda_graph=captures)
         self.sessions.setdefault("decode", self.sessions["prefill"])
+        # the prompt's runs on a capturing session are neither captured nor replayed
+        self._prompt_run_options = graph_run_options(NO_CAPTURE) if cuda_graph else None
+        self._fixed: dict[tuple[int, int], FixedDecode] = {}  # (rows, capacity) -> its fixed step
+        self._fixed_lock = threading.Lock()
+        self._graph_ids = GraphIds()
         self._tokenizer = opened.tokenizer
         self.tokenizer: Tokenizer | None = self._tokenizer.tokenizer
         self.eos_token_id: int | None = opened.eos_token_id
@@ -342,23 +379,54 @@ class Generator:
         """The tokens that end a row: the one asked for, else every EOS of the export (its one, in old manifests)."""
         return self.eos_token_ids if eos_token_id is None else (eos_token_id,)
 
+    def fixed_decode(self, rows: int, capacity: int) -> FixedDecode:
+        """The fixed decode step of ``rows`` rows over a cache of ``capacity`` positions, made on first use and kept.
+
+        With ``cuda_graph`` its runs are captured under a ``gpu_graph_id`` of its own.
+        """
+        with self._fixed_lock:
+            fixed = self._fixed.get((rows, capacity))
+            if fixed is None:
+                cache = SlotCache(self.manifest, self.provider, rows, capacity)
+                graph_id = self._graph_ids(rows, capacity) if self.cuda_graph else None
+                fixed = self._fixed[(rows, capacity)] = FixedDecode(self.sessions["decode"], cache, rows, graph_id)
+            return fixed
+
     def _run(self, request: GenerationRequest) -> Iterator[np.ndarray]:
-        """Prefill, then the decode loop; ``last_stats`` is this call's once it finishes."""
+        """Prefill, then the decode loop; ``last_stats`` is this call's once it finishes.
+
+        With ``cuda_graph`` or ``static_decode`` the steps run through :meth:`fixed_decode`
+        (its cache and inputs, one generation at a time).
+        """
+        if not (self.cuda_graph or self.static_decode):
+            yield from self._loop(request, None)
+            return
         batch, prompt = request.ids.shape
-        banks = CacheBanks(
-            len(self._past_names),
-            int(np.prod(self._full_shape(request))),
-            self.cache_dtype,
-            "cuda" if self.provider == "cuda" else "cpu",
-            banks=1 if self._in_place else 2,
-        )
+        fixed = self.fixed_decode(batch, decode_capacity(prompt + request.max_new_tokens, self.max_positions))
+        with fixed.lock:
+            yield from self._loop(request, fixed)
+
+    def _loop(self, request: GenerationRequest, fixed: FixedDecode | None) -> Iterator[np.ndarray]:
+        """Prefill, then the decode loop: into per-call cache banks, or through ``fixed``'s cache and step."""
+        batch, prompt = request.ids.shape
         stats = GenerationStats(prompt_tokens=prompt, batch=batch)
         logits_length = prompt if self.manifest.all_logits else 1
         logits = np.empty((batch, logits_length, self.vocab_size), dtype=self.dtype)
-        started = time.perf_counter()
-        self._prefill(request, banks, logits, stats)
         step_logits = logits if logits_length == 1 else np.empty((batch, 1, self.vocab_size), dtype=self.dtype)
-        steps = self._decode_steps(request, banks, step_logits, stats)
+        started = time.perf_counter()
+        if fixed is None:
+            banks = CacheBanks(
+                len(self._past_names),
+                int(np.prod(self._full_shape(request))),
+                self.cache_dtype,
+                "cuda" if self.provider == "cuda" else "cpu",
+                banks=1 if self._in_place else 2,
+            )
+            self._prefill(request, banks, logits, stats)
+            steps = self._decode_steps(request, banks, step_logits, stats)
+        else:
+            self._prefill_fixed(request, fixed, logits, stats)
+            steps = self._fixed_steps(request, fixed, step_logits)
         next(steps)  # binds what stays bound for every step
         rng = np.random.default_rng(request.sampling.seed)
         finished = np.zeros(batch, dtype=bool)
@@ -433,6 +501,31 @@ class Generator:
                 self._bind_cache(binding, self._present_names, banks, 1 - current, grown, stats, output=True)
                 current = 1 - current
             decode.run_with_iobinding(binding)
+            length += 1
+
+    def _prefill_fixed(self, request: GenerationRequest, fixed: FixedDecode, logits: np.ndarray, stats: GenerationStats) -> None:
+        """Run the prompt into ``fixed``'s cache (uncaptured): its rows, bound as past and present at its capacity."""
+        binding = self.sessions["prefill"].io_binding()
+        binding.bind_cpu_input("input_ids", request.ids)
+        binding.bind_cpu_input("attention_mask", request.mask)
+        binding.bind_cpu_input("position_ids", positions_from_mask(request.mask))
+        self._bind_logits(binding, logits)
+        fixed.cache.bind(binding, 0, fixed.rows)
+        if self.trace_cache:
+            pointers = fixed.cache.banks.pointers[0]
+            stats.cache_pointers += [dict(zip(names, pointers, strict=True)) for names in (self._past_names, self._present_names)]
+        self.sessions["prefill"].run_with_iobinding(binding, self._prompt_run_options)
+
+    def _fixed_steps(self, request: GenerationRequest, fixed: FixedDecode, logits: np.ndarray) -> Generator_[None, np.ndarray, None]:
+        """A coroutine as :meth:`_decode_steps`, through ``fixed``: a mask as wide as its capacity, written in place."""
+        batch, prompt = request.ids.shape
+        mask = step_mask(np.full(batch, prompt), fixed.capacity, request.mask)
+        length = prompt
+        while True:
+            tokens = yield
+            positions = mask.sum(-1, keepdims=True).astype(np.int64)
+            mask[:, length] = 1
+            logits[...] = fixed.run(tokens.reshape(batch, 1), mask, positions)
             length += 1
 
     def _full_shape(self, request: GenerationRequest) -> tuple[int, int, int, int]:

@@ -38,6 +38,8 @@ ORT_PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvi
 # fp32 without TF32 stays near 1e-5 (verify's fp32 tolerance is 1e-4 + 1e-3 relative).
 # An fp32 export is asked for to get fp32 numbers; fp16 exports are not affected.
 CUDA_PROVIDER_OPTIONS = {"use_tf32": "0"}
+# what --cuda-graph adds: the provider records a run as a CUDA graph and replays it (kvexport.runtime.cuda_graph)
+CUDA_GRAPH_OPTIONS = {"enable_cuda_graph": "1"}
 # Which kernel runs 8-bit per-channel weights (stored as uint8 around 128) on CPU:
 # auto (uint8 x int8 where the CPU has AVX-512 VNNI, else uint8 x uint8), u8s8 or u8u8.
 INT8_KERNEL_VARIABLE = "KVEXPORT_INT8_KERNEL"
@@ -153,24 +155,39 @@ def signed_int8_weights() -> bool:
     return platform.machine() in ("x86_64", "AMD64") and "avx512_vnni" in cpu_flags()
 
 
-def session_providers(provider: Literal["cpu", "cuda"]) -> list[Any]:
-    """The ``providers`` list for a resolved provider: CUDA (no TF32) backed by CPU, or CPU."""
+def session_providers(provider: Literal["cpu", "cuda"], *, cuda_graph: bool = False) -> list[Any]:
+    """The ``providers`` list for a resolved provider: CUDA (no TF32) backed by CPU, or CPU.
+
+    ``cuda_graph`` adds the CUDA provider's ``enable_cuda_graph``
+    (:mod:`kvexport.runtime.cuda_graph`); asked for on CPU it is a :class:`ProviderError`.
+    """
     if provider == "cuda":
-        return [(ORT_PROVIDER_NAMES["cuda"], dict(CUDA_PROVIDER_OPTIONS)), ORT_PROVIDER_NAMES["cpu"]]
+        options = dict(CUDA_PROVIDER_OPTIONS) | (CUDA_GRAPH_OPTIONS if cuda_graph else {})
+        return [(ORT_PROVIDER_NAMES["cuda"], options), ORT_PROVIDER_NAMES["cpu"]]
+    if cuda_graph:
+        raise ProviderError(
+            f"--cuda-graph needs the CUDA provider (this runs on {provider}); use --provider cuda on a machine "
+            "with a GPU, or drop --cuda-graph"
+        )
     return [ORT_PROVIDER_NAMES["cpu"]]
 
 
 def open_session(
-    graph_path: Path, provider: str = "cpu", options: ort.SessionOptions | None = None
+    graph_path: Path, provider: str = "cpu", options: ort.SessionOptions | None = None, *, cuda_graph: bool = False
 ) -> ort.InferenceSession:
     """Open one graph on the resolved provider, after checking its external data is safe.
 
     ``options`` defaults to :func:`session_options`; CPU backs CUDA for the ops it lacks.
+    ``cuda_graph``: the CUDA provider may capture runs as CUDA graphs (a run's
+    ``gpu_graph_id`` says which, :func:`kvexport.runtime.cuda_graph.graph_run_options`);
+    refused on CPU.
     """
     check_external_data(graph_path)
+    resolved = resolve_provider(provider)
+    session_providers(resolved, cuda_graph=cuda_graph)  # refuses --cuda-graph on CPU before any work
     options = options or session_options()
-    model = cpu_graph(graph_path, options) if resolve_provider(provider) == "cpu" else str(graph_path)
-    return _inference_session(model, graph_path, provider, options, "this graph")
+    model = cpu_graph(graph_path, options) if resolved == "cpu" else str(graph_path)
+    return _inference_session(model, graph_path, provider, options, "this graph", cuda_graph=cuda_graph)
 
 
 def prompt_attention_products() -> bool:
@@ -311,14 +328,13 @@ def disabled_optimizers(provider: str) -> list[str]:
 
 
 def _inference_session(
-    model: str | bytes, graph_path: Path, provider: str, options: ort.SessionOptions, what: str
+    model: str | bytes, graph_path: Path, provider: str, options: ort.SessionOptions, what: str, *, cuda_graph: bool = False
 ) -> ort.InferenceSession:
     """A session of ``model`` (a path or serialized bytes) on the resolved provider; ORT's failure as one ManifestError line."""
     resolved = resolve_provider(provider)
+    providers = session_providers(resolved, cuda_graph=cuda_graph)
     try:
-        return ort.InferenceSession(
-            model, options, providers=session_providers(resolved), disabled_optimizers=disabled_optimizers(resolved)
-        )
+        return ort.InferenceSession(model, options, providers=providers, disabled_optimizers=disabled_optimizers(resolved))
     except Exception as exc:  # ORT raises its own Fail / InvalidGraph / RuntimeException types
         raise ManifestError(f"{graph_path}: ONNX Runtime cannot load {what} ({first_line(exc)[:300]})") from exc
 

@@ -85,6 +85,11 @@ class EngineConfig:
             prompts reach one step and share its prefill calls (``batch_prompts``); a lone
             request waits that long once. 0 (or ``batch_prompts`` off): start at once.
         provider: ``cpu``, ``cuda`` or ``auto``.
+        cuda_graph: capture each decode call as a CUDA graph, once per row count (the slots'
+            capacity is fixed), and replay it; prompt pieces run uncaptured. CUDA only, and an
+            export whose decode graph a capture can hold (:mod:`kvexport.runtime.cuda_graph`).
+        static_decode: run decode calls through the same fixed-address inputs and outputs
+            without capture, on any provider (tests the captured path's logic on CPU).
         intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
         spinning: let the sessions' threads spin between a run's nodes (faster decode steps
             on CPU); they stop at the end of each run.
@@ -171,6 +176,13 @@ class EngineConfig:
         flag="--provider",
         choices=("cpu", "cuda", "auto"),
     )
+    cuda_graph: bool = setting(
+        False,
+        "Capture the decode step as a CUDA graph once per batch shape (rows, cache capacity) and replay it (the CUDA "
+        "provider and an ort-cuda export); prompts run uncaptured.",
+        flag="--cuda-graph",
+    )
+    static_decode: bool = setting(False, "Run decode calls at fixed addresses as --cuda-graph does, without capture.")
     intra_op_threads: int | None = setting(None, "ONNX Runtime threads.")
     spinning: bool = setting(True, "Let the sessions' threads spin between a run's nodes.")
     check: bool = setting(True, "Skip comparing every file's sha256 with the manifest before loading.", flag="--no-check")

@@ -186,6 +186,8 @@ class Engine:
             spinning=config.spinning,
             mixed=config.mixed_step and self.provider == "cpu",
             drafter=self.drafter,
+            cuda_graph=config.cuda_graph,
+            static_decode=config.static_decode,
         )
         self.table = SlotTable(config.slots, prefix_cache=config.prefix_cache, can_copy_rows=self.runner.can_copy_rows)
         self.scheduler = Scheduler(

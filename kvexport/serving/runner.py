@@ -14,6 +14,12 @@ A decode call runs every row up to the highest running slot, each with its own t
 position and mask row, over a mask as wide as the capacity; its binding is made once
 per row count and kept, so shapes and addresses stay the same from step to step.
 
+With ``cuda_graph`` (CUDA) the decode call of each row count is captured as a CUDA graph
+on its first runs and replayed after (:class:`~kvexport.runtime.cuda_graph.FixedDecode`,
+keyed by (rows, capacity): the engine's capacity is fixed, so one graph per row count);
+prompt pieces run uncaptured. ``static_decode`` runs the same fixed-address decode
+without capture, on any provider.
+
 With ``mixed``, a second session runs the mixed step's graph (derived from the prefill
 graph when the runner opens, :mod:`kvexport.passes.mixed_step`): one call that prefills a
 prompt chunk into its slot and decodes the running rows, the chunk's and the rows' tokens
@@ -32,9 +38,21 @@ import onnxruntime as ort
 from kvexport.errors import KvexportError, first_line
 from kvexport.passes.vocabulary import ROWS_AFTER_PAST
 from kvexport.runtime.cache import SlotCache, numpy_dtype
+from kvexport.runtime.cuda_graph import (
+    NO_CAPTURE,
+    FixedDecode,
+    GraphIds,
+    check_fixed_decode,
+    graph_run_options,
+)
 from kvexport.runtime.opened import OpenedExport
 from kvexport.runtime.sampling import SamplingConfig
-from kvexport.runtime.session import open_mixed_session, open_session, session_options
+from kvexport.runtime.session import (
+    open_mixed_session,
+    open_session,
+    session_options,
+    session_providers,
+)
 from kvexport.runtime.speculative import Drafter, speculative_round
 from kvexport.serving.scheduler import (
     CallPlan,
@@ -70,7 +88,11 @@ class ModelOutput:
 
 
 class ModelRunner:
-    """Runs prompt chunks and decode calls over ``slots`` rows of ``capacity`` tokens (``drafter``: speculative rounds too)."""
+    """Runs prompt chunks and decode calls over ``slots`` rows of ``capacity`` tokens (``drafter``: speculative rounds too).
+
+    ``cuda_graph``: capture each row count's decode call as a CUDA graph (CUDA only, a graph
+    a capture can hold); ``static_decode``: the same fixed-address decode call uncaptured.
+    """
 
     def __init__(
         self,
@@ -82,6 +104,8 @@ class ModelRunner:
         spinning: bool = True,
         mixed: bool = False,
         drafter: Drafter | None = None,
+        cuda_graph: bool = False,
+        static_decode: bool = False,
     ) -> None:
         manifest = opened.manifest
         self.drafter = drafter
@@ -90,7 +114,15 @@ class ModelRunner:
         self.all_logits = manifest.all_logits
         graph = opened.directory / manifest.graphs["prefill"].file
         options = session_options(intra_op_threads, spinning=spinning)
-        self.session = open_session(graph, opened.provider, options)
+        if cuda_graph:
+            session_providers(opened.provider, cuda_graph=True)  # refused on CPU, in one line
+            check_fixed_decode(graph)
+        self.session = open_session(graph, opened.provider, options, cuda_graph=cuda_graph)
+        self.cuda_graph, self.static_decode = cuda_graph, static_decode
+        # prompt pieces on a capturing session run neither captured nor replayed
+        self._uncaptured = graph_run_options(NO_CAPTURE) if cuda_graph else None
+        self._fixed: dict[int, FixedDecode] = {}  # rows -> the fixed decode call (cuda_graph, static_decode)
+        self._graph_ids = GraphIds()
         self.mixed_session: ort.InferenceSession | None = None
         self.unmixed_because = "" if mixed else "not asked for"  # why there is no mixed session
         if mixed:
@@ -168,7 +200,7 @@ class ModelRunner:
 
     def run_piece(self, slot: int, piece: Sequence[int], start: int) -> np.ndarray:
         """``piece`` at batch 1 after the ``start`` tokens cached in ``slot``; its logits [n or 1, V] (fp32)."""
-        return self.cache.run_piece(self.session, slot, piece, start)
+        return self.cache.run_piece(self.session, slot, piece, start, self._uncaptured)
 
     @property
     def can_batch_prompts(self) -> bool:
@@ -192,7 +224,7 @@ class ModelRunner:
         ``start`` 0: fresh prompts' first pieces; later pieces where :attr:`can_batch_after_past`.
         Returns the logits [rows, n or 1, V] (fp32).
         """
-        return self.cache.run_rows(self.session, first, pieces, start)
+        return self.cache.run_rows(self.session, first, pieces, start, self._uncaptured)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One call over slots ``0..len(tokens)-1``: row i feeds ``tokens[i]`` at ``positions[i]``.
@@ -201,8 +233,19 @@ class ModelRunner:
         """
         rows = len(tokens)
         self._set_decode_rows(tokens, positions)
+        if self.cuda_graph or self.static_decode:
+            logits = self._fixed_decode(rows).run(self._ids[:rows], self._mask[:rows], self._positions[:rows])
+            return logits[:, 0, :]
         self.session.run_with_iobinding(self._decode_binding(rows))
         return self._logits[:rows, 0, :]
+
+    def _fixed_decode(self, rows: int) -> FixedDecode:
+        """The fixed decode call of the first ``rows`` slots, made once per row count (its own ``gpu_graph_id`` with ``cuda_graph``)."""
+        fixed = self._fixed.get(rows)
+        if fixed is None:
+            graph_id = self._graph_ids(rows, self.cache.row_shape[1]) if self.cuda_graph else None
+            fixed = self._fixed[rows] = FixedDecode(self.session, self.cache, rows, graph_id)
+        return fixed
 
     def mixed(
         self, slot: int, piece: Sequence[int], start: int, tokens: Sequence[int], positions: Sequence[int]

@@ -61,7 +61,7 @@ from kvexport.progress import Progress, silent
 from kvexport.runtime.cache import cache_row_bytes
 from kvexport.runtime.generator import Generator
 from kvexport.runtime.prepacked import prepacked_graphs
-from kvexport.runtime.session import resolve_provider
+from kvexport.runtime.session import resolve_provider, session_providers
 
 DEFAULT_CONTEXTS = (128, 512, 1000)
 DEFAULT_BATCHES = (1, 4)
@@ -101,6 +101,7 @@ class BenchReport:
     disk_bytes: dict[str, int] = field(default_factory=dict)
     measurements: list[Measurement] = field(default_factory=list)
     machine: dict[str, Any] = field(default_factory=dict)
+    cuda_graph: bool = False  # the kvexport Generator's decode steps captured as CUDA graphs (--cuda-graph)
 
     @property
     def generator_rss_mb(self) -> float:
@@ -549,8 +550,13 @@ def run_bench(
     drafts: Sequence[str | Path] = (),
     text: Path | None = None,
     progress: Progress | None = None,
+    cuda_graph: bool = False,
 ) -> BenchReport:
     """Measure kvexport and the baselines; see the module docstring.
+
+    ``cuda_graph``: the ``kvexport`` Generator captures its decode steps as CUDA graphs
+    (:mod:`kvexport.runtime.cuda_graph`); the report records it. Refused on CPU before
+    anything is measured.
 
     ``memory_variants`` adds the memory-saving Generators (pre-packed, shared weights).
     ``prefix`` > 0 adds the engine's prefix-cache rows for an in-place export (the prefix
@@ -561,6 +567,8 @@ def run_bench(
     each is timed in the same run as system ``kvexport[<attention>]``.
     """
     progress = progress or silent
+    if cuda_graph:
+        session_providers(resolve_provider(provider), cuda_graph=True)  # refused on CPU, in one line
     manifest, others = _checked_inputs(directory, compare, contexts, new_tokens)
     if baselines and manifest.source.kind == "graph":
         progress(f"no PyTorch baselines: {directory} was imported without its checkpoint")
@@ -574,7 +582,7 @@ def run_bench(
     variants = _load_memory_variants(directory, provider, variant_memory, progress) if memory_variants else []
     progress("loading the kvexport Generator")
     rss_before, pss_before = memory_mb()
-    generator = Generator(directory, provider=provider)
+    generator = Generator(directory, provider=provider, cuda_graph=cuda_graph)
     warm_up(generator)
     rss_after, pss_after = memory_mb()
     report = BenchReport(
@@ -590,6 +598,7 @@ def run_bench(
         pss_after_load_mb=round(pss_after, 1),
         variant_memory=variant_memory,
         machine={"cpus": os.cpu_count(), "platform": platform.platform(), "processor": platform.processor()},
+        cuda_graph=cuda_graph,
     )
     report.disk_bytes["kvexport"] = export_bytes(Path(directory))
     compared, floors = _load_compared(others, provider, report, {system for system, _ in variants}, progress)
