@@ -1026,7 +1026,11 @@ def main() -> int:
     results.part("total", time.perf_counter() - results.started)
     results.save()
     print("time by part (s): " + ", ".join(f"{k} {v}" for k, v in results.parts_s.items()), flush=True)
-    print(f"{'FAIL' if results.failed else 'PASS'} gpu_check ({settings.provider}): {settings.out}", flush=True)
+    statuses = [c["status"] for e in results.exports.values() for c in e["checks"].values()]
+    counts = ", ".join(f"{statuses.count(s)} {s}" for s in ("PASS", "FAIL", "SKIP"))
+    targets = ", ".join(f"{sum(t['status'] == s for t in results.targets)} {s}" for s in ("PASS", "MISS", "SKIP"))
+    verdict = "FAIL" if results.failed else "PASS"
+    print(f"{verdict} gpu_check ({settings.provider}): checks {counts}; targets {targets}; {settings.out}", flush=True)
     return 1 if results.failed else 0
 
 
