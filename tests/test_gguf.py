@@ -185,3 +185,26 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     assert result.exit_code == 2, result.output
     assert f"Error: --model {path}: not a GGUF file kvexport can read (" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_generate_chat_prints_the_templated_answer_alone(small_gguf: Path, dequantized: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    question = "What is the capital of France?"
+    tokenizer = AutoTokenizer.from_pretrained(small_gguf.parent, gguf_file=small_gguf.name)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt")
+    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
+    reference = AutoModelForCausalLM.from_pretrained(small_gguf.parent, gguf_file=small_gguf.name, dtype=torch.float32)
+    with torch.no_grad():
+        answer = reference.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
+    result = CliRunner().invoke(main, ["generate", str(dequantized), "--chat", "--prompt", question, "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == tokenizer.decode(answer, skip_special_tokens=True).strip()
+    assert "<|im_start|>" not in result.stdout and question not in result.stdout
+
+
+def test_generate_system_without_chat_is_refused(dequantized: Path) -> None:
+    result = CliRunner().invoke(main, ["generate", str(dequantized), "--prompt", "Hi", "--system", "Be brief."])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == "Error: --system is a chat's system message; add --chat"

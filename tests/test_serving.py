@@ -663,3 +663,24 @@ def test_the_warm_up_leaves_no_costs_in_the_prefill_budget(trained_exports: dict
         assert (budget.decode_seconds, budget.seconds_per_token, budget.decode_peak) == (None, None, 0.0)
         engine.submit([5, 6, 7], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)).result()
         assert engine.scheduler.budget.decode_seconds is not None  # measured from the first real request on
+
+
+def test_the_default_cache_fits_one_gib_where_the_models_context_would_not(trained_exports: dict[str, Path]) -> None:
+    from kvexport.bundle.manifest import read_manifest
+    from kvexport.serving.engine import DEFAULT_KV_MEMORY, default_capacity, slot_bytes
+
+    manifest = read_manifest(trained_exports["none"])
+    per_token = slot_bytes(manifest, 1)
+    # the trained model's own context fits the budget many times over: it stays whole
+    assert default_capacity(manifest, 8) == manifest.dims.max_positions
+    # a model with SmolLM2-135M's context and a cache 64x the trained model's per token does not
+    wide = dataclasses.replace(
+        manifest, dims=dataclasses.replace(manifest.dims, max_positions=8192, num_layers=manifest.dims.num_layers * 64)
+    )
+    capacity = default_capacity(wide, 8)
+    assert capacity % 256 == 0 and 512 <= capacity < 8192
+    assert 8 * slot_bytes(wide, capacity) <= DEFAULT_KV_MEMORY < 8 * slot_bytes(wide, capacity + 256)
+    assert per_token * 64 == slot_bytes(wide, 1)
+    # --max-context and --kv-memory size it as asked; the default alone is budgeted
+    with Engine(trained_exports["none"], slots=2, max_context=64, warm_up=0) as engine:
+        assert engine.capacity == 64

@@ -15,6 +15,7 @@ a 135M model).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections import Counter
 from dataclasses import dataclass
@@ -129,10 +130,19 @@ def _field(reader: Any, key: str) -> Any:
 def read_gguf(path: Path) -> GgufSummary:
     """Read a GGUF file's metadata, refusing what kvexport does not take (one line each).
 
+    Read once per file and version (its size and modification time): the reader parses the
+    tokenizer's arrays in Python, seconds for a 49k vocabulary, and an export asks several times.
+
     Raises :class:`~kvexport.errors.KvexportError` for a missing ``gguf`` package, a file that
     is not GGUF, an architecture outside :data:`GGUF_ARCHITECTURES`, or tensors of a type
     outside :data:`TAKEN_TYPES` (named with one tensor of each and their count).
     """
+    stat = path.stat() if path.is_file() else None
+    return _read_gguf(path.resolve(), None if stat is None else (stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _read_gguf(path: Path, version: tuple[int, int] | None) -> GgufSummary:
     reader = _reader(path)
     architecture = str(_field(reader, "general.architecture") or "")
     if architecture not in GGUF_ARCHITECTURES:

@@ -48,7 +48,9 @@ class EngineConfig:
 
     Attributes:
         slots: rows of the cache: requests generating at once.
-        max_context: tokens per slot (prompt + completion); default the model's positions.
+        max_context: tokens per slot (prompt + completion); default: what fits
+            :data:`~kvexport.serving.engine.DEFAULT_KV_MEMORY` (1 GiB) over the slots, at most the
+            model's positions (with ``kv_memory``: the model's positions).
         kv_memory: size the slots from this many bytes of cache instead (as many slots of
             ``max_context`` tokens as fit, in the export's cache dtype: an int8 cache holds
             4x the fp32 cache's slots); it overrides ``slots`` (the CLI refuses both).
@@ -111,7 +113,9 @@ class EngineConfig:
 
     slots: int = setting(8, "Requests generating at once (cache rows).", flag="--slots", low=1)
     max_context: int | None = setting(
-        None, "Tokens per slot, prompt + completion.", flag="--max-context", low=2, shown="the model's positions"
+        None, "Tokens per slot, prompt + completion.", flag="--max-context", low=2,
+        shown="what fits 1 GiB of cache over the slots (a multiple of 256, at least 512), at most the model's positions; "
+        "with --kv-memory, the model's positions"
     )
     kv_memory: int | None = setting(
         None,

@@ -81,12 +81,34 @@ from kvexport.serving.scheduler import (
 )
 from kvexport.serving.slots import SlotTable
 
-__all__ = ["Engine", "EngineClosed", "EngineFull", "EngineListener", "EngineStats", "slot_bytes", "slots_for_memory"]
+__all__ = [
+    "DEFAULT_KV_MEMORY", "Engine", "EngineClosed", "EngineFull", "EngineListener", "EngineStats", "default_capacity",
+    "slot_bytes", "slots_for_memory",
+]
+
+# The cache's size where neither --max-context nor --kv-memory says it (default_capacity): 1 GiB. Every
+# slot at the model's full context took 8 x 8,192 tokens, 2.81 GiB of fp32 cache, for SmolLM2-135M (a
+# 135M model) and 8 x 32,768, 12 GiB, for Qwen2.5-0.5B, and `kvexport serve` minutes to start. 1 GiB
+# keeps GPT-2's whole context on 8 slots and gives the small Llama-style models 2-5k tokens a slot
+# (llama-server's default, -c 4096, is shared by all its slots).
+DEFAULT_KV_MEMORY = 1 << 30
+MIN_DEFAULT_CONTEXT = 512  # the least a slot gets by default, whatever the budget says (a large model's cache)
 
 
 def slot_bytes(manifest: Manifest, capacity: int) -> int:
     """Bytes of cache one slot of ``capacity`` tokens holds, in the export's cache dtype (every layer, K and V)."""
     return 2 * manifest.dims.num_layers * cache_row_bytes(manifest, capacity)
+
+
+def default_capacity(manifest: Manifest, slots: int) -> int:
+    """Tokens per slot where neither ``max_context`` nor ``kv_memory`` is given: what fits :data:`DEFAULT_KV_MEMORY`.
+
+    As many tokens as ``slots`` slots hold in :data:`DEFAULT_KV_MEMORY` bytes of cache, rounded
+    down to a multiple of 256, at least :data:`MIN_DEFAULT_CONTEXT` and at most the model's positions.
+    """
+    per_token = slot_bytes(manifest, 1)
+    fits = DEFAULT_KV_MEMORY // (slots * per_token) // 256 * 256
+    return min(manifest.dims.max_positions, max(MIN_DEFAULT_CONTEXT, fits))
 
 
 def slots_for_memory(manifest: Manifest, capacity: int, budget: int) -> int:
@@ -163,7 +185,12 @@ class Engine:
         opened.require_in_place("the engine needs the in-place cache")
         self.directory, self.manifest, self.provider = opened.directory, opened.manifest, opened.provider
         dims = self.manifest.dims
-        self.capacity = dims.max_positions if config.max_context is None else config.max_context
+        if config.max_context is not None:
+            self.capacity = config.max_context
+        elif config.kv_memory is not None:
+            self.capacity = dims.max_positions
+        else:
+            self.capacity = default_capacity(self.manifest, config.slots)
         if not 2 <= self.capacity <= dims.max_positions:
             raise KvexportError(f"max_context {self.capacity}: must be 2..{dims.max_positions} (the model's positions)")
         if config.kv_memory is not None:

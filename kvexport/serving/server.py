@@ -17,7 +17,7 @@ from pathlib import Path
 
 from kvexport.errors import KvexportError
 from kvexport.serving.config import ApiConfig, EngineConfig
-from kvexport.serving.engine import Engine, slot_bytes
+from kvexport.serving.engine import DEFAULT_KV_MEMORY, Engine, slot_bytes
 
 
 def serve(
@@ -81,4 +81,9 @@ def cache_summary(engine: Engine) -> str:
     text = f"{engine.manifest.cache_dtype} cache {engine.slots * per_slot / 2**30:.2f} GiB"
     if engine.config.kv_memory is not None:
         text += f" (--kv-memory {engine.config.kv_memory} bytes: {engine.slots} slots of {per_slot / 2**20:.1f} MiB)"
+    elif engine.config.max_context is None and engine.capacity < engine.manifest.dims.max_positions:
+        text += (
+            f" (the default {DEFAULT_KV_MEMORY / 2**30:g} GiB budget; the model takes {engine.manifest.dims.max_positions} "
+            "tokens: --max-context or --kv-memory for more)"
+        )
     return text
