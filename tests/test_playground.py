@@ -65,13 +65,13 @@ def test_the_page_streams_the_apis_greedy_text(browser: webdriver.Chrome, traine
     template_file.write_text(TEMPLATE)
     with _server(trained_exports["none"], ApiConfig(chat_template=str(template_file)), slots=2, max_context=128) as (url, _):
         prompt = "The class statement"
-        shown = _run_page(browser, url, prompt, tokens=24)
+        shown = _run_page(browser, url, prompt, tokens=24, mode="completion")
         want = httpx.post(f"{url}/v1/completions", json={"model": "trained", "prompt": prompt, "max_tokens": 24, "temperature": 0}, timeout=60)
         assert shown == want.json()["choices"][0]["text"] and shown
         ARTIFACTS.mkdir(exist_ok=True)
         browser.save_screenshot(str(ARTIFACTS / "playground.png"))
-        # the chat mode, as the server has a template
-        chat_shown = _run_page(browser, url, "What is a class?", tokens=12, mode="chat")
+        # the chat mode, which the page opens in where the server has a template
+        chat_shown = _run_page(browser, url, "What is a class?", tokens=12)
         chat = httpx.post(
             f"{url}/v1/chat/completions",
             json={"model": "trained", "messages": [{"role": "user", "content": "What is a class?"}], "max_tokens": 12, "temperature": 0},
