@@ -124,21 +124,44 @@ def test_unpacked_blocks_give_the_gguf_packages_own_dequantized_values(kind: str
     assert np.array_equal(values.reshape(6, 4 * per_block), dequantize(raw, quant))
 
 
-def test_greedy_chat_tokens_equal_transformers_on_the_dequantized_gguf(small_gguf: Path, dequantized: Path) -> None:
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def transformers_answer(small_gguf: Path) -> tuple[list[int], list[int], str]:
+    """transformers on the file's dequantized weights: the chat prompt's ids, the greedy answer's ids and text."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(small_gguf.parent, gguf_file=small_gguf.name)
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
-    )
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True, tokenize=False)
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     reference = AutoModelForCausalLM.from_pretrained(small_gguf.parent, gguf_file=small_gguf.name, dtype=torch.float32)
     with torch.no_grad():
-        expected = reference.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
-    ours = Generator(dequantized).generate(ids.numpy(), max_new_tokens=12)[0, ids.shape[1]:].tolist()
+        answer = reference.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    return ids[0].tolist(), answer, tokenizer.decode(answer, skip_special_tokens=True)
+
+
+def test_greedy_chat_tokens_equal_transformers_on_the_dequantized_gguf(
+    dequantized: Path, transformers_answer: tuple[list[int], list[int], str]
+) -> None:
+    ids, expected, _ = transformers_answer
+    ours = Generator(dequantized).generate([ids], max_new_tokens=12)[0, len(ids):].tolist()
     # both stop at <|im_end|>; the Generator pads a finished row with it
     assert ours[: len(expected)] == expected and set(ours[len(expected):]) <= {2}, (ours, expected)
+
+
+def test_generate_chat_prints_the_templated_answer_alone(dequantized: Path, transformers_answer: tuple[list[int], list[int], str]) -> None:
+    result = CliRunner().invoke(main, ["generate", str(dequantized), "--chat", "--prompt", QUESTION, "--max-new-tokens", "12"])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.strip() == transformers_answer[2].strip()
+    assert "<|im_start|>" not in result.stdout and QUESTION not in result.stdout
+
+
+def test_generate_system_without_chat_is_refused(dequantized: Path) -> None:
+    result = CliRunner().invoke(main, ["generate", str(dequantized), "--prompt", "Hi", "--system", "Be brief."])
+    assert result.exit_code == 2
+    assert result.output.strip().splitlines()[-1] == "Error: --system is a chat's system message; add --chat"
 
 
 def test_a_gguf_of_an_architecture_kvexport_does_not_export_is_refused_in_one_line(small_gguf: Path, tmp_path: Path) -> None:
@@ -186,25 +209,3 @@ def test_a_file_that_is_not_gguf_is_refused(tmp_path: Path) -> None:
     assert f"Error: --model {path}: not a GGUF file kvexport can read (" in result.output
     assert "Traceback" not in result.output and not (tmp_path / "out").exists()
 
-
-def test_generate_chat_prints_the_templated_answer_alone(small_gguf: Path, dequantized: Path) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    question = "What is the capital of France?"
-    tokenizer = AutoTokenizer.from_pretrained(small_gguf.parent, gguf_file=small_gguf.name)
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt")
-    ids = ids if isinstance(ids, torch.Tensor) else ids["input_ids"]
-    reference = AutoModelForCausalLM.from_pretrained(small_gguf.parent, gguf_file=small_gguf.name, dtype=torch.float32)
-    with torch.no_grad():
-        answer = reference.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1]:]
-    result = CliRunner().invoke(main, ["generate", str(dequantized), "--chat", "--prompt", question, "--max-new-tokens", "8"])
-    assert result.exit_code == 0, result.output
-    assert result.stdout.strip() == tokenizer.decode(answer, skip_special_tokens=True).strip()
-    assert "<|im_start|>" not in result.stdout and question not in result.stdout
-
-
-def test_generate_system_without_chat_is_refused(dequantized: Path) -> None:
-    result = CliRunner().invoke(main, ["generate", str(dequantized), "--prompt", "Hi", "--system", "Be brief."])
-    assert result.exit_code == 2
-    assert result.output.strip().splitlines()[-1] == "Error: --system is a chat's system message; add --chat"
