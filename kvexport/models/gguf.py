@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,12 +109,13 @@ class GgufSummary:
 
 
 def _reader(path: Path) -> Any:
-    try:
-        import gguf
-    except ImportError as exc:
+    missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
+    if missing:  # transformers' GGUF loader refuses to load weights without accelerate
         raise KvexportError(
-            f"--model {path}: reading a GGUF file needs the gguf package; pip install '{GGUF_EXTRA}'"
-        ) from exc
+            f"--model {path}: reading a GGUF file needs {' and '.join(missing)}; pip install '{GGUF_EXTRA}'"
+        )
+    import gguf
+
     if not path.is_file():
         raise KvexportError(f"--model {path}: no such file; pass an existing .gguf file")
     try:
