@@ -77,7 +77,7 @@ def test_weights_become_nbits_ops_with_the_head_and_embedding_sharing_bytes(bits
     config = QuantizationConfig(bits=bits, block_size=32, accuracy_level=0, head_bits=head_bits)
     graph_pass = QuantizeWeightsPass(config)
     assert graph_pass(model).modified
-    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0, "offsets": 0}
+    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0, "offsets": 0, "kept": 0}
     ops = [(node.op_type, node.attributes.get_int("bits", 0)) for node in model.graph]
     assert ops == [
         ("GatherBlockQuantized", head_bits),
@@ -126,7 +126,7 @@ def test_per_channel_weights_become_row_quantized_products_with_the_tied_table_r
     config = QuantizationConfig(bits=8, per_channel=True, channel_bits=channel_bits)
     graph_pass = QuantizeWeightsPass(config)
     assert graph_pass(model).modified
-    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0, "offsets": 0}
+    assert graph_pass.counts == {"matmul": 2, "lm_head": 1, "gather_shared": 1, "gather": 0, "left_float": 0, "offsets": 0, "kept": 0}
     matmuls = [node for node in model.graph if node.op_type == "MatMulIntegerToFloat"]
     assert len(matmuls) == 3
     assert not [node for node in model.graph if node.op_type in ("MatMul", "Gemm", "MatMulNBits", "DynamicQuantizeMatMul")]
@@ -574,7 +574,7 @@ def test_rows_no_block_divides_stay_float() -> None:
     graph_pass(model)
     # the head pads its last block (MatMulNBits allows that); the table stays a float Gather
     assert [node.op_type for node in model.graph] == ["Gather", "MatMulNBits"]
-    assert graph_pass.counts == {"matmul": 0, "lm_head": 1, "gather_shared": 0, "gather": 0, "left_float": 1, "offsets": 0}
+    assert graph_pass.counts == {"matmul": 0, "lm_head": 1, "gather_shared": 0, "gather": 0, "left_float": 1, "offsets": 0, "kept": 0}
     ids = np.array([0, 10], dtype=np.int64)
     assert np.abs(_run(model, ids) - table[ids] @ table.T).max() < 0.05 * np.abs(table[ids] @ table.T).max()
 
@@ -592,7 +592,7 @@ def test_graph_without_weights_is_left_alone() -> None:
     model = ir.from_proto(onnx.helper.make_model(graph))
     graph_pass = QuantizeWeightsPass()
     assert not graph_pass(model).modified
-    assert graph_pass.counts == {"matmul": 0, "lm_head": 0, "gather_shared": 0, "gather": 0, "left_float": 0, "offsets": 0}
+    assert graph_pass.counts == {"matmul": 0, "lm_head": 0, "gather_shared": 0, "gather": 0, "left_float": 0, "offsets": 0, "kept": 0}
     assert [node.op_type for node in model.graph] == ["MatMul"]
 
 
