@@ -46,6 +46,8 @@ def _stream(name: str, pieces: Iterable[str]) -> tuple[str | None, list[ToolCall
     deltas: list[ToolCallDelta] = []
     for piece in pieces:
         step = parser.stream(piece)
+        indices = [delta.index for delta in step.tool_calls]
+        assert len(indices) == len(set(indices)), "one piece per call and step"
         content.append(step.content)
         deltas += step.tool_calls
     end = parser.finish()
@@ -396,6 +398,26 @@ MISTRAL_CASES = [
         [("add", json.dumps({"a": "3", "b": "4"}))],
         None,
     ),
+    # test_extract_tool_calls_v11_tokenizer: single_tool_add, single_tool_weather
+    ('[TOOL_CALLS]add{"a": 3.5, "b": 4}', [("add", json.dumps({"a": 3.5, "b": 4}))], None),
+    (
+        '[TOOL_CALLS]get_current_weather{"city": "San Francisco", "state": "CA", "unit": "celsius"}',
+        [
+            (
+                "get_current_weather",
+                json.dumps({"city": "San Francisco", "state": "CA", "unit": "celsius"}),
+            )
+        ],
+        None,
+    ),
+    # ours: v11, two calls, content before, text after dropped
+    (
+        'Sure.[TOOL_CALLS]add{"a": 1}[TOOL_CALLS]get_age{"name": "Jo"} bye',
+        [("add", '{"a": 1}'), ("get_age", '{"name": "Jo"}')],
+        "Sure.",
+    ),
+    ("[TOOL_CALLS]add", [], "[TOOL_CALLS]add"),
+    ("[TOOL_CALLS]add {}", [], "[TOOL_CALLS]add {}"),
     # ours: two calls, content before the tag
     (
         'Calling.[TOOL_CALLS][{"name": "add", "arguments": {"a": 3.5, "b": 4}}, {"name": "get_age", "arguments": {"name": "Jo"}}]',
@@ -560,3 +582,60 @@ SMOLLM_TEMPLATE = "{% for message in messages %}<|im_start|>{{ message['role'] }
 )
 def test_choose_tool_parser(template: str, expected: str | None) -> None:
     assert choose_tool_parser(template) == expected
+
+
+# --- the streaming JSON reader against json.dumps(json.loads(...)) on random JSON ---
+
+
+def _random_json(rng: random.Random, depth: int = 0) -> str:
+    """A random JSON text with free whitespace, escapes, numbers in odd spellings."""
+    space = lambda: rng.choice(["", "", " ", "\n  ", "\t"])  # noqa: E731
+    kind = rng.choice(["obj", "arr", "str", "num", "lit"] if depth < 4 else ["str", "num", "lit"])
+    if kind == "obj":
+        members = [
+            f"{space()}{_random_string(rng)}{space()}:{space()}{_random_json(rng, depth + 1)}{space()}"
+            for _ in range(rng.randint(0, 4))
+        ]
+        return "{" + ",".join(members) + space() + "}"
+    if kind == "arr":
+        items = [
+            f"{space()}{_random_json(rng, depth + 1)}{space()}" for _ in range(rng.randint(0, 4))
+        ]
+        return "[" + ",".join(items) + space() + "]"
+    if kind == "str":
+        return _random_string(rng)
+    if kind == "num":
+        return rng.choice(
+            ["0", "-0", "12", "-3.250", "1e5", "1E-2", "2.5e+3", "10.0", "123456789012345678901"]
+        )
+    return rng.choice(["true", "false", "null"])
+
+
+def _random_string(rng: random.Random) -> str:
+    pieces = ["a", "Z", " ", "é", "燃", "😀", "\\n", "\\t", '\\"', "\\\\", "\\/", "\\u00e9", "\\u0001",
+              "\\ud83d\\ude00", "\\ud800", "\\u2028", "{", "}", "<", "\\b", "\\f"]  # fmt: skip
+    return '"' + "".join(rng.choice(pieces) for _ in range(rng.randint(0, 6))) + '"'
+
+
+def _has_repeated_key(text: str) -> bool:
+    repeated = False
+
+    def pairs(items: list[tuple[str, object]]) -> dict[str, object]:
+        nonlocal repeated
+        repeated = repeated or len({key for key, _ in items}) < len(items)
+        return dict(items)
+
+    json.loads(text, object_pairs_hook=pairs)
+    return repeated
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_streamed_arguments_equal_json_dumps(seed: int) -> None:
+    rng = random.Random(seed)
+    arguments = _random_json(rng)
+    while _has_repeated_key(arguments):  # json.loads keeps the last; the stream sent both
+        arguments = _random_json(rng)
+    text = f'<tool_call>\n{{"name": "f", "arguments": {arguments}}}\n</tool_call>'
+    expected = json.dumps(json.loads(arguments), ensure_ascii=False)
+    _assert_calls(_extract("hermes", text), [("f", expected)], None)
+    _assert_streams_as_extract("hermes", text)

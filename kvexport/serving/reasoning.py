@@ -28,6 +28,7 @@ from __future__ import annotations
 from typing import ClassVar, NamedTuple
 
 from kvexport.errors import KvexportError
+from kvexport.serving.tool_parsers import held_tag_prefix
 
 
 class ReasoningDelta(NamedTuple):
@@ -39,17 +40,6 @@ class ReasoningDelta(NamedTuple):
 
 class UnknownReasoningParserError(KvexportError):
     """A reasoning parser name that is not registered."""
-
-
-def _held_prefix(text: str, tags: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` may begin one of ``tags``."""
-    longest = 0
-    for tag in tags:
-        for size in range(min(len(tag) - 1, len(text)), longest, -1):
-            if text.endswith(tag[:size]):
-                longest = size
-                break
-    return longest
 
 
 class ReasoningParser:
@@ -123,7 +113,7 @@ class ReasoningParser:
                 content.append(tag)
                 self._pending, self._state = "", "content"
                 return
-        held = _held_prefix(self._pending, (self.end, *self.implicit_ends))
+        held = held_tag_prefix(self._pending, (self.end, *self.implicit_ends))
         reasoning.append(self._pending[: len(self._pending) - held])
         self._pending = self._pending[len(self._pending) - held :]
 

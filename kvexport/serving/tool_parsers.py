@@ -10,7 +10,8 @@ parser turns that text back into OpenAI's ``tool_calls`` (``id``, ``type: "funct
 - ``llama3_json`` (Llama 3.x): ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``),
   possibly after ``<|python_tag|>``, several separated by ``;``; the text around them is
   dropped (content is None when a call is found).
-- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``; the text before
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or from Mistral's
+  tokenizer v11 on ``[TOOL_CALLS]name{...}`` per call; the text before the first
   ``[TOOL_CALLS]`` is the content.
 - ``pythonic`` (Llama 3.2 / 4 with vLLM's pythonic templates): the whole output is a
   Python list of calls, ``[get_weather(city='SF', metric='celsius'), ...]``, read with
@@ -29,7 +30,8 @@ ever reaches the content: text that may begin a tag is held until it can tell. A
 ``id`` and ``name`` are sent once, in its first delta, and its ``arguments`` in pieces
 whose concatenation is exactly the string :meth:`ToolParser.extract` gives: the JSON
 parsers re-serialize the arguments as they arrive, character by character, in
-``json.dumps``'s form (a number or ``true`` is sent when it ends). ``pythonic`` sends each
+``json.dumps``'s form (a number or ``true`` is sent when it ends), one piece per call and
+step. ``pythonic`` sends each
 call whole when the list closes (a Python literal can't be turned into JSON before it
 ends).
 
@@ -366,20 +368,32 @@ class _CallReader:
     before anything of it is sent. Arguments before the name wait for it.
     """
 
-    def __init__(self, index: int, new_id: IdFactory, argument_keys: tuple[str, ...]) -> None:
+    def __init__(
+        self,
+        index: int,
+        new_id: IdFactory,
+        argument_keys: tuple[str, ...],
+        name: str | None = None,
+    ) -> None:
         self.index = index
         self.reader = _JsonReader()
         self.sent = False
         self._new_id = new_id
         self._argument_keys = argument_keys
-        self._name: str | None = None
+        self._name = name
+        self._whole_is_arguments = name is not None  # name{...}: the object is the arguments
         self._arguments_sent = 0
 
     def feed(self, char: str) -> list[ToolCallDelta]:
         """Read one character of the call."""
         self.reader.feed(char)
         members = self.reader.members
-        if self._name is None and "name" in members and members["name"][1] is not None:
+        if (
+            not self._whole_is_arguments
+            and self._name is None
+            and "name" in members
+            and members["name"][1] is not None
+        ):
             start, end = members["name"]
             name = json.loads(self.reader.out[start:end])
             if not isinstance(name, str) or not name:
@@ -400,6 +414,8 @@ class _CallReader:
         return [ToolCallDelta(self.index, None, None, piece)] if piece else []
 
     def _arguments_span(self) -> tuple[int, int | None] | None:
+        if self._whole_is_arguments:
+            return 0, None
         present = [key for key in self._argument_keys if key in self.reader.members]
         if len(present) > 1:
             raise _Malformed("both " + " and ".join(present))
@@ -410,8 +426,22 @@ class _CallReader:
         return start, end
 
 
-def _held_prefix(text: str, tags: tuple[str, ...]) -> int:
-    """How many characters at the end of ``text`` may begin one of ``tags`` (to hold back)."""
+def _merged(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """One piece per call and step: a step's consecutive pieces of the same call joined."""
+    merged: list[ToolCallDelta] = []
+    for delta in deltas:
+        if merged and merged[-1].index == delta.index:
+            last = merged[-1]
+            merged[-1] = ToolCallDelta(
+                last.index, last.id, last.name, last.arguments + delta.arguments
+            )
+        else:
+            merged.append(delta)
+    return merged
+
+
+def held_tag_prefix(text: str, tags: tuple[str, ...]) -> int:
+    """How many characters at the end of ``text`` may begin one of ``tags`` (to hold back while streaming)."""
     longest = 0
     for tag in tags:
         for size in range(min(len(tag) - 1, len(text)), longest, -1):
@@ -473,6 +503,7 @@ class _JsonCallsParser(ToolParser):
         self._call_raw = ""  # the current call's text, for a malformed call after others
         self._sent_any = False
         self._reader: _CallReader | None = None
+        self._opened: list[ToolCallDelta] = []  # a call's pieces from its opening "{"
 
     def stream(self, delta_text: str) -> StreamedDelta:
         """Read the text one step produced."""
@@ -480,7 +511,7 @@ class _JsonCallsParser(ToolParser):
         calls: list[ToolCallDelta] = []
         for char in delta_text:
             self._step(char, content, calls)
-        return StreamedDelta("".join(content), calls)
+        return StreamedDelta("".join(content), _merged(calls))
 
     def finish(self) -> StreamedDelta:
         """The output ended: an incomplete tag is content; an incomplete call is content if none of it was sent."""
@@ -520,11 +551,22 @@ class _JsonCallsParser(ToolParser):
                     self._frame(char)
             except _Malformed:
                 self._malformed(content)
+        calls += self._opened
+        self._sent_any = self._sent_any or bool(self._opened)
+        self._opened = []
 
-    def _start_call(self) -> None:
-        self._reader = _CallReader(self._calls, self.new_id, self.argument_keys)
+    def _start_call(self, name: str | None = None) -> None:
+        """A call begins (its ``{`` still to come); ``name`` when it came before (``name{...}``)."""
+        self._reader = _CallReader(self._calls, self.new_id, self.argument_keys, name)
         self._calls += 1
         self._state = "call"
+
+    def _open_call(self, name: str | None = None) -> None:
+        """A call begins at the ``{`` just read; its first pieces are sent with the step's."""
+        self._start_call(name)
+        assert self._reader is not None
+        self._call_raw = "{"
+        self._opened = self._reader.feed("{")
 
     def _open_calls(self, raw: str) -> None:
         """The calls' frame opened with ``raw`` (a tag, or the first call's ``{``)."""
@@ -597,7 +639,7 @@ class HermesToolParser(_JsonCallsParser):
             self._pending = ""
             self._start_call()
             return
-        held = _held_prefix(self._pending, (self.START,))
+        held = held_tag_prefix(self._pending, (self.START,))
         content.append(self._pending[: len(self._pending) - held])
         self._pending = self._pending[len(self._pending) - held :]
 
@@ -677,9 +719,7 @@ class Llama3JsonToolParser(_JsonCallsParser):
         elif stripped == "{":
             self._open_calls(self._pending)
             self._pending = ""
-            self._start_call()
-            assert self._reader is not None
-            self._reader.feed("{")
+            self._open_call()
         elif not self.PYTHON_TAG.startswith(stripped):
             content.append(self._pending)
             self._pending = ""
@@ -707,24 +747,30 @@ class Llama3JsonToolParser(_JsonCallsParser):
 
     def _begin_next(self) -> None:
         self._pending = ""
-        self._call_raw = "{"
-        self._start_call()
-        assert self._reader is not None
-        self._reader.feed("{")
+        self._open_call()
 
     def _may_end_here(self) -> bool:
         return self._calls > 0
 
 
 class MistralToolParser(_JsonCallsParser):
-    """``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, as vLLM's ``mistral`` (the JSON-list form)."""
+    """Mistral's calls, as vLLM's ``mistral``, in both of its tokenizers' forms.
+
+    Before tokenizer v11: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``; from
+    v11 (Mistral Small 3.2 and later): ``[TOOL_CALLS]name{...arguments...}``, repeated for
+    each call. The text before the first ``[TOOL_CALLS]`` is the content; text after the
+    calls is dropped.
+    """
 
     name = "mistral"
     BOT = "[TOOL_CALLS]"
+    _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
     def __init__(self, new_id: IdFactory | None = None) -> None:
         super().__init__(new_id)
-        self._list = "before"  # before, want_call, after_call
+        # before; list form: want_call, after_call; v11 form: name, after_v11, want_name
+        self._list = "before"
+        self._name = ""
 
     @staticmethod
     def default_id() -> str:
@@ -737,6 +783,12 @@ class MistralToolParser(_JsonCallsParser):
             return ExtractedToolCalls(False, [], text)
         before, _, after = text.partition(self.BOT)
         decoder = json.JSONDecoder(parse_constant=_refuse_constant)
+        if not after.lstrip().startswith("["):
+            try:
+                calls = self._extract_v11(after, decoder)
+            except ValueError:
+                return ExtractedToolCalls(False, [], text)
+            return ExtractedToolCalls(True, [self._call(n, a) for n, a in calls], before or None)
         try:
             listed, _ = decoder.raw_decode(after, _skip_space(after, 0))
             if not isinstance(listed, list) or not listed:
@@ -754,6 +806,21 @@ class MistralToolParser(_JsonCallsParser):
             return ExtractedToolCalls(False, [], text)
         return ExtractedToolCalls(True, [self._call(n, a) for n, a in calls], before or None)
 
+    def _extract_v11(self, after: str, decoder: json.JSONDecoder) -> list[tuple[str, Any]]:
+        """``name{...}``, repeated after ``[TOOL_CALLS]``."""
+        calls = []
+        position = _skip_space(after, 0)
+        while True:
+            named = self._NAME.match(after, position)
+            if named is None or not after.startswith("{", named.end()):
+                raise ValueError("not name{arguments}")
+            arguments, position = decoder.raw_decode(after, named.end())
+            calls.append((named.group(), arguments))
+            position = _skip_space(after, position)
+            if not after.startswith(self.BOT, position):
+                return calls
+            position = _skip_space(after, position + len(self.BOT))
+
     def _text(self, char: str, content: list[str]) -> None:
         self._pending += char
         if self._pending.endswith(self.BOT):
@@ -762,26 +829,42 @@ class MistralToolParser(_JsonCallsParser):
             self._pending = ""
             self._state = "calls"
             return
-        held = _held_prefix(self._pending, (self.BOT,))
+        held = held_tag_prefix(self._pending, (self.BOT,))
         content.append(self._pending[: len(self._pending) - held])
         self._pending = self._pending[len(self._pending) - held :]
 
     def _frame(self, char: str) -> None:
         # "[" before the first call, "," between calls, "]" after the last
-        if char in " \t\n\r":
+        if self._list == "name" and char == "{":
+            self._open_call(self._name)
+            self._list = "after_v11"
             return
-        if self._list == "before":
+        if self._list == "name" and self._NAME.fullmatch(char):
+            self._name += char
+            return
+        if self._list == "after_v11" and char not in " \t\n\r":
+            # another [TOOL_CALLS] and call, or the end of the calls
+            self._pending += char
+            if self._pending == self.BOT:
+                self._list, self._pending = "want_name", ""
+            elif not self.BOT.startswith(self._pending):
+                self._state, self._pending = "tail", ""
+            return
+        if char in " \t\n\r" and self._list != "name":
+            return
+        if self._list in ("before", "want_name") and self._NAME.fullmatch(char):
+            self._list, self._name = "name", char
+        elif self._list == "before":
             if char != "[":
                 raise _Malformed("no list after [TOOL_CALLS]")
             self._list = "want_call"
+        elif self._list in ("name", "want_name"):
+            raise _Malformed("not name{arguments} after [TOOL_CALLS]")
         elif self._list == "want_call":
             if char != "{":
                 raise _Malformed("no call in the list")
             self._list = "after_call"
-            self._call_raw = "{"
-            self._start_call()
-            assert self._reader is not None
-            self._reader.feed("{")
+            self._open_call()
         elif char == ",":
             self._list = "want_call"
         elif char == "]":
@@ -790,7 +873,7 @@ class MistralToolParser(_JsonCallsParser):
             raise _Malformed(char)
 
     def _may_end_here(self) -> bool:
-        return False  # the list was not closed
+        return self._list == "after_v11"  # a list not closed, or a name without arguments, is not
 
 
 def _refuse_constant(constant: str) -> Any:
