@@ -566,6 +566,18 @@ LLAMA31_TEMPLATE = (
 )
 LLAMA32_TEMPLATE = '<|start_header_id|>assistant<|end_header_id|>{{- \'{"name": "\' + tool_call.name + \'", "parameters": \' }}'
 MISTRAL_TEMPLATE = "{%- if message.tool_calls %}{{- '[TOOL_CALLS][' }}...{{- '[/TOOL_CALLS]' }}"
+# lines of vLLM's examples/tool_chat_template_llama3.2_pythonic.jinja and tool_chat_template_llama3.1_json.jinja
+VLLM_PYTHONIC_TEMPLATE = (
+    '{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}\n'
+    "{{- 'Respond in the format [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)] ' }}\n"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n[' -}}"
+)
+VLLM_LLAMA31_JSON_TEMPLATE = (
+    '{{- \'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. \' }}\n'
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n"
+    "{{- '{\"name\": \"' + tool_call.name|trim + '\", ' }}\n"
+    "{{- '\"parameters\": ' }}"
+)
 SMOLLM_TEMPLATE = "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endfor %}"
 
 
@@ -576,6 +588,8 @@ SMOLLM_TEMPLATE = "{% for message in messages %}<|im_start|>{{ message['role'] }
         (LLAMA31_TEMPLATE, "llama3_json"),
         (LLAMA32_TEMPLATE, "llama3_json"),
         (MISTRAL_TEMPLATE, "mistral"),
+        (VLLM_PYTHONIC_TEMPLATE, "pythonic"),
+        (VLLM_LLAMA31_JSON_TEMPLATE, "llama3_json"),
         (SMOLLM_TEMPLATE, None),
         ("", None),
     ],

@@ -1030,14 +1030,16 @@ def choose_tool_parser(chat_template: str) -> str | None:
     """The parser an export's chat template implies, or None when the template does not tell.
 
     The rule, first match wins: ``[TOOL_CALLS]`` → ``mistral``; ``<tool_call>`` →
-    ``hermes`` (Qwen2.5, Qwen3, Hermes); ``<|python_tag|>``, or Llama 3's header tokens
-    with a ``"parameters"`` call form → ``llama3_json``. A pythonic template can't be told
-    from the official ones (vLLM ships its own), so it is never chosen.
+    ``hermes`` (Qwen2.5, Qwen3, Hermes); the ``[func_name1(`` format that vLLM's pythonic
+    templates ask for → ``pythonic``; ``<|python_tag|>``, or Llama 3's header tokens with a
+    ``"parameters"`` call form → ``llama3_json``.
     """
     if "[TOOL_CALLS]" in chat_template:
         return "mistral"
     if "<tool_call>" in chat_template:
         return "hermes"
+    if "[func_name1(" in chat_template:
+        return "pythonic"
     if "<|python_tag|>" in chat_template:
         return "llama3_json"
     if "<|start_header_id|>" in chat_template and '"parameters"' in chat_template:
