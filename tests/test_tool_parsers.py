@@ -128,6 +128,38 @@ def test_hermes_vllm_no_stream_case() -> None:
 
 
 HERMES_CASES = [
+    # the Qwen3 cases of vLLM's newer test_hermes_tool_parser.py:
+    # test_hermes_parser_streaming_just_forward_text
+    (
+        "This is some prior text that has nothing to do with tool calling.",
+        [],
+        "This is some prior text that has nothing to do with tool calling.",
+    ),
+    # test_hermes_parser_streaming_failure_case_bug_19056, ..._non_streaming_tool_call_between_tags
+    (
+        '<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}}\n</tool_call>',
+        [("final_answer", '{"trigger": true}')],
+        None,
+    ),
+    # test_hermes_parser_non_streaming_tool_call_until_eos
+    (
+        '<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}}',
+        [("final_answer", '{"trigger": true}')],
+        None,
+    ),
+    # test_hermes_parser_streaming: vLLM streams the arguments' raw text ('{"location":"San
+    # Francisco, ...'), where its extract gives json.dumps' form; here both give the latter
+    (
+        '<tool_call>{"name": "get_current_temperature","arguments": {"location":'
+        '"San Francisco, California, United States", "unit": "celsius"}}</tool_call>',
+        [
+            (
+                "get_current_temperature",
+                '{"location": "San Francisco, California, United States", "unit": "celsius"}',
+            )
+        ],
+        None,
+    ),
     # ours: no call; several calls with text before, between and after (dropped, as vLLM's regex does)
     ("How can I help you today?", [], "How can I help you today?"),
     (
@@ -163,6 +195,12 @@ HERMES_CASES = [
 def test_hermes(text: str, expected: list[tuple[str, str]], content: str | None) -> None:
     _assert_calls(_extract("hermes", text), expected, content)
     _assert_streams_as_extract("hermes", text)
+
+
+def test_hermes_invalid_json_until_eos() -> None:
+    # test_hermes_parser_non_streaming_tool_call_invalid_json: missing closing brace
+    text = '<tool_call>\n{"name": "final_answer", "arguments": {"trigger": true}'
+    _assert_calls(_extract("hermes", text), [], text)
 
 
 HERMES_MALFORMED = [
