@@ -25,7 +25,7 @@ Plain Python; nothing here is served yet (``docs/serving.md``).
 
 from __future__ import annotations
 
-from typing import ClassVar, NamedTuple
+from typing import ClassVar, Literal, NamedTuple
 
 from kvexport.errors import KvexportError
 from kvexport.serving.tool_parsers import held_tag_prefix
@@ -57,7 +57,7 @@ class ReasoningParser:
 
     def __init__(self, thinking: bool = True) -> None:
         self.thinking = thinking
-        self._state = "start" if thinking else "content"  # start, reasoning, content
+        self._state: Literal["start", "reasoning", "content"] = "start" if thinking else "content"
         self._pending = ""
 
     def extract(self, text: str) -> tuple[str | None, str | None]:

@@ -485,19 +485,24 @@ class ToolParser(ABC):
         return ToolCall(self.new_id(), name, _dumps(arguments))
 
 
+_Phase = Literal["text", "calls", "call", "tail", "content"]
+
+
 class _JsonCallsParser(ToolParser):
     """The streaming frame shared by the JSON parsers: text, calls read by :class:`_CallReader`, and the text between.
 
-    A subclass says what text opens the calls (``_open``), what may stand between two
-    calls (``_between``) and what ends them. The state moves ``text`` → ``calls`` →
-    (``tail``: the rest is dropped) or ``content`` (malformed: the rest is content).
+    A subclass reads the text before the calls (``_text``, which opens them), the frame
+    around and between calls (``_frame``) and what follows them (``_tail``). The phase
+    moves ``text`` → ``calls`` (the frame) ⇄ ``call`` (inside one) → ``tail`` (the rest is
+    dropped), or to ``content`` from anywhere the text turns out malformed (the rest is
+    content).
     """
 
     argument_keys: ClassVar[tuple[str, ...]] = ("arguments",)
 
     def __init__(self, new_id: IdFactory | None = None) -> None:
         super().__init__(new_id)
-        self._state = "text"
+        self._state: _Phase = "text"
         self._pending = ""  # text held back: a possible tag, or the frame between calls
         self._frame_raw = ""  # the text since the calls opened, for malformed calls
         self._call_raw = ""  # the current call's text, for a malformed call after others
@@ -768,8 +773,10 @@ class MistralToolParser(_JsonCallsParser):
 
     def __init__(self, new_id: IdFactory | None = None) -> None:
         super().__init__(new_id)
-        # before; list form: want_call, after_call; v11 form: name, after_v11, want_name
-        self._list = "before"
+        self._list: Literal["before", "want_call", "after_call", "name", "after_v11", "want_name"]
+        self._list = (
+            "before"  # the list form: want_call, after_call; v11: name, after_v11, want_name
+        )
         self._name = ""
 
     @staticmethod
@@ -919,7 +926,7 @@ class PythonicToolParser(ToolParser):
 
     def __init__(self, new_id: IdFactory | None = None) -> None:
         super().__init__(new_id)
-        self._state = "start"  # start, list, content, tail
+        self._state: Literal["start", "list", "content", "tail"] = "start"
         self._buffer = ""
         self._depth = 0
         self._quote: str | None = None
