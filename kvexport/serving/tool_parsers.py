@@ -137,13 +137,19 @@ class _Malformed(Exception):
     """The text being read is not what the parser expects (internal)."""
 
 
+def _refuse_constant(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
 def _loads_strict(text: str) -> Any:
     """``json.loads`` without NaN and Infinity, which the streaming reader refuses as well."""
+    return json.loads(text, parse_constant=_refuse_constant)
 
-    def refuse(constant: str) -> Any:
-        raise ValueError(f"{constant} is not JSON")
 
-    return json.loads(text, parse_constant=refuse)
+def _check_call(call: Any) -> None:
+    """A parsed call is an object with a non-empty string name (ValueError otherwise)."""
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
+        raise ValueError("not a call")
 
 
 def _dumps(value: Any) -> str:
@@ -624,12 +630,7 @@ class HermesToolParser(_JsonCallsParser):
             calls = []
             for closed, unclosed in self._BLOCK.findall(text):
                 call = _loads_strict(closed or unclosed)
-                if (
-                    not isinstance(call, dict)
-                    or not isinstance(call.get("name"), str)
-                    or not call["name"]
-                ):
-                    raise ValueError("not a call")
+                _check_call(call)
                 calls.append((call["name"], call["arguments"]))
         except (ValueError, KeyError):
             return ExtractedToolCalls(False, [], text)
@@ -689,12 +690,7 @@ class Llama3JsonToolParser(_JsonCallsParser):
             while True:
                 position = _skip_space(text, position)
                 call, position = decoder.raw_decode(text, position)
-                if (
-                    not isinstance(call, dict)
-                    or not isinstance(call.get("name"), str)
-                    or not call["name"]
-                ):
-                    raise ValueError("not a call")
+                _check_call(call)
                 if "arguments" in call and "parameters" in call:
                     raise ValueError("both arguments and parameters")
                 calls.append(
@@ -802,12 +798,7 @@ class MistralToolParser(_JsonCallsParser):
                 raise ValueError("not a list of calls")
             calls = []
             for call in listed:
-                if (
-                    not isinstance(call, dict)
-                    or not isinstance(call.get("name"), str)
-                    or not call["name"]
-                ):
-                    raise ValueError("not a call")
+                _check_call(call)
                 calls.append((call["name"], call["arguments"]))
         except (ValueError, KeyError):
             return ExtractedToolCalls(False, [], text)
@@ -881,10 +872,6 @@ class MistralToolParser(_JsonCallsParser):
 
     def _may_end_here(self) -> bool:
         return self._list == "after_v11"  # a list not closed, or a name without arguments, is not
-
-
-def _refuse_constant(constant: str) -> Any:
-    raise ValueError(f"{constant} is not JSON")
 
 
 def _skip_space(text: str, position: int) -> int:
