@@ -347,3 +347,22 @@ def heldout_text(chars: int = 20_000) -> str:
 
     topics = pydoc_data.topics.topics
     return "\n".join(topics[name] for index, name in enumerate(sorted(topics)) if index % 8 != 0)[:chars]
+
+
+def chunkings(text: str, tokens: list[str] | None = None) -> list[list[str]]:
+    """Ways a streamed output may arrive: a character at a time, whole, five seeded random chunkings, and ``tokens`` if given.
+
+    For the streaming parsers' tests: every way must give what the whole text gives.
+    """
+    import random
+
+    rng = random.Random(len(text))
+    chunked = []
+    for _ in range(5):
+        pieces, position = [], 0
+        while position < len(text):
+            size = rng.randint(1, 12)
+            pieces.append(text[position : position + size])
+            position += size
+        chunked.append(pieces)
+    return [list(text), [text], *chunked, *([tokens] if tokens else [])]

@@ -8,7 +8,6 @@ either. Plain Python, no model.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterable
 
 import pytest
@@ -20,6 +19,7 @@ from kvexport.serving.reasoning import (
     UnknownReasoningParserError,
     reasoning_parser,
 )
+from kvexport.testing import chunkings
 
 
 def _stream(parser: ReasoningParser, pieces: Iterable[str]) -> tuple[str | None, str | None]:
@@ -35,24 +35,11 @@ def _stream(parser: ReasoningParser, pieces: Iterable[str]) -> tuple[str | None,
     return "".join(reasoning) or None, "".join(content) or None
 
 
-def _chunkings(text: str) -> list[list[str]]:
-    rng = random.Random(len(text))
-    chunked = []
-    for _ in range(5):
-        pieces, position = [], 0
-        while position < len(text):
-            size = rng.randint(1, 9)
-            pieces.append(text[position : position + size])
-            position += size
-        chunked.append(pieces)
-    return [list(text), [text], *chunked]
-
-
 def _check(
     name: str, output: str, reasoning: str | None, content: str | None, *, thinking: bool = True
 ) -> None:
     assert reasoning_parser(name, thinking).extract(output) == (reasoning, content)
-    for pieces in _chunkings(output):
+    for pieces in chunkings(output):
         streamed = _stream(reasoning_parser(name, thinking), pieces)
         assert streamed == (reasoning or None, content or None), pieces
 

@@ -28,6 +28,7 @@ from kvexport.serving.tool_parsers import (
     make_tool_call_id,
     tool_parser,
 )
+from kvexport.testing import chunkings
 
 
 def _ids() -> Callable[[], str]:
@@ -65,22 +66,9 @@ def _stream(name: str, pieces: Iterable[str]) -> tuple[str | None, list[ToolCall
     return "".join(content) or None, [ToolCall(*calls[index]) for index in sorted(calls)]
 
 
-def _chunkings(text: str, tokens: list[str] | None = None) -> list[list[str]]:
-    rng = random.Random(len(text))
-    chunked = []
-    for _ in range(5):
-        pieces, position = [], 0
-        while position < len(text):
-            size = rng.randint(1, 12)
-            pieces.append(text[position : position + size])
-            position += size
-        chunked.append(pieces)
-    return [list(text), [text], *chunked, *([tokens] if tokens else [])]
-
-
 def _assert_streams_as_extract(name: str, text: str, tokens: list[str] | None = None) -> None:
     whole = _extract(name, text)
-    for pieces in _chunkings(text, tokens):
+    for pieces in chunkings(text, tokens):
         assert "".join(pieces) == text
         content, calls = _stream(name, pieces)
         assert calls == whole.tool_calls, pieces
