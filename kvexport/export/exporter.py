@@ -579,15 +579,15 @@ def export_model(
         tempfile.TemporaryDirectory(prefix=f".{out_path.name}.work-", dir=tmp.parent) as work,
     ):
         strategy, graphs, attempts = _export_graphs(requests, strategies, Path(work), progress)
+        if "decode" not in graphs:
+            progress("decode graph: the prefill graph at one token a row")
+            graphs["decode"] = decode_from_prefill(graphs["prefill"])
         blocks = None
         if source.kind == "gguf" and options.quantization is not None:
             progress("indexing the GGUF file's blocks (kept where the scheme holds them)")
             blocks = GgufBlockIndex(Path(source.name))
         passes = _run_passes(graphs, options, progress, blocks)
         tokenizer_dir, exported = _tokenizer_source(source, Path(work), blocks)
-        if "decode" not in graphs:
-            progress("decode graph: the prefill graph at one token a row")
-            graphs["decode"] = decode_from_prefill(graphs["prefill"])
         record = ExportRecord(
             source=source,
             dims=dims,
