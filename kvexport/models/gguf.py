@@ -15,6 +15,7 @@ a 135M model).
 
 from __future__ import annotations
 
+import copy
 import functools
 import hashlib
 import importlib.util
@@ -139,8 +140,13 @@ def read_gguf(path: Path) -> GgufSummary:
     is not GGUF, an architecture outside :data:`GGUF_ARCHITECTURES`, or tensors of a type
     outside :data:`TAKEN_TYPES` (named with one tensor of each and their count).
     """
+    return _read_gguf(path.resolve(), _version(path))
+
+
+def _version(path: Path) -> tuple[int, int] | None:
+    """A file's size and modification time: the key its cached readings are kept under."""
     stat = path.stat() if path.is_file() else None
-    return _read_gguf(path.resolve(), None if stat is None else (stat.st_size, stat.st_mtime_ns))
+    return None if stat is None else (stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=8)
@@ -168,7 +174,7 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GgufSummary:
         )
     template = _field(reader, "tokenizer.chat_template")
     return GgufSummary(
-        path=path.resolve(),
+        path=path,
         architecture=architecture,
         model_type=GGUF_ARCHITECTURES[architecture],
         tensor_types=types,
@@ -177,7 +183,16 @@ def _read_gguf(path: Path, version: tuple[int, int] | None) -> GgufSummary:
 
 
 def gguf_config(path: Path) -> dict[str, Any]:
-    """The Hugging Face config transformers builds from the file's metadata (no weights read)."""
+    """The Hugging Face config transformers builds from the file's metadata (no weights read).
+
+    Built once per file and version, as :func:`read_gguf` reads it (an export asks before
+    loading and again to load); each caller gets its own copy.
+    """
+    return copy.deepcopy(_gguf_config(path.resolve(), _version(path)))
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_config(path: Path, version: tuple[int, int] | None) -> dict[str, Any]:
     from transformers import AutoConfig
 
     try:
