@@ -444,7 +444,7 @@ class QuantizeWeightsPass(InPlacePass):
         symmetric = self.config.symmetric or (self.config.offsets and not offsets)
         name = weight.name or "weight"
         offset_rows = 0
-        kept = self._kept(k_by_n, bits, block_size, offsets=offsets, symmetric=symmetric)
+        kept = self._kept(k_by_n, bits, block_size, offsets=offsets)
         if kept is not None and kept.bits == 8:  # Q8_0 stays 8-bit in a 4-bit scheme too: the file's own numbers
             bits, offsets, symmetric = 8, False, True
         if offsets:
@@ -482,7 +482,7 @@ class QuantizeWeightsPass(InPlacePass):
         cache[id(weight)] = packed
         return packed
 
-    def _kept(self, k_by_n: np.ndarray, bits: int, block_size: int, *, offsets: bool, symmetric: bool) -> SourceBlocks | None:
+    def _kept(self, k_by_n: np.ndarray, bits: int, block_size: int, *, offsets: bool) -> SourceBlocks | None:
         """The source's own blocks of this weight where this packing can hold them as they are.
 
         Q8_0's codes and scales become 8-bit symmetric blocks, in a 4-bit scheme too (the
