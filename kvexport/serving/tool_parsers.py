@@ -602,6 +602,22 @@ class _JsonCallsParser(ToolParser):
     def _text(self, char: str, content: list[str]) -> None:
         """A character before the calls."""
 
+    def _text_until(self, char: str, content: list[str], tag: str) -> bool:
+        """A character of the content before ``tag``: whatever cannot begin ``tag`` goes to ``content``.
+
+        True once ``tag`` is read: the calls' frame is open and ``_pending`` empty.
+        """
+        self._pending += char
+        if self._pending.endswith(tag):
+            content.append(self._pending[: -len(tag)])
+            self._open_calls(tag)
+            self._pending = ""
+            return True
+        held = held_tag_prefix(self._pending, (tag,))
+        content.append(self._pending[: len(self._pending) - held])
+        self._pending = self._pending[len(self._pending) - held :]
+        return False
+
     @abstractmethod
     def _frame(self, char: str) -> None:
         """A character between calls (``_pending`` holds the frame text read so far)."""
@@ -638,16 +654,8 @@ class HermesToolParser(_JsonCallsParser):
         return ExtractedToolCalls(True, [self._call(n, a) for n, a in calls], content or None)
 
     def _text(self, char: str, content: list[str]) -> None:
-        self._pending += char
-        if self._pending.endswith(self.START):
-            content.append(self._pending[: -len(self.START)])
-            self._open_calls(self.START)
-            self._pending = ""
+        if self._text_until(char, content, self.START):
             self._start_call()
-            return
-        held = held_tag_prefix(self._pending, (self.START,))
-        content.append(self._pending[: len(self._pending) - held])
-        self._pending = self._pending[len(self._pending) - held :]
 
     def _frame(self, char: str) -> None:
         # after a call: whitespace, then </tool_call>
@@ -820,16 +828,8 @@ class MistralToolParser(_JsonCallsParser):
             position = _skip_space(after, position + len(self.BOT))
 
     def _text(self, char: str, content: list[str]) -> None:
-        self._pending += char
-        if self._pending.endswith(self.BOT):
-            content.append(self._pending[: -len(self.BOT)])
-            self._open_calls(self.BOT)
-            self._pending = ""
+        if self._text_until(char, content, self.BOT):
             self._state = "calls"
-            return
-        held = held_tag_prefix(self._pending, (self.BOT,))
-        content.append(self._pending[: len(self._pending) - held])
-        self._pending = self._pending[len(self._pending) - held :]
 
     def _frame(self, char: str) -> None:
         # "[" before the first call, "," between calls, "]" after the last
