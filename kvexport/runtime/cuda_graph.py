@@ -53,6 +53,7 @@ from kvexport.errors import KvexportError
 from kvexport.passes.vocabulary import GROUP_QUERY_ATTENTION, MS_DOMAIN
 from kvexport.runtime.cache import SlotCache
 from kvexport.runtime.cuda_support import kernel_findings
+from kvexport.runtime.session import session_providers
 
 MIN_CAPACITY = 256  # the smallest cache a captured generation gets: one bucket for every short request
 NO_CAPTURE = -1  # the gpu_graph_id of a run that is neither captured nor replayed (prefill, prompt pieces)
@@ -156,6 +157,12 @@ def check_fixed_decode(graph_path: Path) -> None:
             f"--cuda-graph: {graph_path.name} has nodes a CUDA graph cannot capture: {shown}; "
             "export with --target ort-cuda, or drop --cuda-graph"
         )
+
+
+def require_capture(provider: str, graph_path: Path) -> None:
+    """Refuse ``--cuda-graph`` where it cannot run, one line each: off the CUDA provider, or a decode graph it cannot capture."""
+    session_providers(provider, cuda_graph=True)  # type: ignore[arg-type]
+    check_fixed_decode(graph_path)
 
 
 class GraphIds:

@@ -47,15 +47,15 @@ from kvexport.runtime.cuda_graph import (
     NO_CAPTURE,
     FixedDecode,
     GraphIds,
-    check_fixed_decode,
     decode_capacity,
     graph_run_options,
+    require_capture,
     step_mask,
 )
 from kvexport.runtime.opened import check_room, check_token_ids, open_export
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
-from kvexport.runtime.session import open_session, session_options, session_providers
+from kvexport.runtime.session import open_session, session_options
 from kvexport.runtime.text import text_pieces
 
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
@@ -254,8 +254,7 @@ class Generator:
         if cuda_graph or static_decode:
             opened.require_in_place("--cuda-graph and static_decode need a decode step of one shape")
         if cuda_graph:
-            session_providers(self.provider, cuda_graph=True)  # refused on CPU, in one line
-            check_fixed_decode(paths[graphs[-1]])  # the graph the decode steps run
+            require_capture(self.provider, paths[graphs[-1]])  # the graph the decode steps run
         self.sessions: dict[str, ort.InferenceSession] = {}
         for graph in graphs:
             options = session_options(intra_op_threads, spinning=len(graphs) == 1 and self.provider == "cpu")

@@ -42,8 +42,8 @@ from kvexport.runtime.cuda_graph import (
     NO_CAPTURE,
     FixedDecode,
     GraphIds,
-    check_fixed_decode,
     graph_run_options,
+    require_capture,
 )
 from kvexport.runtime.opened import OpenedExport
 from kvexport.runtime.sampling import SamplingConfig
@@ -51,7 +51,6 @@ from kvexport.runtime.session import (
     open_mixed_session,
     open_session,
     session_options,
-    session_providers,
 )
 from kvexport.runtime.speculative import Drafter, speculative_round
 from kvexport.serving.scheduler import (
@@ -115,8 +114,7 @@ class ModelRunner:
         graph = opened.directory / manifest.graphs["prefill"].file
         options = session_options(intra_op_threads, spinning=spinning)
         if cuda_graph:
-            session_providers(opened.provider, cuda_graph=True)  # refused on CPU, in one line
-            check_fixed_decode(graph)
+            require_capture(opened.provider, graph)
         self.session = open_session(graph, opened.provider, options, cuda_graph=cuda_graph)
         self.cuda_graph, self.static_decode = cuda_graph, static_decode
         # prompt pieces on a capturing session run neither captured nor replayed
