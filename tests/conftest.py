@@ -70,6 +70,19 @@ def tiny_ort_export(tmp_path_factory: pytest.TempPathFactory, tiny_config: Path)
 
 
 TRAINED = Path(__file__).parent / "data" / "tiny-trained"
+SMOLLM2_EXPORT = Path(__file__).resolve().parent.parent / "out" / "smollm2"
+
+
+@pytest.fixture(scope="session")
+def smollm2_export() -> Path:
+    """``out/smollm2``: SmolLM2-135M-Instruct from its GGUF, as ``scripts/demo.sh`` (CI's main job) leaves it; exported here where it is missing."""
+    if not (SMOLLM2_EXPORT / "kvexport.json").is_file():
+        from kvexport import export_model
+        from kvexport.runtime.kernels import cache_root
+        from kvexport.testing import smollm2_gguf
+
+        export_model(SMOLLM2_EXPORT, str(smollm2_gguf(cache_root() / "smollm2")), target="ort-cpu", force=True)
+    return SMOLLM2_EXPORT
 
 
 @pytest.fixture(scope="session")

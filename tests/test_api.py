@@ -183,7 +183,7 @@ def test_chat_with_and_without_streaming(all_logits_server: str) -> None:
         ({"messages": [{"role": "", "content": "hi"}]}, "messages.0.role: String should have at least 1 character", "messages"),
         ({"messages": []}, "messages: List should have at least 1 item after validation, not 0", "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs: needs logprobs: true", "top_logprobs"),
-        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools: not served by kvexport serve; leave it out", "tools"),
+        ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function: must be an object with a name", "tools"),
     ],
 )
 def test_bad_chat_requests_are_400(all_logits_server: str, body: dict[str, object], message: str, param: str) -> None:
@@ -213,6 +213,7 @@ def test_tokenize_detokenize_and_tokenizer_info_in_vllms_shapes(all_logits_serve
     assert outside.status_code == 400 and outside.json()["error"]["param"] == "tokens"
     info = httpx.get(f"{all_logits_server}/tokenizer_info", timeout=10).json()
     assert info["eos_token"] == TOKENIZER.id_to_token(info["eos_token_id"]) and info["model_max_length"] == 128
+    assert info["chat_template"] == TEMPLATE  # the template's text, as vLLM gives it
 
 
 @pytest.mark.parametrize(
@@ -308,13 +309,20 @@ def test_several_bad_logit_bias_keys_are_all_named_and_the_seeds_range_is_vllms(
         assert _post(plain_server, "/v1/completions", {"prompt": "x", "max_tokens": 2, "seed": seed}).status_code == 200
 
 
-@pytest.mark.parametrize("field", ["tools", "chat_template_kwargs"])
-def test_tokenize_refuses_the_chat_fields_the_chat_route_refuses(all_logits_server: str, field: str) -> None:
-    value: object = {"x": 1} if field == "chat_template_kwargs" else [{"type": "function", "function": {"name": "f"}}]
-    body = {"messages": [{"role": "user", "content": "hi"}], field: value}
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("tools", [{"type": "function", "function": {"name": "f"}}], "tools: this model's chat template does not render tools; serve it "
+         "with --chat-template FILE (a template that reads `tools`), or leave tools out"),
+        ("documents", [{"text": "x"}], "documents: not served by kvexport serve; leave it out"),
+    ],
+)
+def test_tokenize_refuses_the_chat_fields_the_chat_route_refuses(all_logits_server: str, field: str, value: object, message: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], field: value, "tool_choice": "none"}
     for route in ("/tokenize", "/v1/chat/completions"):
         answer = _post(all_logits_server, route, body)
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field, (route, answer.text)
+        assert answer.json()["error"]["message"] == message
 
 
 def test_continue_final_message_continues_the_last_message_in_chat_and_tokenize(all_logits_server: str) -> None:

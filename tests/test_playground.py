@@ -7,6 +7,7 @@ is saved under ``test-artifacts/`` (git-ignored) for a person to look at.
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,8 +41,12 @@ def browser() -> Iterator[webdriver.Chrome]:
         chrome.quit()
 
 
-def _run_page(browser: webdriver.Chrome, url: str, prompt: str, *, tokens: int, mode: str | None = None, key: str | None = None) -> str:
-    browser.get(url + "/")
+def _run_page(
+    browser: webdriver.Chrome, url: str, prompt: str, *, tokens: int, mode: str | None = None, key: str | None = None, keep: bool = False
+) -> str:
+    """Type ``prompt``, run it and return the output's text; ``keep``: on the page as it is (else loaded afresh)."""
+    if not keep:
+        browser.get(url + "/")
     box = browser.find_element(By.ID, "prompt")
     box.clear()
     box.send_keys(prompt)
@@ -90,3 +95,24 @@ def test_the_page_sends_the_key_when_the_server_has_one(browser: webdriver.Chrom
         )
         assert shown == want.json()["choices"][0]["text"]
         assert browser.find_element(By.ID, "mode-label").is_displayed() is False  # no template, no chat mode
+
+
+def test_the_page_shows_a_tool_call_and_its_arguments(browser: webdriver.Chrome, trained_exports: dict[str, Path]) -> None:
+    """Chat mode with the page's example tool and tool_choice "required": the call shows as the API makes it."""
+    template = Path(__file__).parent / "data" / "templates" / "compact-tools.jinja"
+    with _server(trained_exports["none"], ApiConfig(chat_template=str(template)), slots=2, max_context=256) as (url, _):
+        browser.get(url + "/")
+        assert [o.get_attribute("value") for o in browser.find_elements(By.CSS_SELECTOR, "#tool-choice option")] == [
+            "off", "required", "none",  # no "auto" without --enable-auto-tool-choice
+        ]
+        browser.find_element(By.CSS_SELECTOR, "#tool-choice option[value=required]").click()
+        tools = json.loads(browser.find_element(By.ID, "tools").get_attribute("value") or "")
+        shown = _run_page(browser, url, "Weather in Paris?", tokens=40, keep=True)
+        body = {
+            "model": "trained", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 40, "temperature": 0,
+            "tools": tools, "tool_choice": "required", "parallel_tool_calls": False,
+        }
+        (call,) = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]["tool_calls"]
+        assert shown == f"call {call['function']['name']}({call['function']['arguments']})"
+        assert browser.find_element(By.CSS_SELECTOR, "#output .call").is_displayed()
+        browser.save_screenshot(str(ARTIFACTS / "playground-tool-call.png"))

@@ -19,14 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvexport import export_model
 from kvexport.runtime import Generator
-from kvexport.runtime.kernels import cache_root
 from kvexport.serving.chat import ChatTemplate
-from kvexport.testing import smollm2_gguf
+from tests.conftest import SMOLLM2_EXPORT as EXPORT
 
 ROOT = Path(__file__).resolve().parent.parent
-EXPORT = ROOT / "out" / "smollm2"
 QUESTION = "Name three primary colors."
 
 
@@ -45,9 +42,7 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def test_the_readme_tour_runs_as_written() -> None:
-    if not (EXPORT / "kvexport.json").is_file():  # as scripts/demo.sh makes it
-        export_model(EXPORT, str(smollm2_gguf(cache_root() / "smollm2")), target="ort-cpu", force=True)
+def test_the_readme_tour_runs_as_written(smollm2_export: Path) -> None:
     bash, python = _tour_blocks()
     port = str(_free_port())
     script = (

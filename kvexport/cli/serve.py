@@ -10,6 +10,8 @@ import click
 from kvexport.cli.base import UserError, main, progress, run
 from kvexport.extras import require_extra
 from kvexport.serving.config import engine_options
+from kvexport.serving.reasoning import REASONING_PARSERS
+from kvexport.serving.tool_parsers import TOOL_PARSERS
 
 
 @main.command("serve")
@@ -50,6 +52,23 @@ from kvexport.serving.config import engine_options
     is_flag=True,
     help="Show logprobs' tokens as 'token_id:N' unless a request sets return_tokens_as_token_ids (vLLM's flag).",
 )
+@click.option(
+    "--tool-call-parser",
+    type=click.Choice([*sorted(TOOL_PARSERS), "none"]),
+    default=None,
+    help="How tool calls are read from the output [default: the one the chat template implies, if any].",
+)
+@click.option(
+    "--enable-auto-tool-choice",
+    is_flag=True,
+    help='Serve tool_choice "auto" (the model decides whether to call a tool), as vLLM\'s flag; "required" and named calls need no flag.',
+)
+@click.option(
+    "--reasoning-parser",
+    type=click.Choice([*sorted(REASONING_PARSERS), "none"]),
+    default=None,
+    help="How thinking (<think>...</think>) is split into the message's reasoning [default: the one the chat template implies, if any].",
+)
 @engine_options
 def serve_command(
     directory: Path,
@@ -62,6 +81,9 @@ def serve_command(
     api_key: str | None,
     enable_prompt_tokens_details: bool,
     return_tokens_as_token_ids: bool,
+    tool_call_parser: str | None,
+    enable_auto_tool_choice: bool,
+    reasoning_parser: str | None,
     engine_settings: dict[str, Any],
 ) -> None:
     """Serve DIRECTORY over HTTP with an OpenAI-compatible API.
@@ -80,6 +102,9 @@ def serve_command(
         api_key=api_key or None,
         enable_prompt_tokens_details=enable_prompt_tokens_details,
         return_tokens_as_token_ids=return_tokens_as_token_ids,
+        tool_call_parser=tool_call_parser,
+        reasoning_parser=reasoning_parser,
+        enable_auto_tool_choice=enable_auto_tool_choice,
     )
     if replicas is not None:
         run(lambda: require_extra("ray", "kvexport serve --replicas"))

@@ -42,6 +42,7 @@ from kvexport.serving.api.render import error_response
 from kvexport.serving.chat import ChatTemplate
 from kvexport.serving.config import ApiConfig
 from kvexport.serving.engine import Engine
+from kvexport.serving.tool_use import ToolSettings
 
 # the routes an API key guards (vLLM's --api-key guards /v1; the tokenizer routes read the model too)
 _KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
@@ -75,8 +76,15 @@ def create_app(engine: Engine, api: ApiConfig | None = None, *, replica: str | N
     model = api.model_name(engine.directory)
     template = ChatTemplate.find(engine.directory, api.chat_template)
     app = FastAPI(title="kvexport", docs_url=None, redoc_url=None, openapi_url=None)
-    page = playground_page(model, chat=template is not None, api_key=api.api_key is not None)
-    app.state.served = Served(engine, model, template, page, api)
+    tools = ToolSettings.resolve(api, template)
+    page = playground_page(
+        model,
+        chat=template is not None,
+        api_key=api.api_key is not None,
+        tools=template is not None and template.reads("tools"),
+        auto_tools=tools.auto_tool_choice and tools.tool_call_parser is not None,
+    )
+    app.state.served = Served(engine, model, template, page, api, tools)
     app.state.metrics = metrics.ServerMetrics(engine, model)
     engine.add_listener(app.state.metrics)
     if api.api_key is not None:

@@ -30,7 +30,9 @@ class ChatTemplate:
     """A compiled chat template and where it came from."""
 
     source: str
+    text: str  # the template's Jinja source
     template: Any  # jinja2.Template
+    variables: frozenset[str]  # the names the template reads from its arguments (``tools``, ``enable_thinking``, ...)
     special_tokens: dict[str, str]
 
     @classmethod
@@ -51,27 +53,34 @@ class ChatTemplate:
                 text = Path(file).read_text()
             except OSError as exc:
                 raise ChatTemplateError(f"--chat-template {file}: can't read it ({exc.strerror}); pass a Jinja template file") from None
-            return cls(str(file), _compile(text, str(file)), special)
+            return cls(str(file), text, *_compile(text, str(file)), special)
         template = config.get("chat_template")
         if isinstance(template, list):  # named templates: the default one
             template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
         if isinstance(template, str) and template:
-            return cls(str(config_path), _compile(template, str(config_path)), special)
+            return cls(str(config_path), template, *_compile(template, str(config_path)), special)
         return None
 
+    def reads(self, name: str) -> bool:
+        """Whether the template reads the argument ``name`` (``tools``: whether it can render tools)."""
+        return name in self.variables
+
     def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True, **extra: Any) -> str:
-        """The prompt text for ``messages``; a template that raises gives one line."""
+        """The prompt text for ``messages``, with ``extra`` arguments (``tools``, ``enable_thinking``, ...); a template that raises gives one line."""
         import jinja2
 
+        arguments = {**self.special_tokens, **extra, "messages": messages, "add_generation_prompt": add_generation_prompt}
         try:
-            return str(self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens, **extra))
+            return str(self.template.render(**arguments))
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None
 
 
-def _compile(text: str, source: str) -> Any:
+def _compile(text: str, source: str) -> tuple[Any, frozenset[str]]:
+    """The compiled template and the argument names it reads."""
     import jinja2
     import jinja2.ext
+    import jinja2.meta
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
@@ -88,6 +97,6 @@ def _compile(text: str, source: str) -> Any:
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = strftime_now
     try:
-        return environment.from_string(text)
+        return environment.from_string(text), frozenset(jinja2.meta.find_undeclared_variables(environment.parse(text)))
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"{source}: not a valid Jinja template (line {exc.lineno}: {exc.message}); fix it") from None

@@ -275,6 +275,13 @@ class ApiConfig:
             vLLM sends it unless started with ``--enable-prompt-tokens-details``.
         return_tokens_as_token_ids: show logprobs' tokens as ``token_id:N`` unless a request
             says otherwise (vLLM's ``--return-tokens-as-token-ids``).
+        tool_call_parser: how tool calls are read from the output (``hermes``, ``llama3_json``,
+            ``mistral``, ``pythonic``); None: the one the chat template implies; ``none``: no parser.
+        reasoning_parser: how thinking is split from the answer (``qwen3``, ``deepseek_r1``);
+            None: the one the chat template implies; ``none``: no parser.
+        enable_auto_tool_choice: serve ``tool_choice: "auto"`` (the model decides whether to
+            call), vLLM's ``--enable-auto-tool-choice``; ``required`` and named functions are
+            served without it.
 
     """
 
@@ -283,6 +290,9 @@ class ApiConfig:
     api_key: str | None = None
     enable_prompt_tokens_details: bool = False
     return_tokens_as_token_ids: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    enable_auto_tool_choice: bool = False
 
     @classmethod
     def from_strings(cls, values: dict[str, Any]) -> ApiConfig:

@@ -66,6 +66,7 @@ class RequestState:
         self.prompt_logprobs: list[Logprob | None] = [] if prompt_logprobs is None else prompt_logprobs
         self.cached_tokens = 0  # prompt tokens whose rows came from the prefix cache
         self.matcher: Matcher | None = None  # structured output: where the request is in its grammar
+        self.gate: str | None = None  # the text the output must hold before the grammar applies (None: it applies)
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self._events: collections.deque[TokenEvent] = collections.deque()
@@ -231,6 +232,7 @@ class OutputProcessor:
         if params.structured is not None:  # checked already (check_structured): the grammar compiles
             assert self.grammars is not None
             state.matcher = self.grammars.matcher(params.structured)
+            state.gate = params.structured.after
 
     def add_request(self, state: RequestState) -> None:
         """Take a new request, prepared already (:meth:`prepare`)."""
@@ -321,7 +323,7 @@ class OutputProcessor:
         params = state.params
         raw = row.astype(np.float32)
         scores = controlled_scores(raw, params, state.prompt, state.output, state.stop_ids) if params.controls_logits else raw
-        if state.matcher is None:
+        if state.matcher is None or state.gate is not None:
             token = choose(scores, params, state.sampling, state.rng)
         else:  # the grammar: choose among the tokens it allows (the others' probability is 0, as if masked to -inf)
             allowed = state.matcher.allowed()
@@ -342,7 +344,9 @@ class OutputProcessor:
         state.output.append(token)
         batch.tokens.setdefault(state.id, []).append(token)
         params = state.params
-        if state.matcher is not None and not state.matcher.take(token):  # never fails open: the request ends
+        if state.gate is not None:
+            self._open_gate(state)
+        elif state.matcher is not None and not state.matcher.take(token):  # never fails open: the request ends
             state.output.pop()
             self._end(batch, state, TokenEvent(None, "", "error", f"structured output: {state.matcher.error}"))
             return True
@@ -360,16 +364,31 @@ class OutputProcessor:
         if generated >= params.max_tokens:
             self._end(batch, state, TokenEvent(token, text + state.text.flush(), "length", logprob=logprob))
             return True
-        if state.matcher is not None and state.matcher.finished:  # the grammar is complete (EOS ignored, or none)
+        if state.matcher is not None and state.gate is None and state.matcher.finished:  # the grammar is complete (EOS ignored, or none)
             self._end(batch, state, TokenEvent(token, text + state.text.flush(), "stop", logprob=logprob))
             return True
         batch.events.append((state, TokenEvent(token, text, logprob=logprob)))
         return False
 
+    def _open_gate(self, state: RequestState) -> None:
+        """The grammar applies from the token after the one that completes its gate's text (``</think>``).
+
+        The last few tokens' text is searched, so the gate opens however the model spelled
+        the text in tokens; a token that carries text past the gate puts that text outside
+        the grammar.
+        """
+        assert state.gate is not None and self.tokenizer is not None
+        tail = self.tokenizer.decode(state.output[-_GATE_TOKENS:], skip_special_tokens=False)
+        if state.gate in tail:
+            state.gate = None
+
     def _end(self, batch: OutputBatch, state: RequestState, event: TokenEvent) -> None:
         assert event.finish_reason is not None
         batch.finished.append(Finished(state.id, event.finish_reason, state.prompt_tokens, state.completion_tokens))
         batch.events.append((state, event))
+
+
+_GATE_TOKENS = 16  # tokens searched for a grammar's gate text: more than any tokenizer splits "</think>" into
 
 
 def logprob_of(logprobs: np.ndarray, token: int, top: int, ids: tuple[int, ...] | None = None) -> Logprob:

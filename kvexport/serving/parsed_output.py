@@ -3,8 +3,8 @@
 vLLM runs the two the same way: the reasoning parser takes the model's text, and only the
 content it gives (after ``</think>``, or from a ``<tool_call>`` that ended the thinking)
 goes to the tool parser, so a call written while thinking is reasoning, not a call.
-Either parser may be absent. One :class:`OutputParser` per request; plain Python; not yet
-served (``docs/serving.md``).
+Either parser may be absent. One :class:`OutputParser` per choice of a chat request
+(:mod:`kvexport.serving.tool_use` makes them); plain Python.
 """
 
 from __future__ import annotations
@@ -36,9 +36,10 @@ class ParsedDelta:
 class OutputParser:
     """The reasoning parser, then the tool parser on its content (either may be None)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None, max_calls: int | None = None) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        self.max_calls = max_calls  # calls past this many are dropped (``parallel_tool_calls: false``: 1), as vLLM drops them
 
     def extract(self, text: str) -> ParsedOutput:
         """Split a whole reply."""
@@ -48,7 +49,7 @@ class OutputParser:
         if self.tools is None or content is None:
             return ParsedOutput(reasoning, content)
         extracted = self.tools.extract(content)
-        return ParsedOutput(reasoning, extracted.content, extracted.tool_calls)
+        return ParsedOutput(reasoning, extracted.content, extracted.tool_calls[: self.max_calls])
 
     def stream(self, delta_text: str) -> ParsedDelta:
         """Read the text one step produced."""
@@ -68,7 +69,11 @@ class OutputParser:
         if self.tools is None:
             return ParsedDelta(reasoning, content)
         step = self.tools.stream(content)
-        if not final:
-            return ParsedDelta(reasoning, step.content, step.tool_calls)
-        end = self.tools.finish()
-        return ParsedDelta(reasoning, step.content + end.content, step.tool_calls + end.tool_calls)
+        calls = step.tool_calls
+        text = step.content
+        if final:
+            end = self.tools.finish()
+            calls, text = calls + end.tool_calls, text + end.content
+        if self.max_calls is not None:
+            calls = [call for call in calls if call.index < self.max_calls]
+        return ParsedDelta(reasoning, text, calls)

@@ -14,6 +14,7 @@ OpenAI's error shape.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -204,10 +205,20 @@ class ChatMessage(BaseModel):
     name: str | None = None
 
     def for_template(self) -> dict[str, Any]:
-        """What the chat template sees: role, text content, the name when given, and every other key."""
+        """What the chat template sees: role, text content, the name when given, and every other key.
+
+        As vLLM prepares them: an assistant's ``tool_calls`` carry their arguments as objects
+        (templates ``tojson`` them; the API sends JSON text), and ``reasoning`` (vLLM's field,
+        sent back from an earlier reply) is also ``reasoning_content``, the name templates read.
+        """
         message: dict[str, Any] = {**(self.model_extra or {}), "role": self.role, "content": self.text()}
         if self.name is not None:
             message["name"] = self.name
+        if message.get("reasoning") is not None:
+            message.setdefault("reasoning_content", message["reasoning"])
+        calls = message.pop("tool_calls", None)
+        if calls:  # an empty list is left out, as vLLM leaves it
+            message["tool_calls"] = [_call_for_template(call, index) for index, call in enumerate(calls)]
         return message
 
     def text(self) -> str:
@@ -226,6 +237,20 @@ class ChatMessage(BaseModel):
         return "".join(pieces)
 
 
+def _call_for_template(call: Any, index: int) -> Any:
+    """An assistant message's tool call with its ``function.arguments`` JSON text read as an object (one line if it is not JSON)."""
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+        raise ParameterError(f"messages: tool_calls[{index}] must be an object with a function", parameter="messages")
+    arguments = call["function"].get("arguments")
+    if not isinstance(arguments, str):
+        return call
+    try:
+        parsed = json.loads(arguments)
+    except json.JSONDecodeError as exc:
+        raise ParameterError(f"messages: tool_calls[{index}].function.arguments is not valid JSON ({exc.msg})", parameter="messages") from None
+    return {**call, "function": {**call["function"], "arguments": parsed}}
+
+
 class ChatCompletionRequest(SamplingFields):
     """The body of ``POST /v1/chat/completions``."""
 
@@ -239,6 +264,11 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: the reply starts with the last message's text when that message has the reply's role
     echo: bool = False
     prompt_logprobs: int | None = Field(default=None, ge=-1)  # the bound is the server's --max-logprobs
+    # tools and thinking (kvexport.serving.tool_use): checked there, with vLLM's meanings and messages
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def wanted_tokens(self) -> int | None:
         """``max_completion_tokens``, else ``max_tokens`` (None: the rest of the context)."""
@@ -256,6 +286,9 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    # rendered as the chat route renders them (kvexport.serving.tool_use)
+    tools: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def refused(self) -> ParameterError | None:
         """A chat field the chat route refuses is refused here too, naming it (never taken and ignored)."""
@@ -263,7 +296,7 @@ class TokenizeRequest(BaseModel):
 
 
 # the chat fields /tokenize would have to render with: refused there as the chat route refuses them
-_CHAT_ONLY = ("tools", "documents", "chat_template", "chat_template_kwargs", "mm_processor_kwargs")
+_CHAT_ONLY = ("documents", "chat_template", "mm_processor_kwargs")
 
 
 class DetokenizeRequest(BaseModel):

@@ -20,7 +20,7 @@ text back) gives exactly what :meth:`ReasoningParser.extract` gives: the concate
 reasoning and content pieces equal its result (an empty string standing for None).
 Streaming holds back text that may begin a tag, so no part of ``</think>`` reaches either.
 
-Plain Python; nothing here is served yet (``docs/serving.md``).
+Plain Python; served through :mod:`kvexport.serving.tool_use` (``--reasoning-parser``).
 """
 
 from __future__ import annotations
@@ -143,3 +143,14 @@ def reasoning_parser(name: str, thinking: bool = True) -> ReasoningParser:
             f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}"
         )
     return REASONING_PARSERS[name](thinking)
+
+
+def choose_reasoning_parser(chat_template: str) -> str | None:
+    """The reasoning parser an export's chat template implies, or None when the model does not think.
+
+    A template that writes ``<think>`` is a thinking model's: ``qwen3`` when it is ChatML
+    (``<|im_start|>``, Qwen3 and QwQ), else ``deepseek_r1``.
+    """
+    if "<think>" not in chat_template:
+        return None
+    return "qwen3" if "<|im_start|>" in chat_template else "deepseek_r1"

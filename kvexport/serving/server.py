@@ -34,10 +34,13 @@ def serve(
 
     from kvexport.serving.app import create_app
     from kvexport.serving.chat import ChatTemplate
+    from kvexport.serving.tool_use import ToolSettings
 
     path = Path(directory)
     api = api or ApiConfig()
-    ChatTemplate.find(path, api.chat_template)  # a bad template file fails before the engine loads
+    # a bad template file or parser name fails before the engine loads
+    template = ChatTemplate.find(path, api.chat_template)
+    ToolSettings.resolve(api, template)
     engine = Engine(path, config or EngineConfig())
     app = create_app(engine, api)
     served = app.state.served.model

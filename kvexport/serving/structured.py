@@ -59,6 +59,8 @@ class Constraint:
 
     field: str  # e.g. "response_format" or "structured_outputs.regex": named in errors
     grammar: str  # llguidance's grammar JSON
+    # the text after which the grammar applies (a thinking model's "</think>"); None: from the first token
+    after: str | None = None
 
 
 def from_request(response_format: Any, structured_outputs: Any) -> Constraint | None:
@@ -96,7 +98,7 @@ def _from_response_format(value: Any) -> Constraint | None:
         schema = spec.get("schema", spec.get("json_schema"))
         if not isinstance(schema, (dict, bool)):
             raise ParameterError("response_format.json_schema.schema: must be a JSON schema object", parameter="response_format")
-        return Constraint("response_format", _json_grammar(schema, "response_format"))
+        return Constraint("response_format", json_grammar(schema, "response_format"))
     raise ParameterError(f"response_format: type {kind!r} is not one of text, json_object, json_schema", parameter="response_format")
 
 
@@ -137,7 +139,7 @@ def _from_structured_outputs(value: Any) -> Constraint | None:
                 raise ParameterError(f"{field}: not valid JSON ({exc.msg})", parameter="structured_outputs") from None
         if not isinstance(body, (dict, bool)):
             raise ParameterError(f"{field}: must be a JSON schema object", parameter="structured_outputs")
-        return Constraint(field, _json_grammar(body, "structured_outputs"))
+        return Constraint(field, json_grammar(body, "structured_outputs"))
     if key == "regex":
         if not isinstance(body, str):
             raise ParameterError(f"{field}: must be a string", parameter="structured_outputs")
@@ -158,7 +160,8 @@ def _from_structured_outputs(value: Any) -> Constraint | None:
     return Constraint(field, LLMatcher.grammar_from_lark(body))
 
 
-def _json_grammar(schema: Any, parameter: str) -> str:
+def json_grammar(schema: Any, parameter: str) -> str:
+    """Llguidance's grammar for a JSON schema (compact JSON); a schema it can't read is a :class:`ParameterError` naming ``parameter``."""
     from llguidance import LLMatcher
 
     try:

@@ -43,7 +43,7 @@ Where streaming and :meth:`~ToolParser.extract` can differ (both as in vLLM):
   (after whitespace); ``extract`` of ``llama3_json`` also finds a call after prose;
 - a key repeated inside ``arguments`` is streamed twice, where ``json.loads`` keeps the last.
 
-Plain Python (``json``, ``re``, ``ast``); nothing here is served yet (``docs/serving.md``).
+Plain Python (``json``, ``re``, ``ast``); served through :mod:`kvexport.serving.tool_use` (``--tool-call-parser``).
 """
 
 from __future__ import annotations
@@ -1003,6 +1003,104 @@ class PythonicToolParser(ToolParser):
         for index, (name, arguments) in enumerate(parsed):
             calls.append(ToolCallDelta(index, self.new_id(), name, _dumps(arguments)))
         self._buffer, self._state = "", "tail"
+
+
+class _ForcedParser(_JsonCallsParser):
+    """The calls of a forced ``tool_choice``: the output is JSON and nothing else (its grammar says so), opening at once."""
+
+    opening: ClassVar[str]
+
+    def _text(self, char: str, content: list[str]) -> None:
+        # whitespace, then the opening character; anything else is content (a grammar-free output)
+        self._pending += char
+        stripped = self._pending.lstrip()
+        if not stripped:
+            return
+        if stripped != self.opening:
+            content.append(self._pending)
+            self._pending, self._state = "", "content"
+            return
+        self._open_calls(self._pending)
+        self._pending = ""
+        self._opened_with()
+
+    @abstractmethod
+    def _opened_with(self) -> None:
+        """The opening character was read."""
+
+
+class RequiredToolParser(_ForcedParser):
+    """``tool_choice: "required"``: a JSON list of ``{"name": ..., "parameters": {...}}``, as vLLM's grammar asks for it."""
+
+    name = "required"
+    opening = "["
+    argument_keys = ("parameters",)
+
+    def __init__(self, new_id: IdFactory | None = None) -> None:
+        super().__init__(new_id)
+        self._list: Literal["want_call", "after_call"] = "want_call"
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        """The listed calls; output that is not such a list is content, whole."""
+        try:
+            listed = _loads_strict(text)
+            if not isinstance(listed, list) or not listed:
+                raise ValueError("not a list of calls")
+            calls = []
+            for call in listed:
+                _check_call(call)
+                calls.append((call["name"], call["parameters"]))
+        except (ValueError, KeyError):
+            return ExtractedToolCalls(False, [], text)
+        return ExtractedToolCalls(True, [self._call(n, a) for n, a in calls], None)
+
+    def _opened_with(self) -> None:
+        self._state = "calls"
+
+    def _frame(self, char: str) -> None:
+        # "{" for a call, "," between calls, "]" after the last
+        if char in " \t\n\r":
+            return
+        if self._list == "want_call" and char == "{":
+            self._list = "after_call"
+            self._open_call()
+        elif self._list == "after_call" and char == ",":
+            self._list = "want_call"
+        elif self._list == "after_call" and char == "]":
+            self._state = "tail"
+        else:
+            raise _Malformed(char)
+
+    def _may_end_here(self) -> bool:
+        return False  # a list not closed
+
+
+class NamedToolParser(_ForcedParser):
+    """A named ``tool_choice``: the output is the function's arguments object, as vLLM's grammar asks for it."""
+
+    name = "named"
+    opening = "{"
+
+    def __init__(self, function: str, new_id: IdFactory | None = None) -> None:
+        super().__init__(new_id)
+        self.function = function
+
+    def extract(self, text: str) -> ExtractedToolCalls:
+        """One call of the named function; output that is not a JSON object is content, whole."""
+        try:
+            arguments = _loads_strict(text)
+            if not isinstance(arguments, dict):
+                raise ValueError("not an object")
+        except ValueError:
+            return ExtractedToolCalls(False, [], text)
+        return ExtractedToolCalls(True, [self._call(self.function, arguments)], None)
+
+    def _opened_with(self) -> None:
+        self._open_call(self.function)
+
+    def _frame(self, char: str) -> None:
+        if char not in " \t\n\r":
+            self._state = "tail"
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

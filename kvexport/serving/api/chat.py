@@ -1,12 +1,15 @@
 """``POST /v1/chat/completions``: ``messages`` rendered by the chat template (:mod:`kvexport.serving.chat`).
 
 The same controls as completions, ``logprobs`` / ``top_logprobs`` in the chat shape, vLLM's
-``echo`` and ``prompt_logprobs`` (top level, not streamed), and streamed
-``chat.completion.chunk`` deltas. Without ``max_tokens`` (or
+``echo`` and ``prompt_logprobs`` (top level, not streamed), tools and reasoning
+(:mod:`kvexport.serving.tool_use`: ``tool_calls`` and ``reasoning`` in the message), and
+streamed ``chat.completion.chunk`` deltas. Without ``max_tokens`` (or
 ``max_completion_tokens``) a chat may use the rest of the context, as vLLM's does.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
@@ -21,6 +24,7 @@ from kvexport.serving.api.common import (
 )
 from kvexport.serving.api.render import ChatRender, Choice, answer, error_response
 from kvexport.serving.protocol import ChatCompletionRequest
+from kvexport.serving.tool_use import ToolUse
 
 router = APIRouter()
 
@@ -49,23 +53,29 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, contex
         return error_response(400, "prompt_logprobs: not available with stream: true", param="prompt_logprobs")
     engine = context.engine
     choices: list[Choice] = []
+    uses: list[ToolUse] = []
 
-    def submit() -> None:
-        ids = engine.encode(chat_prompt(context, body.messages, body.add_generation_prompt, body.continue_final_message))
-        ids = body.truncated(ids)
+    def submit() -> None:  # in a worker thread: the template renders and the tools' grammar compiles here
+        use = context.tool_use(body.tools, body.tool_choice, body.parallel_tool_calls, body.chat_template_kwargs)
+        uses.append(use)
+        prompt = chat_prompt(context, body.messages, body.add_generation_prompt, body.continue_final_message, use.template_arguments)
+        ids = body.truncated(engine.encode(prompt))
         wanted = body.wanted_tokens()
         params = body.sampling_params(
             wanted if wanted is not None else max(1, engine.capacity - len(ids)),
             logprobs=(body.top_logprobs or 0) if body.logprobs else None,
             prompt_logprobs=body.prompt_logprobs,
         )
+        params = dataclasses.replace(params, structured=use.constraint(params.structured))
         for child in engine.submit_n(ids, params, body.n):
             choices.append(Choice(len(choices), child))
 
     refused = await submit_choices(submit, choices, "messages")
     if refused is not None:
         return refused
-    render = ChatRender(context.model, choices, context.names(body), body, context.api.enable_prompt_tokens_details, echo_text(body))
+    render = ChatRender(
+        context.model, choices, context.names(body), body, context.api.enable_prompt_tokens_details, echo_text(body), uses[0]
+    )
     if body.stream:
         return StreamingResponse(render.stream(), media_type="text/event-stream")
     return await answer(choices, request, render.whole)

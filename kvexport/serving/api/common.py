@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse
@@ -22,6 +23,7 @@ from kvexport.serving.config import ApiConfig
 from kvexport.serving.engine import Engine, EngineClosed, EngineFull
 from kvexport.serving.errors import ParameterError
 from kvexport.serving.protocol import ChatMessage, SamplingFields
+from kvexport.serving.tool_use import ToolSettings, ToolUse
 
 RETRY_AFTER_S = 1
 
@@ -35,11 +37,16 @@ class Served:
     chat_template: ChatTemplate | None
     playground: str
     api: ApiConfig
+    tools: ToolSettings
 
     def names(self, body: SamplingFields) -> TokenNames:
         """How tokens are shown: as ``token_id:N`` when the request asks, else when the server does (``--return-tokens-as-token-ids``)."""
         as_ids = body.return_tokens_as_token_ids
         return TokenNames(self.engine.tokenizer, self.api.return_tokens_as_token_ids if as_ids is None else as_ids)
+
+    def tool_use(self, tools: Any, tool_choice: Any, parallel_tool_calls: bool | None, chat_template_kwargs: dict[str, Any] | None) -> ToolUse:
+        """A request's tools and thinking, checked against this server's parsers and template."""
+        return ToolUse.of(tools, tool_choice, parallel_tool_calls, chat_template_kwargs, self.tools, self.chat_template)
 
 
 def served(request: Request) -> Served:
@@ -57,8 +64,14 @@ def wrong_model(served: Served, name: str | None) -> JSONResponse | None:
     return None
 
 
-def chat_prompt(served: Served, messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool = False) -> str:
-    """The prompt text of ``messages`` (chat and /tokenize); one line when there is no template.
+def chat_prompt(
+    served: Served,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    continue_final_message: bool = False,
+    arguments: dict[str, Any] | None = None,
+) -> str:
+    """The prompt text of ``messages`` (chat and /tokenize), with the template's extra ``arguments`` (``tools``, ...); one line when there is no template.
 
     ``continue_final_message`` (vLLM's, transformers' ``apply_chat_template`` meaning): the
     text ends with the last message's own content, so the model continues that message
@@ -75,7 +88,9 @@ def chat_prompt(served: Served, messages: list[ChatMessage], add_generation_prom
             "continue_final_message: cannot be true with add_generation_prompt true; set add_generation_prompt to false",
             parameter="continue_final_message",
         )
-    rendered = served.chat_template.render([m.for_template() for m in messages], add_generation_prompt=add_generation_prompt)
+    rendered = served.chat_template.render(
+        [m.for_template() for m in messages], add_generation_prompt=add_generation_prompt, **(arguments or {})
+    )
     if not continue_final_message:
         return rendered
     final = messages[-1].text()

@@ -22,9 +22,10 @@ PLAYGROUND = Path(__file__).parent.parent / "playground.html"
 router = APIRouter()
 
 
-def playground_page(model: str, *, chat: bool, api_key: bool) -> str:
-    """The playground's HTML (no external assets), told the model name and whether chat and a key apply."""
-    config = json.dumps({"model": model, "chat": chat, "api_key": api_key}).replace("<", "\\u003c")
+def playground_page(model: str, *, chat: bool, api_key: bool, tools: bool = False, auto_tools: bool = False) -> str:
+    """The playground's HTML (no external assets), told the model name and whether chat, a key, tools and ``tool_choice: auto`` apply."""
+    settings = {"model": model, "chat": chat, "api_key": api_key, "tools": tools, "auto_tools": auto_tools}
+    config = json.dumps(settings).replace("<", "\\u003c")
     return PLAYGROUND.read_text(encoding="utf-8").replace("__SERVER_CONFIG__", config)
 
 

@@ -25,6 +25,7 @@ from tokenizers import Tokenizer
 from kvexport.serving.output import RequestState
 from kvexport.serving.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from kvexport.serving.request import Logprob, TokenEvent
+from kvexport.serving.tool_use import ToolUse
 
 LOWEST_LOGPROB = -9999.0  # what OpenAI and vLLM send for -inf
 _STREAM_ERROR = {"message": "generation failed", "type": "server_error", "param": None, "code": None}
@@ -235,8 +236,8 @@ class _Render:
         """The whole response, once every choice has ended."""
         raise NotImplementedError
 
-    def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any]:
-        """One choice's part of a chunk."""
+    def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any] | None:
+        """One choice's part of a chunk (None: no chunk for this event)."""
         raise NotImplementedError
 
     def _opening(self) -> list[str]:
@@ -280,8 +281,11 @@ class _Render:
             done = event.finish_reason is not None
             if choice.echo_only and not done:
                 continue
+            piece = self._piece(choice, text, tokens, logprobs, done)
+            if piece is None:  # nothing to send yet (a parser holds back what may be a tag)
+                continue
             counts = self._usage_so_far() if self.body.continuous_usage() else None
-            yield self._chunk([self._piece(choice, text, tokens, logprobs, done)], counts)
+            yield self._chunk([piece], counts)
         else:
             if self.body.include_usage():  # vLLM leaves an unsent prompt_tokens_details out of a chunk
                 counts = {k: v for k, v in usage(self.choices, self.first, self.details).items() if v is not None}
@@ -347,11 +351,41 @@ class ChatRender(_Render):
     id_prefix = "chatcmpl"
 
     def __init__(
-        self, model: str, choices: list[Choice], name: TokenNames, body: ChatCompletionRequest, details: bool, echo: str = ""
+        self,
+        model: str,
+        choices: list[Choice],
+        name: TokenNames,
+        body: ChatCompletionRequest,
+        details: bool,
+        echo: str = "",
+        use: ToolUse | None = None,
     ) -> None:
         super().__init__(model, choices, choices[:1], name, body, details)
         self.request = body
         self.echo = echo  # the text echo puts before each reply (no tokens or logprobs of its own, as vLLM's)
+        self.use = use
+        # each choice's reasoning and tool-call parser (None: its text is all content)
+        self.parsers = {c.index: None if use is None else use.output_parser() for c in choices}
+        self.called: set[int] = set()  # choices that streamed a tool call
+
+    def _message(self, choice: Choice) -> dict[str, Any]:
+        """A whole choice's message: its content, and the ``reasoning`` and ``tool_calls`` its parser finds (vLLM's fields)."""
+        text = "".join(choice.text)
+        parser = self.parsers[choice.index]
+        if parser is None:
+            return {"role": "assistant", "content": self.echo + text, "reasoning": None}
+        assert self.use is not None
+        parsed = parser.extract(text)
+        content = self.use.content(parsed.content)
+        message: dict[str, Any] = {
+            "role": "assistant", "content": self.echo + (content or "") if self.echo else content, "reasoning": parsed.reasoning
+        }
+        if parsed.tool_calls:  # vLLM leaves an empty list out
+            message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+        return message
+
+    def _finish_reason(self, choice: Choice, called: bool) -> str | None:
+        return choice.finish_reason if self.use is None else self.use.finish_reason(choice.finish_reason, called)
 
     def _logprobs(self, tokens: list[int], logprobs: list[Logprob | None]) -> dict[str, Any] | None:
         if not self.request.logprobs:
@@ -362,17 +396,17 @@ class ChatRender(_Render):
 
     def whole(self) -> Response:
         """The ``chat.completion`` body."""
-        choices = [
-            {
+        choices = []
+        for c in self.choices:
+            message = self._message(c)
+            choices.append({
                 "index": c.index,
-                "message": {"role": "assistant", "content": self.echo + "".join(c.text)},
+                "message": message,
                 "logprobs": self._logprobs(c.tokens, c.logprobs),
-                "finish_reason": c.finish_reason,
+                "finish_reason": self._finish_reason(c, "tool_calls" in message),
                 "stop_reason": c.stop_reason,
                 "token_ids": self._token_ids(c.request.output),
-            }
-            for c in self.choices
-        ]
+            })
         # vLLM's top-level prompt fields: null unless asked
         first = self.choices[0].request
         asked = self.request.prompt_logprobs is not None
@@ -398,14 +432,38 @@ class ChatRender(_Render):
             ]
         return chunks
 
-    def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any]:
+    def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any] | None:
+        delta = self._delta(choice, text, done)
+        shown = self._logprobs(tokens, logprobs)
+        if delta is None and shown is None and not done:
+            return None
         piece = {
             "index": choice.index,
-            "delta": {"content": text} if text or not done else {},
-            "logprobs": self._logprobs(tokens, logprobs),
-            "finish_reason": choice.finish_reason if done else None,
+            "delta": delta or {},
+            "logprobs": shown,
+            "finish_reason": self._finish_reason(choice, choice.index in self.called) if done else None,
             "stop_reason": choice.stop_reason if done else None,
         }
         if self.body.return_token_ids:
             piece["token_ids"] = list(tokens)
         return piece
+
+    def _delta(self, choice: Choice, text: str, done: bool) -> dict[str, Any] | None:
+        """A chunk's ``delta``: the text as content, or what the choice's parser lets out of it (None: nothing yet)."""
+        parser = self.parsers[choice.index]
+        if parser is None:
+            return {"content": text} if text or not done else None
+        step = parser.stream(text)
+        reasoning, content, calls = step.reasoning, step.content, step.tool_calls
+        if done:
+            end = parser.finish()
+            reasoning, content, calls = reasoning + end.reasoning, content + end.content, calls + end.tool_calls
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning"] = reasoning
+        if content:
+            delta["content"] = content
+        if calls:
+            self.called.add(choice.index)
+            delta["tool_calls"] = [call.to_openai() for call in calls]
+        return delta or None

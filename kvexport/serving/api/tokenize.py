@@ -30,8 +30,9 @@ async def tokenize(body: TokenizeRequest, context: Served = Depends(served)) -> 
     engine = context.engine
     text = body.prompt
     if body.messages is not None:
-        try:
-            text = chat_prompt(context, body.messages, body.add_generation_prompt, body.continue_final_message)
+        try:  # tools and arguments as the chat route renders them (tool_choice "none": nothing else matters here)
+            use = context.tool_use(body.tools, "none", None, body.chat_template_kwargs)
+            text = chat_prompt(context, body.messages, body.add_generation_prompt, body.continue_final_message, use.template_arguments)
         except KvexportError as exc:
             return error_response(400, str(exc), param=getattr(exc, "parameter", None) or "messages")
     assert text is not None
@@ -73,5 +74,5 @@ async def tokenizer_info(context: Served = Depends(served)) -> dict[str, Any]:  
         "model_max_length": engine.capacity,
         "vocab_size": engine.vocab_size,
         "add_bos_token": False,
-        "chat_template": None if context.chat_template is None else context.chat_template.source,
+        "chat_template": None if context.chat_template is None else context.chat_template.text,
     }
