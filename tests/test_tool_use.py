@@ -326,3 +326,13 @@ def test_the_gate_applies_the_grammar_only_after_its_text(trained_exports: dict[
         assert gated[len(before) :].isdigit() and len(gated) - len(before) == 3, (free, gated)
     finally:
         engine.close()
+
+
+def test_serve_refuses_an_unknown_parser_by_name(trained_exports: dict[str, Path]) -> None:
+    from click.testing import CliRunner
+
+    from kvexport.cli import main
+
+    result = CliRunner().invoke(main, ["serve", str(trained_exports["none"]), "--port", "0", "--tool-call-parser", "qwen"])
+    assert result.exit_code == 2 and "Invalid value for '--tool-call-parser': 'qwen' is not one of" in result.output
+    assert "Traceback" not in result.output

@@ -39,10 +39,9 @@ from kvexport.serving.api import chat, completions, models, tokenize
 from kvexport.serving.api.common import Served
 from kvexport.serving.api.models import playground_page
 from kvexport.serving.api.render import error_response
-from kvexport.serving.chat import ChatTemplate
 from kvexport.serving.config import ApiConfig
 from kvexport.serving.engine import Engine
-from kvexport.serving.tool_use import ToolSettings
+from kvexport.serving.tool_use import chat_settings
 
 # the routes an API key guards (vLLM's --api-key guards /v1; the tokenizer routes read the model too)
 _KEYED_PREFIXES = ("/v1", "/tokenize", "/detokenize", "/tokenizer_info")
@@ -74,9 +73,8 @@ def create_app(engine: Engine, api: ApiConfig | None = None, *, replica: str | N
         raise TypeError(f"create_app(engine, api): api is an ApiConfig; name the model with ApiConfig(name={api!r})")
     api = api or ApiConfig()
     model = api.model_name(engine.directory)
-    template = ChatTemplate.find(engine.directory, api.chat_template)
+    template, tools = chat_settings(engine.directory, api)
     app = FastAPI(title="kvexport", docs_url=None, redoc_url=None, openapi_url=None)
-    tools = ToolSettings.resolve(api, template)
     page = playground_page(
         model,
         chat=template is not None,

@@ -36,9 +36,9 @@ from ray.serve import Application
 
 from kvexport.errors import KvexportError
 from kvexport.serving.app import API_KEY_ENV, create_app
-from kvexport.serving.chat import ChatTemplate
 from kvexport.serving.config import ApiConfig, EngineConfig
 from kvexport.serving.engine import Engine
+from kvexport.serving.tool_use import chat_settings
 
 DEPLOYMENT = "kvexport"
 
@@ -76,7 +76,7 @@ def build(
     if not (path / "kvexport.json").is_file():
         raise KvexportError(f"{directory}: no kvexport.json; pass an export directory (kvexport export --out ...)")
     api = api or ApiConfig()
-    ChatTemplate.find(path, api.chat_template)  # a bad template file fails here, not in every replica
+    chat_settings(path, api)  # a bad template file or parser name fails here, not in every replica
     deployment = KvexportReplica.options(  # type: ignore[attr-defined]
         num_replicas=replicas, max_ongoing_requests=config.slots + config.max_queue
     )

@@ -33,14 +33,11 @@ def serve(
     import uvicorn
 
     from kvexport.serving.app import create_app
-    from kvexport.serving.chat import ChatTemplate
-    from kvexport.serving.tool_use import ToolSettings
+    from kvexport.serving.tool_use import chat_settings
 
     path = Path(directory)
     api = api or ApiConfig()
-    # a bad template file or parser name fails before the engine loads
-    template = ChatTemplate.find(path, api.chat_template)
-    ToolSettings.resolve(api, template)
+    chat_settings(path, api)  # a bad template file or parser name fails before the engine loads
     engine = Engine(path, config or EngineConfig())
     app = create_app(engine, api)
     served = app.state.served.model

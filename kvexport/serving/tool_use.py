@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from kvexport.errors import KvexportError
@@ -69,6 +70,16 @@ class ToolSettings:
         tools = _named(api.tool_call_parser, TOOL_PARSERS, "--tool-call-parser", choose_tool_parser(source))
         thinking = _named(api.reasoning_parser, REASONING_PARSERS, "--reasoning-parser", choose_reasoning_parser(source))
         return cls(tools, thinking, api.enable_auto_tool_choice)
+
+
+def chat_settings(directory: Path, api: ApiConfig) -> tuple[ChatTemplate | None, ToolSettings]:
+    """The chat template and parsers ``api`` gives for the export in ``directory``; a bad template file or parser name fails in one line.
+
+    The app reads them here, and the servers call it before an engine loads, so a mistake
+    fails at once and not in every replica.
+    """
+    template = ChatTemplate.find(directory, api.chat_template)
+    return template, ToolSettings.resolve(api, template)
 
 
 def _named(flag: str | None, known: dict[str, Any], option: str, chosen: str | None) -> str | None:
