@@ -18,7 +18,6 @@ streamed plain requests while 12 one-token requests arrive one after another, ea
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import sys
 import threading
@@ -27,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 
 from kvexport.serving import Engine, SamplingParams
 from kvexport.serving.structured import Constraint, from_request
+from kvexport.testing import app_in_thread
 
 PROMPT = "The help topic"
 
@@ -86,28 +85,14 @@ def gaps_while_others_arrive(url: str, schemas: bool, round_: int) -> list[float
 
 def interference(export: Path) -> dict[str, list[float]]:
     """p99 and largest inter-token gap of running streams while schemas compile, against plain arrivals; 3 rounds each."""
-    from kvexport.serving.app import create_app
-
     samples: dict[str, list[float]] = {}
     with Engine(export, slots=16, max_context=256) as engine:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(create_app(engine), log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.02)
-        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        try:
+        with app_in_thread(engine) as url:
             for round_ in range(3):
                 for name, schemas in (("plain arrivals", False), ("schema arrivals", True)):
                     gaps = sorted(gaps_while_others_arrive(url, schemas, round_))
                     samples.setdefault(f"itl p99 ms, {name}", []).append(gaps[int(0.99 * (len(gaps) - 1))])
                     samples.setdefault(f"itl max ms, {name}", []).append(gaps[-1])
-        finally:
-            server.should_exit = True
-            thread.join(20)
-            listener.close()
     return samples
 
 

@@ -21,20 +21,17 @@ tokens after the first; ``logprobs`` gives every token its chunk). Prints the me
 from __future__ import annotations
 
 import json
-import socket
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-import uvicorn
 
 from kvexport.serving import Engine
-from kvexport.serving.app import create_app
 from kvexport.serving.config import ApiConfig
+from kvexport.testing import app_in_thread
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris, and what time is it there?"}]
 
@@ -77,15 +74,7 @@ def main() -> int:
     api = ApiConfig(chat_template=str(template), reasoning_parser="none", name="model")
     samples: dict[str, list[float]] = {}
     with Engine(export, slots=1, max_context=1024, prefix_cache=False) as engine:
-        listener = socket.socket()
-        listener.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(uvicorn.Config(create_app(engine, api), log_level="warning", lifespan="off"))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-        thread.start()
-        while not server.started:
-            time.sleep(0.02)
-        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
-        try:
+        with app_in_thread(engine, api) as url:
             timed(url, {"tools": tools(""), "tool_choice": "required", "parallel_tool_calls": False})  # llguidance's tokenizer, once
             for round_ in range(5):
                 cases = {
@@ -99,10 +88,6 @@ def main() -> int:
                     samples.setdefault(f"{name} ttft ms", []).append(ttft)
                     samples.setdefault(f"{name} ms/token", []).append(per_token)
                     samples.setdefault(f"{name} tokens", []).append(count)
-        finally:
-            server.should_exit = True
-            thread.join(20)
-            listener.close()
     summary = {key: round(statistics.median(values), 2) for key, values in samples.items()}
     print(json.dumps(summary, indent=1))
     out_path.write_text(json.dumps({"export": str(export), "template": str(template), "median": summary, "samples": samples}, indent=1))

@@ -7,14 +7,18 @@ names, no passes run) and assemble export directories around rewritten graphs so
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from kvexport.serving.config import ApiConfig
+    from kvexport.serving.engine import Engine
 
 
 # How other tools name the cache: canonical name -> foreign name.
@@ -366,3 +370,34 @@ def chunkings(text: str, tokens: list[str] | None = None) -> list[list[str]]:
             position += size
         chunked.append(pieces)
     return [list(text), [text], *chunked, *([tokens] if tokens else [])]
+
+
+@contextlib.contextmanager
+def app_in_thread(engine: Engine, api: ApiConfig | None = None) -> Iterator[str]:
+    """``kvexport serve``'s app for ``engine`` on uvicorn in a thread, on 127.0.0.1 and a free port; yields its URL.
+
+    For tests and benchmarks. The server stops when the block ends; the engine is the
+    caller's to close.
+    """
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from kvexport.serving.app import create_app
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, api), log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{listener.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(20)
+        listener.close()

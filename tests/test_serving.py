@@ -15,7 +15,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,15 +26,14 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from tokenizers import Tokenizer
 
 from kvexport import KvexportError
 from kvexport.runtime import Generator
 from kvexport.serving import Engine, EngineFull, SamplingParams
-from kvexport.serving.app import create_app
 from kvexport.serving.config import ApiConfig
 from kvexport.serving.output import RequestState
+from kvexport.testing import app_in_thread
 from tests.conftest import TRAINED
 
 HELDOUT_IDS = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode((TRAINED / "heldout.txt").read_text()).ids
@@ -356,23 +354,12 @@ def _server(
 ) -> Iterator[tuple[str, Engine]]:
     """The app on uvicorn in a thread, on 127.0.0.1 and a free port; the model is named "trained" unless ``api`` names it."""
     engine = Engine(directory, **engine_options)  # type: ignore[arg-type]
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
     api = api or ApiConfig()
-    app = create_app(engine, dataclasses.replace(api, name=api.name or "trained"))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{listener.getsockname()[1]}", engine
+        with app_in_thread(engine, dataclasses.replace(api, name=api.name or "trained")) as url:
+            yield url, engine
     finally:
-        server.should_exit = True
-        thread.join(20)
         engine.close(drain=False)
-        listener.close()
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,8 @@ from kvexport.errors import KvexportError
 from kvexport.serving.tool_parsers import (
     TOOL_PARSERS,
     ExtractedToolCalls,
+    NamedToolParser,
+    RequiredToolParser,
     ToolCall,
     ToolCallDelta,
     ToolParser,
@@ -36,13 +38,22 @@ def _ids() -> Callable[[], str]:
     return lambda: f"call-{next(counter)}"
 
 
+def _parser(name: str) -> ToolParser:
+    """A registered parser by name, or a forced tool_choice's: ``required``, ``named:<function>``."""
+    if name == "required":
+        return RequiredToolParser(_ids())
+    if name.startswith("named:"):
+        return NamedToolParser(name.removeprefix("named:"), _ids())
+    return tool_parser(name, _ids())
+
+
 def _extract(name: str, text: str) -> ExtractedToolCalls:
-    return tool_parser(name, _ids()).extract(text)
+    return _parser(name).extract(text)
 
 
 def _stream(name: str, pieces: Iterable[str]) -> tuple[str | None, list[ToolCall]]:
     """Stream ``pieces``; check each call's id and name come once, first; give (content, calls)."""
-    parser = tool_parser(name, _ids())
+    parser = _parser(name)
     content: list[str] = []
     deltas: list[ToolCallDelta] = []
     for piece in pieces:
@@ -679,3 +690,30 @@ def test_streamed_arguments_equal_json_dumps(seed: int) -> None:
     expected = json.dumps(json.loads(arguments), ensure_ascii=False)
     _assert_calls(_extract("hermes", text), [("f", expected)], None)
     _assert_streams_as_extract("hermes", text)
+
+
+# tool_choice "required" and a named function: the grammar's forms (vLLM's), not a model's own
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ('[{"name":"get_weather","parameters":{"city":"Paris","days":3}}]', [("get_weather", '{"city": "Paris", "days": 3}')]),
+        (' [{"name": "a", "parameters": {}}, {"name": "b", "parameters": {"x": [1, 2.5, null]}}]',
+         [("a", "{}"), ("b", '{"x": [1, 2.5, null]}')]),
+        ('[{"name":"a","parameters":{"s":"\\u00e9\\n"}}]', [("a", '{"s": "é\\n"}')]),
+    ],
+)
+def test_required_reads_the_listed_calls_whole_and_streamed(text: str, expected: list[tuple[str, str]]) -> None:
+    _assert_calls(_extract("required", text), expected, None)
+    _assert_streams_as_extract("required", text)
+
+
+@pytest.mark.parametrize("text", ['{"name": "a"}', "[]", "[1]", '[{"name": "a", "parameters": {}}', "plain text"])
+def test_required_output_that_is_not_a_list_of_calls_is_content(text: str) -> None:
+    _assert_calls(_extract("required", text), [], text)
+
+
+def test_a_named_function_reads_its_arguments_object_whole_and_streamed() -> None:
+    text = '{"zone":"CET","hours":[1,2]}'
+    _assert_calls(_extract("named:get_time", text), [("get_time", '{"zone": "CET", "hours": [1, 2]}')], None)
+    _assert_streams_as_extract("named:get_time", text)
+    _assert_calls(_extract("named:get_time", "[1]"), [], "[1]")

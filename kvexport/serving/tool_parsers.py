@@ -18,6 +18,10 @@ parser turns that text back into OpenAI's ``tool_calls`` (``id``, ``type: "funct
   :mod:`ast`; only keyword arguments and literals (strings, numbers, booleans, None,
   lists, dicts) are accepted.
 
+Two more read the forms a forced ``tool_choice`` makes the model write (its grammar, vLLM's
+schemas; not chosen by name): :class:`RequiredToolParser`, a JSON list of ``{"name",
+"parameters"}``, and :class:`NamedToolParser`, the named function's arguments object.
+
 Output that does not parse as calls (invalid JSON inside ``<tool_call>``, a call without a
 name, a pythonic list with an expression in it) is content, whole, as vLLM treats it.
 ``arguments`` is ``json.dumps(value, ensure_ascii=False)`` of the parsed arguments in
@@ -150,6 +154,17 @@ def _check_call(call: Any) -> None:
     """A parsed call is an object with a non-empty string name (ValueError otherwise)."""
     if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not call["name"]:
         raise ValueError("not a call")
+
+
+def _listed_calls(listed: Any, arguments: str) -> list[tuple[str, Any]]:
+    """A JSON list of call objects as (name, arguments under the key ``arguments``); ValueError or KeyError when it is not one."""
+    if not isinstance(listed, list) or not listed:
+        raise ValueError("not a list of calls")
+    calls = []
+    for call in listed:
+        _check_call(call)
+        calls.append((call["name"], call[arguments]))
+    return calls
 
 
 def _dumps(value: Any) -> str:
@@ -801,13 +816,7 @@ class MistralToolParser(_JsonCallsParser):
                 return ExtractedToolCalls(False, [], text)
             return ExtractedToolCalls(True, [self._call(n, a) for n, a in calls], before or None)
         try:
-            listed, _ = decoder.raw_decode(after, _skip_space(after, 0))
-            if not isinstance(listed, list) or not listed:
-                raise ValueError("not a list of calls")
-            calls = []
-            for call in listed:
-                _check_call(call)
-                calls.append((call["name"], call["arguments"]))
+            calls = _listed_calls(decoder.raw_decode(after, _skip_space(after, 0))[0], "arguments")
         except (ValueError, KeyError):
             return ExtractedToolCalls(False, [], text)
         return ExtractedToolCalls(True, [self._call(n, a) for n, a in calls], before or None)
@@ -1043,13 +1052,7 @@ class RequiredToolParser(_ForcedParser):
     def extract(self, text: str) -> ExtractedToolCalls:
         """The listed calls; output that is not such a list is content, whole."""
         try:
-            listed = _loads_strict(text)
-            if not isinstance(listed, list) or not listed:
-                raise ValueError("not a list of calls")
-            calls = []
-            for call in listed:
-                _check_call(call)
-                calls.append((call["name"], call["parameters"]))
+            calls = _listed_calls(_loads_strict(text), "parameters")
         except (ValueError, KeyError):
             return ExtractedToolCalls(False, [], text)
         return ExtractedToolCalls(True, [self._call(n, a) for n, a in calls], None)
