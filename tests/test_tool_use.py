@@ -127,6 +127,29 @@ def test_the_template_implies_hermes_and_qwen3_and_the_flags_override_it() -> No
     assert ToolSettings.resolve(chosen, qwen3) == ToolSettings("llama3_json", None, True)
     with pytest.raises(KvexportError, match=r"^--tool-call-parser qwen: unknown; use one of hermes, llama3_json, mistral, pythonic, none$"):
         ToolSettings.resolve(ApiConfig(tool_call_parser="qwen"), qwen3)
+    with pytest.raises(KvexportError, match=r"^--enable-auto-tool-choice needs a tool-call parser, and the chat template implies none"):
+        ToolSettings.resolve(ApiConfig(enable_auto_tool_choice=True), None)
+
+
+@pytest.mark.parametrize(
+    ("template", "parser"),
+    [
+        # a generation prompt that opens the think block (DeepSeek-R1's, QwQ's)
+        ("{% for m in messages %}<｜User｜>{{ m.content }}{% endfor %}{% if add_generation_prompt %}<｜Assistant｜><think>\n{% endif %}",
+         "deepseek_r1"),
+        ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}", "qwen3"),
+        # ChatML that only strips <think> from earlier turns: not a thinking model's
+        ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content.split('</think>')[-1] }}<|im_end|>\n{% endfor %}"
+         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}", None),
+    ],
+)
+def test_a_reasoning_parser_is_implied_only_by_a_thinking_models_template(tmp_path: Path, template: str, parser: str | None) -> None:
+    from kvexport.serving.chat import ChatTemplate
+    from kvexport.serving.tool_use import ToolSettings
+
+    (tmp_path / "chat.jinja").write_text(template)
+    assert ToolSettings.resolve(ApiConfig(), ChatTemplate.find(tmp_path, tmp_path / "chat.jinja")).reasoning_parser == parser
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -194,7 +217,7 @@ def test_tool_choice_none_gives_text(qwen3_server: str) -> None:
     forced = {**NO_THINKING, "structured_outputs": {"regex": CALL_TEXT.replace("{", r"\{").replace("}", r"\}")}}
     request = {"messages": ASK, "tools": TOOLS, "tool_choice": "none", "max_tokens": 64, "temperature": 0, "extra_body": forced}
     choice = _client(qwen3_server).chat.completions.create(model="trained", **request).choices[0]
-    assert choice.message.tool_calls is None and choice.message.content == CALL_TEXT and choice.finish_reason == "stop"
+    assert not choice.message.tool_calls and choice.message.content == CALL_TEXT and choice.finish_reason == "stop"
 
 
 def test_thinking_is_the_reasoning_field_and_enable_thinking_false_turns_it_off(qwen3_server: str) -> None:
@@ -205,6 +228,10 @@ def test_thinking_is_the_reasoning_field_and_enable_thinking_false_turns_it_off(
     assert thinking.message.reasoning and thinking.message.content is None and thinking.finish_reason == "length"
     chunks = list(client.chat.completions.create(model="trained", stream=True, **plain, extra_body=FITS))
     assert "".join(getattr(c.choices[0].delta, "reasoning", None) or "" for c in chunks if c.choices) == thinking.message.reasoning
+    hidden = client.chat.completions.create(model="trained", **plain, extra_body={**FITS, "include_reasoning": False}).choices[0]
+    assert hidden.message.reasoning is None and hidden.message.content is None  # vLLM's include_reasoning: false
+    chunks = list(client.chat.completions.create(model="trained", stream=True, **plain, extra_body={**FITS, "include_reasoning": False}))
+    assert not any(getattr(c.choices[0].delta, "reasoning", None) for c in chunks if c.choices)
     answer = client.chat.completions.create(model="trained", **plain, extra_body={**NO_THINKING, "min_tokens": 12}).choices[0]
     assert answer.message.content.strip() and getattr(answer.message, "reasoning", None) is None
     # the prompt with thinking off ends in Qwen3's empty think block
@@ -258,6 +285,12 @@ def test_a_tool_conversation_renders_as_transformers_renders_it(qwen3_server: st
          "chat_template_kwargs"),
         ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{"}}]}]},
          "messages: tool_calls[0].function.arguments is not valid JSON (Expecting property name enclosed in double quotes)", "messages"),
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": {"type": "function"}}]},
+         "messages: a assistant message's tool_calls must be a list of calls", "messages"),
+        ({"messages": [*ASK, {"role": "assistant", "tool_calls": [{"type": "function", "function": {"name": 5}}]}]},
+         "messages: tool_calls[0] must be an object with a function that has a name", "messages"),
+        ({"chat_template_kwargs": {"range": 1}},  # Qwen3's template calls range(): now a number
+         "the chat template failed on these messages: TypeError: 'int' object is not callable", "messages"),
     ],
 )
 def test_bad_tool_requests_are_a_400_naming_the_field(qwen3_server: str, body: dict[str, Any], message: str, param: str) -> None:
@@ -305,6 +338,13 @@ def _example_parameters() -> dict[str, Any]:
     return module.WEATHER_TOOL["function"]["parameters"]  # type: ignore[no-any-return]
 
 
+def test_a_call_without_arguments_is_sent_back_as_an_empty_object(qwen3_server: str) -> None:
+    call = {"id": "c", "type": "function", "function": {"name": "get_time", "arguments": ""}}
+    body = {"messages": [*ASK, {"role": "assistant", "tool_calls": [call]}], "tools": TOOLS}
+    rendered = TOKENIZER.decode(_post(qwen3_server, "/tokenize", body).json()["tokens"])
+    assert '{"name": "get_time", "arguments": {}}' in rendered
+
+
 def test_the_gate_applies_the_grammar_only_after_its_text(trained_exports: dict[str, Path]) -> None:
     """A constraint with ``after`` leaves the tokens up to that text free, then follows its grammar."""
     from llguidance import LLMatcher
@@ -336,3 +376,35 @@ def test_serve_refuses_an_unknown_parser_by_name(trained_exports: dict[str, Path
     result = CliRunner().invoke(main, ["serve", str(trained_exports["none"]), "--port", "0", "--tool-call-parser", "qwen"])
     assert result.exit_code == 2 and "Invalid value for '--tool-call-parser': 'qwen' is not one of" in result.output
     assert "Traceback" not in result.output
+
+
+def test_text_past_the_gate_in_the_same_token_follows_the_grammar(trained_exports: dict[str, Path]) -> None:
+    """A gate that ends inside a token: the rest of that token's text is the grammar's first text, never outside it."""
+    import re
+
+    from llguidance import LLMatcher
+
+    from kvexport.serving import Engine, SamplingParams
+    from kvexport.serving.structured import Constraint
+
+    engine = Engine(trained_exports["none"], slots=1, max_context=128)
+    try:
+        prompt = "The for statement"
+        ids, free, _ = engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0)).result()
+        # the output up to one letter before the end of a token that ends in a letter: that token completes the
+        # gate's text and carries one letter past it
+        texts = [TOKENIZER.decode(ids[: i + 1]) for i in range(len(ids))]
+        ending = next(i for i in range(1, len(ids)) if texts[i][-2:].isalpha() and len(texts[i]) - len(texts[i - 1]) >= 2)
+        gate = texts[ending][:-1]
+        fits = Constraint("structured_outputs.regex", LLMatcher.grammar_from_regex("[a-zA-Z]{1,3}[0-9]{3}"), after=gate)
+        breaks = Constraint("structured_outputs.regex", LLMatcher.grammar_from_regex("[0-9]{3}"), after=gate)
+        for constraint in (fits, breaks):
+            engine.output.check_structured(constraint)
+        _, kept, reason = engine.submit(prompt, SamplingParams(max_tokens=40, temperature=0, structured=fits)).result()
+        assert kept.startswith(gate) and reason == "stop", (free, kept)
+        assert re.fullmatch("[a-zA-Z]{1,3}[0-9]{3}", kept[len(gate) :]), (free, kept)
+        # the rest of the word can't begin three digits: the request ends in an error, never unconstrained
+        _, _, reason = engine.submit(prompt, SamplingParams(max_tokens=40, temperature=0, structured=breaks)).result()
+        assert reason == "error"
+    finally:
+        engine.close()

@@ -80,7 +80,7 @@ def create_app(engine: Engine, api: ApiConfig | None = None, *, replica: str | N
         chat=template is not None,
         api_key=api.api_key is not None,
         tools=template is not None and template.reads("tools"),
-        auto_tools=tools.auto_tool_choice and tools.tool_call_parser is not None,
+        auto_tools=tools.serves_auto,
     )
     app.state.served = Served(engine, model, template, page, api, tools)
     app.state.metrics = metrics.ServerMetrics(engine, model)

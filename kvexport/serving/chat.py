@@ -74,6 +74,8 @@ class ChatTemplate:
             return str(self.template.render(**arguments))
         except jinja2.TemplateError as exc:
             raise ChatTemplateError(f"the chat template refused these messages: {exc}") from None
+        except Exception as exc:  # a template reading a value of another type than it expects (a name that is a number, ...)
+            raise ChatTemplateError(f"the chat template failed on these messages: {type(exc).__name__}: {exc}") from None
 
 
 def _compile(text: str, source: str) -> tuple[Any, frozenset[str]]:

@@ -344,9 +344,13 @@ class OutputProcessor:
         state.output.append(token)
         batch.tokens.setdefault(state.id, []).append(token)
         params = state.params
+        # never fails open: a token the grammar refuses (or text past the gate that breaks it) ends the request
         if state.gate is not None:
-            self._open_gate(state)
-        elif state.matcher is not None and not state.matcher.take(token):  # never fails open: the request ends
+            refused = not self._open_gate(state)  # the token that completes the gate's text is outside the grammar
+        else:
+            refused = state.matcher is not None and not state.matcher.take(token)
+        if refused:
+            assert state.matcher is not None
             state.output.pop()
             self._end(batch, state, TokenEvent(None, "", "error", f"structured output: {state.matcher.error}"))
             return True
@@ -370,17 +374,23 @@ class OutputProcessor:
         batch.events.append((state, TokenEvent(token, text, logprob=logprob)))
         return False
 
-    def _open_gate(self, state: RequestState) -> None:
-        """The grammar applies from the token after the one that completes its gate's text (``</think>``).
+    def _open_gate(self, state: RequestState) -> bool:
+        """Open the grammar once the output holds its gate's text (``</think>``); False when what followed it breaks the grammar.
 
         The last few tokens' text is searched, so the gate opens however the model spelled
-        the text in tokens; a token that carries text past the gate puts that text outside
-        the grammar.
+        the text in tokens. The token that completes it may carry text past it: leading
+        whitespace is left outside the grammar (the parsers skip it), and the rest is given
+        to the grammar as tokens, so the output after the gate follows the grammar whole.
         """
-        assert state.gate is not None and self.tokenizer is not None
+        gate, matcher = state.gate, state.matcher
+        assert gate is not None and matcher is not None and self.tokenizer is not None
         tail = self.tokenizer.decode(state.output[-_GATE_TOKENS:], skip_special_tokens=False)
-        if state.gate in tail:
-            state.gate = None
+        at = tail.find(gate)  # searched at every token until found: this token completed it
+        if at < 0:
+            return True
+        state.gate = None
+        rest = tail[at + len(gate) :].lstrip()
+        return not rest or all(matcher.take(t) for t in self.tokenizer.encode(rest, add_special_tokens=False).ids)
 
     def _end(self, batch: OutputBatch, state: RequestState, event: TokenEvent) -> None:
         assert event.finish_reason is not None

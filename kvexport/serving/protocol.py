@@ -217,6 +217,8 @@ class ChatMessage(BaseModel):
         if message.get("reasoning") is not None:
             message.setdefault("reasoning_content", message["reasoning"])
         calls = message.pop("tool_calls", None)
+        if calls is not None and not isinstance(calls, list):
+            raise ParameterError(f"messages: a {self.role} message's tool_calls must be a list of calls", parameter="messages")
         if calls:  # an empty list is left out, as vLLM leaves it
             message["tool_calls"] = [_call_for_template(call, index) for index, call in enumerate(calls)]
         return message
@@ -239,9 +241,11 @@ class ChatMessage(BaseModel):
 
 def _call_for_template(call: Any, index: int) -> Any:
     """An assistant message's tool call with its ``function.arguments`` JSON text read as an object (one line if it is not JSON)."""
-    if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
-        raise ParameterError(f"messages: tool_calls[{index}] must be an object with a function", parameter="messages")
+    if not isinstance(call, dict) or not isinstance(call.get("function"), dict) or not isinstance(call["function"].get("name"), str):
+        raise ParameterError(f"messages: tool_calls[{index}] must be an object with a function that has a name", parameter="messages")
     arguments = call["function"].get("arguments")
+    if arguments is None or arguments == "":  # no arguments: an empty object, as vLLM reads them
+        return {**call, "function": {**call["function"], "arguments": {}}}
     if not isinstance(arguments, str):
         return call
     try:
@@ -269,6 +273,7 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = True
     chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True  # vLLM's: false leaves the reasoning out of the reply (it is still generated)
 
     def wanted_tokens(self) -> int | None:
         """``max_completion_tokens``, else ``max_tokens`` (None: the rest of the context)."""

@@ -145,12 +145,17 @@ def reasoning_parser(name: str, thinking: bool = True) -> ReasoningParser:
     return REASONING_PARSERS[name](thinking)
 
 
-def choose_reasoning_parser(chat_template: str) -> str | None:
+def choose_reasoning_parser(chat_template: str, *, reads_thinking_flag: bool, generation_prompt: str) -> str | None:
     """The reasoning parser an export's chat template implies, or None when the model does not think.
 
-    A template that writes ``<think>`` is a thinking model's: ``qwen3`` when it is ChatML
-    (``<|im_start|>``, Qwen3 and QwQ), else ``deepseek_r1``.
+    A thinking model's template either opens ``<think>`` in its generation prompt
+    (``generation_prompt``: what it renders for one user message; DeepSeek-R1, QwQ) or
+    writes ``<think>`` and reads ``enable_thinking`` (``reads_thinking_flag``; Qwen3). A
+    template that only mentions ``<think>`` (to strip it from earlier turns, say) implies
+    none. The parser is ``qwen3`` when the template is ChatML (``<|im_start|>``), else
+    ``deepseek_r1``.
     """
-    if "<think>" not in chat_template:
+    opens = generation_prompt.rstrip().endswith("<think>")
+    if not opens and not ("<think>" in chat_template and reads_thinking_flag):
         return None
     return "qwen3" if "<|im_start|>" in chat_template else "deepseek_r1"

@@ -68,8 +68,29 @@ class ToolSettings:
         """
         source = "" if template is None else template.text
         tools = _named(api.tool_call_parser, TOOL_PARSERS, "--tool-call-parser", choose_tool_parser(source))
-        thinking = _named(api.reasoning_parser, REASONING_PARSERS, "--reasoning-parser", choose_reasoning_parser(source))
-        return cls(tools, thinking, api.enable_auto_tool_choice)
+        implied = None
+        if template is not None:
+            opening = _generation_prompt(template)
+            implied = choose_reasoning_parser(source, reads_thinking_flag=template.reads("enable_thinking"), generation_prompt=opening)
+        reasoning = _named(api.reasoning_parser, REASONING_PARSERS, "--reasoning-parser", implied)
+        if api.enable_auto_tool_choice and tools is None:
+            raise KvexportError(
+                "--enable-auto-tool-choice needs a tool-call parser, and the chat template implies none; name one with --tool-call-parser"
+            )
+        return cls(tools, reasoning, api.enable_auto_tool_choice)
+
+    @property
+    def serves_auto(self) -> bool:
+        """Whether ``tool_choice: "auto"`` is served (the flag, and a parser to read the calls)."""
+        return self.auto_tool_choice and self.tool_call_parser is not None
+
+
+def _generation_prompt(template: ChatTemplate) -> str:
+    """What ``template`` renders for one user message and a generation prompt ("" if it refuses)."""
+    try:
+        return template.render([{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    except KvexportError:
+        return ""
 
 
 def chat_settings(directory: Path, api: ApiConfig) -> tuple[ChatTemplate | None, ToolSettings]:
@@ -117,7 +138,7 @@ class ToolUse:
         """The request's tool use, checked; a :class:`ParameterError` naming the field otherwise (vLLM's messages where it has one)."""
         checked = _tools(tools)
         choice, function = _choice(tool_choice, checked, settings)
-        if checked is not None and template is not None and not template.reads("tools"):
+        if checked and template is not None and not template.reads("tools"):
             raise ParameterError(
                 "tools: this model's chat template does not render tools; serve it with --chat-template FILE "
                 "(a template that reads `tools`), or leave tools out",
@@ -131,7 +152,8 @@ class ToolUse:
             )
         if checked is not None:
             arguments["tools"] = checked
-        thinking = arguments.get("enable_thinking", arguments.get("thinking", True)) is not False
+        # thinking is off only where the template reads the flag that turns it off (Qwen3's enable_thinking)
+        thinking = not (template is not None and template.reads("enable_thinking") and arguments.get("enable_thinking") is False)
         parallel = parallel_tool_calls is not False
         return cls(choice, checked, function, parallel, settings, thinking, arguments)
 
@@ -175,17 +197,19 @@ class ToolUse:
     def finish_reason(self, reason: str | None, called: bool) -> str | None:
         """The ``finish_reason`` of a choice that ended with ``reason``: ``tool_calls`` when it stopped having called, as vLLM's.
 
-        ``required`` always calls; a named function stops (``stop``), as OpenAI's does.
+        A named function stops (``stop``), as OpenAI's does.
         """
-        if reason == "stop" and (called or self.choice == "required") and self.choice != "named":
+        if reason == "stop" and called and self.choice != "named":
             return "tool_calls"
         return reason
 
-    def content(self, parsed: str | None) -> str | None:
-        """A whole reply's ``content`` as vLLM sends it: "" for a forced call, None for text that is only whitespace."""
+    def content(self, parsed: str | None, called: bool) -> str | None:
+        """A whole reply's ``content`` as vLLM sends it: "" for a forced call; beside ``auto``'s calls, None where it is only whitespace."""
         if self.choice in ("required", "named"):
             return parsed or ""
-        return parsed if parsed is None or parsed.strip() else None
+        if called and parsed is not None and not parsed.strip():
+            return None
+        return parsed
 
     def _forced(self) -> Constraint | None:
         assert self.tools is not None or self.choice in ("none", "auto")
@@ -234,7 +258,7 @@ def _choice(tool_choice: Any, tools: list[dict[str, Any]] | None, settings: Tool
     if tool_choice == "required":
         return "required", None
     if tool_choice == "auto":
-        if not settings.auto_tool_choice or settings.tool_call_parser is None:
+        if not settings.serves_auto:
             raise ParameterError(
                 '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set', parameter="tool_choice"
             )
@@ -265,7 +289,8 @@ def _parameters(function: dict[str, Any]) -> dict[str, Any]:
     return strict
 
 
-_SUBSCHEMAS = ("items", "additionalItems", "not", "if", "then", "else", "contains")
+_SUBSCHEMAS = ("items", "additionalItems", "additionalProperties", "not", "if", "then", "else", "contains")
+_DEFINITIONS = ("$defs", "definitions")
 _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
@@ -296,16 +321,18 @@ def _strict(schema: Any) -> Any:
 def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, Any]:
     """VLLM's schema for ``required``: a list of one or more ``{"name", "parameters"}``, one per tool; at most one without parallel calls.
 
-    Each tool's ``$defs`` move to the top, where the references of every tool find them;
-    two tools that define one name differently are refused.
+    Each tool's ``$defs`` (and ``definitions``) move to the top, where the references of every
+    tool find them; two tools that define one name differently are refused.
     """
-    definitions: dict[str, Any] = {}
     choices = []
+    hoisted: dict[str, dict[str, Any]] = {}  # "$defs" and "definitions", each moved to the top
     for tool in tools:
         parameters = _parameters(tool["function"])
-        for name, definition in parameters.pop("$defs", {}).items():
-            if definitions.setdefault(name, definition) != definition:
-                raise ParameterError(f"tools: the definition {name!r} has two different schemas; rename one", parameter="tools")
+        for key in _DEFINITIONS:
+            definitions = hoisted.setdefault(key, {})
+            for name, definition in parameters.pop(key, {}).items():
+                if definitions.setdefault(name, definition) != definition:
+                    raise ParameterError(f"tools: the definition {name!r} has two different schemas; rename one", parameter="tools")
         choices.append({
             "properties": {"name": {"type": "string", "enum": [tool["function"]["name"]]}, "parameters": parameters},
             "required": ["name", "parameters"],
@@ -314,6 +341,5 @@ def _required_schema(tools: list[dict[str, Any]], parallel: bool) -> dict[str, A
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": choices}}
     if not parallel:
         schema["maxItems"] = 1
-    if definitions:
-        schema["$defs"] = definitions
+    schema.update({key: definitions for key, definitions in hoisted.items() if definitions})
     return schema

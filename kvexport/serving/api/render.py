@@ -373,16 +373,16 @@ class ChatRender(_Render):
         text = "".join(choice.text)
         parser = self.parsers[choice.index]
         if parser is None:
-            return {"role": "assistant", "content": self.echo + text, "reasoning": None}
+            return {"role": "assistant", "content": self.echo + text, "reasoning": None, "tool_calls": []}
         assert self.use is not None
         parsed = parser.extract(text)
-        content = self.use.content(parsed.content)
-        message: dict[str, Any] = {
-            "role": "assistant", "content": self.echo + (content or "") if self.echo else content, "reasoning": parsed.reasoning
+        content = self.use.content(parsed.content, bool(parsed.tool_calls))
+        return {
+            "role": "assistant",
+            "content": self.echo + (content or "") if self.echo else content,
+            "reasoning": parsed.reasoning if self.request.include_reasoning else None,
+            "tool_calls": [call.to_openai() for call in parsed.tool_calls],
         }
-        if parsed.tool_calls:  # vLLM leaves an empty list out
-            message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
-        return message
 
     def _finish_reason(self, choice: Choice, called: bool) -> str | None:
         return choice.finish_reason if self.use is None else self.use.finish_reason(choice.finish_reason, called)
@@ -403,7 +403,7 @@ class ChatRender(_Render):
                 "index": c.index,
                 "message": message,
                 "logprobs": self._logprobs(c.tokens, c.logprobs),
-                "finish_reason": self._finish_reason(c, "tool_calls" in message),
+                "finish_reason": self._finish_reason(c, bool(message["tool_calls"])),
                 "stop_reason": c.stop_reason,
                 "token_ids": self._token_ids(c.request.output),
             })
@@ -435,8 +435,8 @@ class ChatRender(_Render):
     def _piece(self, choice: Choice, text: str, tokens: list[int], logprobs: list[Logprob | None], done: bool) -> dict[str, Any] | None:
         delta = self._delta(choice, text, done)
         shown = self._logprobs(tokens, logprobs)
-        if delta is None and shown is None and not done:
-            return None
+        if delta is None and shown is None and not done and not self.body.return_token_ids:
+            return None  # nothing the client asked for comes with this token
         piece = {
             "index": choice.index,
             "delta": delta or {},
@@ -459,7 +459,7 @@ class ChatRender(_Render):
             end = parser.finish()
             reasoning, content, calls = reasoning + end.reasoning, content + end.content, calls + end.tool_calls
         delta: dict[str, Any] = {}
-        if reasoning:
+        if reasoning and self.request.include_reasoning:
             delta["reasoning"] = reasoning
         if content:
             delta["content"] = content
