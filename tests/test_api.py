@@ -180,8 +180,8 @@ def test_chat_with_and_without_streaming(all_logits_server: str) -> None:
 @pytest.mark.parametrize(
     ("body", "message", "param"),
     [
-        ({"messages": [{"role": "", "content": "hi"}]}, "messages.0.role: String should have at least 1 character", "messages"),
-        ({"messages": []}, "messages: List should have at least 1 item after validation, not 0", "messages"),
+        ({"messages": [{"role": "", "content": "hi"}]}, "messages.0.role: String should have at least 1 character (string_too_short)", "messages"),
+        ({"messages": []}, "messages: List should have at least 1 item after validation, not 0 (too_short)", "messages"),
         ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}, "top_logprobs: needs logprobs: true", "top_logprobs"),
         ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools[0].function: must be an object with a name", "tools"),
     ],

@@ -414,10 +414,10 @@ def test_the_stream_is_sse_ending_in_done(served: tuple[str, Engine]) -> None:
     ("request_body", "status", "message", "param"),
     [
         (b"{not json", 400, "the request body is not valid JSON; send a JSON object", None),
-        ({"prompt": "x", "max_tokens": "10"}, 400, "max_tokens: Input should be a valid integer", "max_tokens"),
-        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1", "max_tokens"),
-        ({"prompt": "x", "temperature": 3.0}, 400, "temperature: Input should be less than or equal to 2", "temperature"),
-        ({"max_tokens": 3}, 400, "prompt: Field required", "prompt"),
+        ({"prompt": "x", "max_tokens": "10"}, 400, "max_tokens: Input should be a valid integer (int_type)", "max_tokens"),
+        ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than or equal to 1 (greater_than_equal)", "max_tokens"),
+        ({"prompt": "x", "temperature": 3.0}, 400, "temperature: Input should be less than or equal to 2 (less_than_equal)", "temperature"),
+        ({"max_tokens": 3}, 400, "Either prompt or prompt_embeds must be provided and non-empty.", "prompt"),
         ({"prompt": "x", "suffix": "y"}, 400, "suffix: not served by kvexport serve; leave it out", "suffix"),
         ({"prompt": "x", "best_of": 2}, 400, "best_of: not served by kvexport serve; leave it out", "best_of"),
         (

@@ -123,7 +123,9 @@ def _handle_errors(app: FastAPI) -> None:
         location = [str(part) for part in first.get("loc", ()) if part != "body"]
         param = location[0] if location else None
         where = ".".join(location) or "body"
-        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}", param=param)
+        # pydantic's error type closes the line (greater_than_equal, ...), as vLLM's messages carry it
+        kind = f" ({first['type']})" if first.get("type") else ""
+        return error_response(400, f"{where}: {first.get('msg', 'invalid value')}{kind}", param=param)
 
     @app.exception_handler(HTTPException)
     async def httperror_response(request: Request, exc: HTTPException) -> JSONResponse:

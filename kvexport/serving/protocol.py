@@ -177,15 +177,22 @@ class SamplingFields(BaseModel):
 class CompletionRequest(SamplingFields):
     """The body of ``POST /v1/completions``."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] | None = None  # None: refused in vLLM's words (refused())
     max_tokens: int | None = Field(default=DEFAULT_MAX_TOKENS, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=-1)  # the bound is the server's --max-logprobs
     prompt_logprobs: int | None = Field(default=None, ge=-1)  # the bound is the server's --max-logprobs
 
+    def refused(self) -> ParameterError | None:
+        """No prompt is vLLM's 400 (it also takes ``prompt_embeds``, which are not served here), then the common refusals."""
+        if self.prompt is None and not (self.model_extra or {}).get("prompt_embeds"):
+            return ParameterError("Either prompt or prompt_embeds must be provided and non-empty.", parameter="prompt")
+        return super().refused()
+
     def prompts(self) -> list[str | list[int]]:
-        """The request's prompts: one, or each of a list."""
+        """The request's prompts: one, or each of a list (after :meth:`refused`, so there is one)."""
         prompt = self.prompt
+        assert prompt is not None
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
             return list(prompt)
         return [prompt]  # type: ignore[list-item]

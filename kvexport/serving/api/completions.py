@@ -25,7 +25,7 @@ async def completions(body: CompletionRequest, request: Request, context: Served
     if problem is not None:
         return problem
     if body.max_tokens == 0 and not body.echo:
-        return error_response(400, "max_tokens: Input should be greater than or equal to 1", param="max_tokens")
+        return error_response(400, "max_tokens: Input should be greater than or equal to 1 (greater_than_equal)", param="max_tokens")
     if body.max_tokens == 0 and body.logprob_token_ids:  # vLLM's rule: an echo alone generates no token to report
         return error_response(400, "logprob_token_ids: echo with max_tokens 0 generates no token; drop one of them", param="logprob_token_ids")
     engine = context.engine
