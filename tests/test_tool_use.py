@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 
 from kvexport.serving.config import ApiConfig
 from tests.conftest import TRAINED
+from tests.test_examples import _example
 from tests.test_serving import _server
 
 ROOT = Path(__file__).parent.parent
@@ -324,18 +325,8 @@ def test_the_agent_example_calls_the_function_and_answers(smollm2_server: str) -
     lines = done.stdout.splitlines()
     assert lines[0].startswith("call: get_weather(") and lines[1].startswith("tool result: {") and lines[-1].startswith("answer: ")
     arguments = json.loads(lines[0][len("call: get_weather(") : -1])
-    jsonschema.validate(arguments, _example_parameters())
+    jsonschema.validate(arguments, _example("agent_tools").WEATHER_TOOL["function"]["parameters"])
     assert json.loads(lines[1][len("tool result: ") :])["city"] == arguments["city"]  # the function ran on the model's arguments
-
-
-def _example_parameters() -> dict[str, Any]:
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("agent_tools", ROOT / "examples" / "agent_tools.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.WEATHER_TOOL["function"]["parameters"]  # type: ignore[no-any-return]
 
 
 def test_a_call_without_arguments_is_sent_back_as_an_empty_object(qwen3_server: str) -> None:

@@ -99,6 +99,7 @@ def _compile(text: str, source: str) -> tuple[Any, frozenset[str]]:
     environment.globals["raise_exception"] = raise_exception
     environment.globals["strftime_now"] = strftime_now
     try:
-        return environment.from_string(text), frozenset(jinja2.meta.find_undeclared_variables(environment.parse(text)))
+        parsed = environment.parse(text)  # parsed once: compiled, and searched for the names it reads
+        return environment.from_string(parsed), frozenset(jinja2.meta.find_undeclared_variables(parsed))
     except jinja2.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"{source}: not a valid Jinja template (line {exc.lineno}: {exc.message}); fix it") from None

@@ -637,6 +637,24 @@ class _JsonCallsParser(ToolParser):
     def _frame(self, char: str) -> None:
         """A character between calls (``_pending`` holds the frame text read so far)."""
 
+    def _in_call_list(self, char: str, *, wants_call: bool) -> bool:
+        """A character (not whitespace) inside a JSON list of calls, after its ``[``; True when a call must come next.
+
+        ``{`` opens a call where one is wanted, ``,`` comes between calls and ``]`` after the
+        last (the rest is the tail); anything else is malformed.
+        """
+        if wants_call:
+            if char != "{":
+                raise _Malformed("no call in the list")
+            self._open_call()
+            return False
+        if char == ",":
+            return True
+        if char == "]":
+            self._state = "tail"
+            return False
+        raise _Malformed(char)
+
     def _tail(self, char: str) -> None:
         """A character after the calls: dropped, as vLLM's ``extract`` drops it."""
 
@@ -867,17 +885,8 @@ class MistralToolParser(_JsonCallsParser):
             self._list = "want_call"
         elif self._list in ("name", "want_name"):
             raise _Malformed("not name{arguments} after [TOOL_CALLS]")
-        elif self._list == "want_call":
-            if char != "{":
-                raise _Malformed("no call in the list")
-            self._list = "after_call"
-            self._open_call()
-        elif char == ",":
-            self._list = "want_call"
-        elif char == "]":
-            self._state = "tail"
         else:
-            raise _Malformed(char)
+            self._list = "want_call" if self._in_call_list(char, wants_call=self._list == "want_call") else "after_call"
 
     def _may_end_here(self) -> bool:
         return self._list == "after_v11"  # a list not closed, or a name without arguments, is not
@@ -1047,7 +1056,7 @@ class RequiredToolParser(_ForcedParser):
 
     def __init__(self, new_id: IdFactory | None = None) -> None:
         super().__init__(new_id)
-        self._list: Literal["want_call", "after_call"] = "want_call"
+        self._wants_call = True  # a call must come next (after "[" or ",")
 
     def extract(self, text: str) -> ExtractedToolCalls:
         """The listed calls; output that is not such a list is content, whole."""
@@ -1061,18 +1070,8 @@ class RequiredToolParser(_ForcedParser):
         self._state = "calls"
 
     def _frame(self, char: str) -> None:
-        # "{" for a call, "," between calls, "]" after the last
-        if char in " \t\n\r":
-            return
-        if self._list == "want_call" and char == "{":
-            self._list = "after_call"
-            self._open_call()
-        elif self._list == "after_call" and char == ",":
-            self._list = "want_call"
-        elif self._list == "after_call" and char == "]":
-            self._state = "tail"
-        else:
-            raise _Malformed(char)
+        if char not in " \t\n\r":
+            self._wants_call = self._in_call_list(char, wants_call=self._wants_call)
 
     def _may_end_here(self) -> bool:
         return False  # a list not closed

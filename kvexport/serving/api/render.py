@@ -357,15 +357,15 @@ class ChatRender(_Render):
         name: TokenNames,
         body: ChatCompletionRequest,
         details: bool,
-        echo: str = "",
-        use: ToolUse | None = None,
+        echo: str,
+        use: ToolUse,
     ) -> None:
         super().__init__(model, choices, choices[:1], name, body, details)
         self.request = body
         self.echo = echo  # the text echo puts before each reply (no tokens or logprobs of its own, as vLLM's)
         self.use = use
         # each choice's reasoning and tool-call parser (None: its text is all content)
-        self.parsers = {c.index: None if use is None else use.output_parser() for c in choices}
+        self.parsers = {c.index: use.output_parser() for c in choices}
         self.called: set[int] = set()  # choices that streamed a tool call
 
     def _message(self, choice: Choice) -> dict[str, Any]:
@@ -374,7 +374,6 @@ class ChatRender(_Render):
         parser = self.parsers[choice.index]
         if parser is None:
             return {"role": "assistant", "content": self.echo + text, "reasoning": None, "tool_calls": []}
-        assert self.use is not None
         parsed = parser.extract(text)
         content = self.use.content(parsed.content, bool(parsed.tool_calls))
         return {
@@ -384,8 +383,6 @@ class ChatRender(_Render):
             "tool_calls": [call.to_openai() for call in parsed.tool_calls],
         }
 
-    def _finish_reason(self, choice: Choice, called: bool) -> str | None:
-        return choice.finish_reason if self.use is None else self.use.finish_reason(choice.finish_reason, called)
 
     def _logprobs(self, tokens: list[int], logprobs: list[Logprob | None]) -> dict[str, Any] | None:
         if not self.request.logprobs:
@@ -403,7 +400,7 @@ class ChatRender(_Render):
                 "index": c.index,
                 "message": message,
                 "logprobs": self._logprobs(c.tokens, c.logprobs),
-                "finish_reason": self._finish_reason(c, bool(message["tool_calls"])),
+                "finish_reason": self.use.finish_reason(c.finish_reason, bool(message["tool_calls"])),
                 "stop_reason": c.stop_reason,
                 "token_ids": self._token_ids(c.request.output),
             })
@@ -441,7 +438,7 @@ class ChatRender(_Render):
             "index": choice.index,
             "delta": delta or {},
             "logprobs": shown,
-            "finish_reason": self._finish_reason(choice, choice.index in self.called) if done else None,
+            "finish_reason": self.use.finish_reason(choice.finish_reason, choice.index in self.called) if done else None,
             "stop_reason": choice.stop_reason if done else None,
         }
         if self.body.return_token_ids:
