@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         run_pipeline,
     )
     from .prompt_attention import PromptAttentionPass
+    from .prompt_products import PromptProductsPass
     from .quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
     from .quantize_weights import QuantizationConfig, QuantizeWeightsPass, SignedChannelsPass
     from .rename_cache import CacheNamingError, NoCacheError, RenameCachePass
@@ -62,6 +63,7 @@ _LAZY = {
     "QuantizeCachePass": ".quantize_cache",
     "QuantizationConfig": ".quantize_weights",
     "PromptAttentionPass": ".prompt_attention",
+    "PromptProductsPass": ".prompt_products",
     "QuantizeWeightsPass": ".quantize_weights",
     "SignedChannelsPass": ".quantize_weights",
     "CacheNamingError": ".rename_cache",
@@ -96,6 +98,7 @@ __all__ = [
     "PassInputError",
     "PassReport",
     "PromptAttentionPass",
+    "PromptProductsPass",
     "QuantizationConfig",
     "QuantizeCacheError",
     "QuantizeCachePass",

@@ -15,6 +15,8 @@ MULTI_HEAD_ATTENTION = "MultiHeadAttention"  # com.microsoft
 ROTARY_EMBEDDING = "RotaryEmbedding"  # com.microsoft
 MATMUL_INTEGER_TO_FLOAT = "MatMulIntegerToFloat"  # com.microsoft
 CACHE_ATTENTION = "CacheAttention"  # kvexport: the CPU kernel (passes.cache_attention)
+PROMPT_MATMUL = "PromptMatMul"  # kvexport: the bf16 prompt product (passes.prompt_products)
+MATMUL_NBITS = "MatMulNBits"  # com.microsoft
 ATTENTION = "Attention"  # the standard opset-23 op
 FUSED_ATTENTION = frozenset({ATTENTION, MULTI_HEAD_ATTENTION, GROUP_QUERY_ATTENTION})
 

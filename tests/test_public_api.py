@@ -51,6 +51,7 @@ def test_passes_public_names() -> None:
         "PackProjectionsPass",
         "PassInputError",
         "PromptAttentionPass",
+        "PromptProductsPass",
         "PassReport",
         "QuantizationConfig",
         "QuantizeCacheError",

@@ -24,6 +24,7 @@ from kvexport.passes.vocabulary import (
     GROUP_QUERY_ATTENTION,
     KVEXPORT_DOMAIN,
     MATMUL_INTEGER_TO_FLOAT,
+    MATMUL_NBITS,
     MS_DOMAIN,
 )
 from kvexport.runtime.kernels import KERNELS_VARIABLE, library_path
@@ -51,7 +52,7 @@ PROMPT_ATTENTIONS = ("products", "gqa")
 # the ops the CPU rewrites look for: a graph with none of them is opened as it is, without loading onnx_ir and the
 # passes (half a second on 2 cores, against 40 ms to open a tiny graph)
 CPU_REWRITTEN_OPS = frozenset({(MS_DOMAIN, GROUP_QUERY_ATTENTION), (MS_DOMAIN, MATMUL_INTEGER_TO_FLOAT)})
-_KERNEL = (KVEXPORT_DOMAIN, CACHE_ATTENTION)  # the op that needs kvexport's kernel library registered
+_KERNEL = (KVEXPORT_DOMAIN, CACHE_ATTENTION)  # an op that needs kvexport's kernel library registered (any of its domain does)
 CPU_REWRITES_VERSION = 4  # raise it when a CPU rewrite's graph changes: pre-packed caches built by older ones are then rebuilt
 
 
@@ -246,11 +247,11 @@ def _register_kernels(ops: set[tuple[str, str]], graph_path: Path, kernels: Path
 
     Raises :class:`ManifestError` where it does and the library is not built (or is turned off).
     """
-    if _KERNEL not in ops:
+    if not any(domain == KVEXPORT_DOMAIN for domain, _ in ops):
         return
     if kernels is None:
         raise ManifestError(
-            f"{graph_path}: this graph runs kvexport's attention kernel, which is not built here "
+            f"{graph_path}: this graph runs kvexport's kernels, which are not built here "
             f"(or {KERNELS_VARIABLE}=off); run kvexport build-kernels"
         )
     options.register_custom_ops_library(str(kernels))
@@ -366,3 +367,36 @@ def open_mixed_session(
     _register_kernels(graph_ops(proto.graph), graph_path, kernels, options)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
     return _inference_session(proto.SerializeToString(), graph_path, provider, options, "its mixed step")
+
+
+def open_prompt_session(
+    graph_path: Path, options: ort.SessionOptions | None = None, *, skip_width: int | None = None
+) -> ort.InferenceSession | None:
+    """A CPU session of ``graph_path`` for prompts: its block-quantized products in bf16 (:class:`~kvexport.passes.PromptProductsPass`).
+
+    The graph gets the CPU rewrites first (:func:`cpu_rewrites`), then every ``MatMulNBits``
+    but the LM head's (``skip_width``, its output width) becomes ``kvexport.PromptMatMul``, which
+    keeps its weights in bf16 (2 bytes a weight, beside the int8 blocks the decoding session
+    holds). None where the graph has no such product or onnx_ir is not installed. Open it only
+    where :func:`kvexport.runtime.kernels.prompt_gemm_path` names the CPU's bf16 units.
+    """
+    if importlib.util.find_spec("onnx_ir") is None:
+        return None
+    if (MS_DOMAIN, MATMUL_NBITS) not in graph_ops(onnx.load(str(graph_path), load_external_data=False).graph):
+        return None
+    import onnx_ir as ir
+
+    from kvexport.passes import PromptProductsPass
+
+    check_external_data(graph_path)
+    model = ir.load(graph_path)
+    kernels = library_path()
+    cpu_rewrites(model, kernel=kernels is not None)
+    products = PromptProductsPass(skip_width)
+    if not products(model).modified:
+        return None
+    options = options or session_options()
+    proto = ir.to_proto(model)
+    _register_kernels(graph_ops(proto.graph), graph_path, kernels, options)
+    options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
+    return _inference_session(proto.SerializeToString(), graph_path, "cpu", options, "its prompt graph")

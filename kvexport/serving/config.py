@@ -68,6 +68,15 @@ class EngineConfig:
             chunk's GEMMs; the runner opens a second session for it (a second copy of the
             packed weights). A graph the split can't take runs them as separate calls. Off
             by default: on an AVX2 host it saved nothing served.
+        prompt_products: ``off`` (the default): one session for everything, prompts
+            through the export's blocks, so a request's tokens equal the
+            :class:`~kvexport.runtime.generator.Generator`'s. ``auto``: on a CPU with AMX or AVX512-BF16 (and kvexport's kernels
+            built), prompt pieces and prefix jobs run through a second session whose
+            block-quantized products are bf16 (:mod:`kvexport.passes.prompt_products`): the
+            prompts' GEMMs on the CPU's bf16 units, 2 bytes a weight more in memory; decode
+            calls, speculative rounds and mixed steps keep the export's blocks. A prompt's
+            logits and cache then differ from the blocks' by bf16's rounding (closer to the
+            float product: the activations are not quantized to int8).
         batch_prompts: on CPU, prefill fresh prompts' first pieces (up to ``chunk`` tokens,
             cut to one length) in consecutive slots as one call, as a burst of requests
             brings them (:class:`~kvexport.serving.scheduler.PrefillBatch`): the same rows
@@ -152,6 +161,14 @@ class EngineConfig:
         "tokens packed into the same GEMMs (CPU only; a second session, with a second copy of the packed weights). "
         "Measured on AVX2 it saves 6-13% of such a call on per-channel int8 and nothing served; try it on AVX-512.",
         flag="--mixed-step",
+    )
+    prompt_products: str = setting(
+        "off",
+        "How prompt pieces run their int8/int4 block products: off (the export's blocks, as decode calls), or auto "
+        "(in bf16 through a second session, where the CPU has AMX or AVX512-BF16 and kvexport's kernels are built; "
+        "decode calls keep the blocks; 2 bytes a weight more memory).",
+        flag="--prompt-products",
+        choices=("auto", "off"),
     )
     batch_prompts: bool = setting(
         True,

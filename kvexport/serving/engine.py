@@ -215,6 +215,7 @@ class Engine:
             drafter=self.drafter,
             cuda_graph=config.cuda_graph,
             static_decode=config.static_decode,
+            prompt_products=config.prompt_products == "auto",
         )
         self.table = SlotTable(config.slots, prefix_cache=config.prefix_cache, can_copy_rows=self.runner.can_copy_rows)
         self.scheduler = Scheduler(

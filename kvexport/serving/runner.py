@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -45,10 +46,12 @@ from kvexport.runtime.cuda_graph import (
     graph_run_options,
     require_capture,
 )
+from kvexport.runtime.kernels import FAST_PROMPT_GEMMS, prompt_gemm_path
 from kvexport.runtime.opened import OpenedExport
 from kvexport.runtime.sampling import SamplingConfig
 from kvexport.runtime.session import (
     open_mixed_session,
+    open_prompt_session,
     open_session,
     session_options,
 )
@@ -105,6 +108,7 @@ class ModelRunner:
         drafter: Drafter | None = None,
         cuda_graph: bool = False,
         static_decode: bool = False,
+        prompt_products: bool = False,
     ) -> None:
         manifest = opened.manifest
         self.drafter = drafter
@@ -130,6 +134,10 @@ class ModelRunner:
                 )
             except (KvexportError, ValueError, ImportError) as exc:
                 self.unmixed_because = f"{type(exc).__name__}: {first_line(exc)}"
+        self.prompt_session: ort.InferenceSession | None = None
+        self.prompt_products = "not asked for"  # the prompt session's kernel path, or why there is none
+        if prompt_products:
+            self._open_prompt_session(opened, graph, session_options(intra_op_threads, spinning=spinning))
         self.cache = SlotCache(manifest, opened.provider, slots, capacity)
         # decode-step inputs and logits, one row per slot; a binding views their first rows
         self._ids = np.zeros((slots, 1), np.int64)
@@ -138,6 +146,15 @@ class ModelRunner:
         self._logits = np.zeros((slots, 1, self.vocab_size), self.dtype)
         self._bindings: dict[int, ort.IOBinding] = {}
         self._mixed_bindings: dict[tuple[int, int], ort.IOBinding] = {}
+
+    def _open_prompt_session(self, opened: OpenedExport, graph: Path, options: ort.SessionOptions) -> None:
+        """The prompt pieces' session (:func:`~kvexport.runtime.session.open_prompt_session`) where the CPU has bf16 units."""
+        path = prompt_gemm_path() if opened.provider == "cpu" else None
+        if path not in FAST_PROMPT_GEMMS:
+            self.prompt_products = f"no bf16 units for prompts here (kernel path: {path or 'not built, or not on CPU'})"
+            return
+        self.prompt_session = open_prompt_session(graph, options, skip_width=self.vocab_size)
+        self.prompt_products = path if self.prompt_session is not None else "no block-quantized products in the graph"
 
     def execute(self, plan: CallPlan, *, sampling: tuple[SamplingConfig, np.random.Generator] | None = None) -> ModelOutput:
         """Run one step's plan: the admitted requests' row copies, then its call.
@@ -181,8 +198,8 @@ class ModelRunner:
         request = plan.request
         slot, start = request.slot, request.length
 
-        def run(piece: Sequence[int]) -> np.ndarray:
-            return self.run_piece(slot, piece, start)
+        def run(piece: Sequence[int]) -> np.ndarray:  # the decoding session: drafts are judged by the decode path's numbers
+            return self.cache.run_piece(self.session, slot, piece, start, self._uncaptured)
 
         drafts, kept, following = speculative_round(self.drafter, plan.budget, plan.context, plan.room, run, *sampling)
         output.drafts, output.kept, output.accepted = list(drafts), kept, [*drafts[:kept], following]
@@ -197,8 +214,12 @@ class ModelRunner:
         self.cache.copy_rows(source, target, length)
 
     def run_piece(self, slot: int, piece: Sequence[int], start: int) -> np.ndarray:
-        """``piece`` at batch 1 after the ``start`` tokens cached in ``slot``; its logits [n or 1, V] (fp32)."""
-        return self.cache.run_piece(self.session, slot, piece, start, self._uncaptured)
+        """A prompt's ``piece`` at batch 1 after the ``start`` tokens cached in ``slot``; its logits [n or 1, V] (fp32).
+
+        It runs by the prompt session where there is one (a speculative round's pieces do not: :meth:`_speculate`).
+        """
+        session = self.prompt_session if self.prompt_session is not None else self.session
+        return self.cache.run_piece(session, slot, piece, start, self._uncaptured)
 
     @property
     def can_batch_prompts(self) -> bool:
@@ -220,9 +241,10 @@ class ModelRunner:
         """Pieces all one length into slots ``first..``, each after the ``start`` tokens its slot holds, in one call.
 
         ``start`` 0: fresh prompts' first pieces; later pieces where :attr:`can_batch_after_past`.
-        Returns the logits [rows, n or 1, V] (fp32).
+        Returns the logits [rows, n or 1, V] (fp32). They run by the prompt session where there is one.
         """
-        return self.cache.run_rows(self.session, first, pieces, start, self._uncaptured)
+        session = self.prompt_session if self.prompt_session is not None else self.session
+        return self.cache.run_rows(session, first, pieces, start, self._uncaptured)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
         """One call over slots ``0..len(tokens)-1``: row i feeds ``tokens[i]`` at ``positions[i]``.

@@ -62,7 +62,8 @@ def serve(
         )
     say(
         f"serving {path} as {served!r} on http://{host}:{bound_port} ({engine.slots} slots of {engine.capacity} tokens, "
-        f"{cache_summary(engine)}, {engine.provider}{', API key required' if api.api_key else ''}); stop with Ctrl-C or SIGTERM"
+        f"{cache_summary(engine)}, {engine.provider}{prompt_summary(engine)}{', API key required' if api.api_key else ''}); "
+        "stop with Ctrl-C or SIGTERM"
     )
     try:
         server.run(sockets=[listener])
@@ -73,6 +74,12 @@ def serve(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     say("stopped")
+
+
+def prompt_summary(engine: Engine) -> str:
+    """``, prompts in bf16 (amx)`` where a prompt session runs the prompts' products, else nothing."""
+    runner = engine.runner
+    return f", prompts in bf16 ({runner.prompt_products})" if runner.prompt_session is not None else ""
 
 
 def cache_summary(engine: Engine) -> str:

@@ -19,6 +19,7 @@ a built library, and ``KVEXPORT_KERNELS=PATH`` names one.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -29,7 +30,7 @@ from pathlib import Path
 
 from kvexport.errors import KvexportError, first_line
 
-SOURCE = Path(__file__).with_name("cache_attention.cc")
+SOURCES = (Path(__file__).with_name("cache_attention.cc"), Path(__file__).with_name("prompt_matmul.cc"))
 KERNELS_VARIABLE = "KVEXPORT_KERNELS"
 # ONNX Runtime 1.21's C/C++ API headers, carried with the source (MIT; include/LICENSE)
 BUNDLED_HEADERS = Path(__file__).with_name("include")
@@ -50,7 +51,9 @@ def cache_root() -> Path:
 
 @functools.cache
 def _source_digest() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest = hashlib.sha256()
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(" ".join(_COMPILE_FLAGS).encode())
     return digest.hexdigest()[:16]
 
@@ -77,6 +80,25 @@ def library_path() -> Path | None:
     return path if path.is_file() else None
 
 
+PROMPT_GEMM_VARIABLE = "KVEXPORT_PROMPT_GEMM"  # amx | avx512bf16 | generic | auto: the prompt product's path (prompt_matmul.cc)
+FAST_PROMPT_GEMMS = ("amx", "avx512bf16")  # the paths that beat ONNX Runtime's MatMulNBits on prompts
+
+
+def prompt_gemm_path() -> str | None:
+    """The path kvexport's prompt product (``kvexport.PromptMatMul``) takes on this CPU, or None (no library built).
+
+    ``amx`` (AMX tiles, where the CPU has them and the OS grants them), ``avx512bf16`` (AVX512-BF16
+    dot products), ``generic`` (a portable loop), chosen when a kernel is made; ``KVEXPORT_PROMPT_GEMM``
+    forces one (``unavailable`` where the CPU lacks it).
+    """
+    path = library_path()
+    if path is None:
+        return None
+    library = ctypes.CDLL(str(path))
+    library.KvexportPromptGemmPath.restype = ctypes.c_char_p
+    return str(library.KvexportPromptGemmPath().decode())
+
+
 def build(include: Path | None = None, output: Path | None = None, *, compiler: str | None = None) -> Path:
     """Compile the kernels into ``output`` (default :func:`default_library`); the library's path.
 
@@ -101,12 +123,13 @@ def build(include: Path | None = None, output: Path | None = None, *, compiler: 
     except OSError as exc:
         raise KernelBuildError(f"can't write {output}: {first_line(exc)}") from exc
     with tempfile.TemporaryDirectory(dir=output.parent, prefix=".building-") as work:
-        objects = Path(work) / "kernels.o"
+        objects = [Path(work) / f"{source.stem}.o" for source in SOURCES]
         library = Path(work) / output.name
-        for command in (
-            [compiler, *_COMPILE_FLAGS, f"-I{include}", "-c", str(SOURCE), "-o", str(objects)],
-            [compiler, "-shared", str(objects), "-o", str(library)],
-        ):
+        compiles = [
+            [compiler, *_COMPILE_FLAGS, f"-I{include}", "-c", str(source), "-o", str(obj)]
+            for source, obj in zip(SOURCES, objects, strict=True)
+        ]
+        for command in (*compiles, [compiler, "-shared", *map(str, objects), "-o", str(library)]):
             done = subprocess.run(command, capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 lines = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.splitlines() or [""]

@@ -433,6 +433,8 @@ struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp, CacheAttentionKern
 
 }  // namespace
 
+void add_prompt_matmul(Ort::CustomOpDomain& domain);  // prompt_matmul.cc
+
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                                 const OrtApiBase* api_base) {
   static CacheAttentionOp op;
@@ -441,7 +443,10 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   try {
     static Ort::CustomOpDomain domain{"kvexport"};
     static std::once_flag added;
-    std::call_once(added, [] { domain.Add(&op); });
+    std::call_once(added, [] {
+      domain.Add(&op);
+      add_prompt_matmul(domain);
+    });
     Ort::UnownedSessionOptions(options).Add(domain);
   } catch (const std::exception& error) {
     return Ort::GetApi().CreateStatus(ORT_FAIL, error.what());

@@ -1,0 +1,96 @@
+#!/usr/bin/env python
+"""What the bf16 prompt products cost in quality on real weights, as the engine serves: a prompt, then decode steps.
+
+Outside CI. On windows of held-out text (``kvexport.testing.heldout_text``), each window's first
+``--prompt`` tokens run as one prompt piece and the rest token by token through decode calls (the
+engine's :class:`~kvexport.serving.runner.ModelRunner`), so the prompt's cache shapes every later
+step. Each export's logits at the decode positions are judged against the fp32 export's, the
+same way: perplexity delta, top-1 agreement and mean KL. The quantized export runs twice: its
+prompts through its own blocks (``--prompt-products off``) and in bf16 (``auto``).
+
+    .venv/bin/python benchmarks/prompt_quality.py --fp32 /tmp/smol-fp32 --export int8=/tmp/smol-int8 [--windows 8]
+
+Writes ``benchmarks/results/prompt_quality-<name>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvexport.runtime.kernels import prompt_gemm_path
+from kvexport.runtime.opened import open_export
+from kvexport.serving.runner import ModelRunner
+from kvexport.testing import heldout_text
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def served_logits(export: Path, windows: list[list[int]], prompt: int, products: bool) -> tuple[np.ndarray, str]:
+    """Log-probabilities at each window's decode positions [windows * (len - prompt), V], and the prompt path."""
+    opened = open_export(export, "cpu")
+    length = len(windows[0])
+    runner = ModelRunner(opened, 1, length, intra_op_threads=2, prompt_products=products)
+    rows = []
+    for window in windows:
+        rows.append(runner.run_piece(0, window[:prompt], 0)[-1])
+        for position in range(prompt, length - 1):
+            rows.append(np.array(runner.decode([window[position]], [position])[0], np.float32))
+    path = runner.prompt_products if runner.prompt_session is not None else "the export's blocks"
+    return _log_softmax(np.stack(rows)), path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--fp32", type=Path, required=True, help="The fp32 ort-cpu export: the reference.")
+    parser.add_argument("--export", action="append", default=[], metavar="LABEL=DIR", help="A quantized export to judge (repeatable).")
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--length", type=int, default=512)
+    parser.add_argument("--prompt", type=int, default=256)
+    parser.add_argument("--name", default="smollm2-135m")
+    parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args(argv)
+    tokenizer = open_export(args.fp32, "cpu").tokenizer.tokenizer
+    assert tokenizer is not None
+    ids = tokenizer.encode(heldout_text()).ids
+    windows = [ids[i * args.length : (i + 1) * args.length] for i in range(args.windows)]
+    targets = np.array([w[p + 1] for w in windows for p in range(args.prompt - 1, args.length - 1)])
+    reference, _ = served_logits(args.fp32, windows, args.prompt, False)
+    ref_nll = -reference[np.arange(len(targets)), targets].mean()
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"), "prompt_gemm_path": prompt_gemm_path(), "tokens_scored": len(targets),
+        "fp32_perplexity": round(float(np.exp(ref_nll)), 4), "rows": {},
+    }
+    print(f"fp32: perplexity {np.exp(ref_nll):.4f} over {len(targets)} tokens ({args.windows} windows, prompts of {args.prompt})")
+    for label, _, folder in (item.partition("=") for item in args.export):
+        for products in (False, True):
+            logprobs, path = served_logits(Path(folder), windows, args.prompt, products)
+            nll = -logprobs[np.arange(len(targets)), targets].mean()
+            kl = (np.exp(reference) * (reference - logprobs)).sum(axis=-1).mean()
+            row = {
+                "prompt_path": path,
+                "perplexity_delta_pct": round(100 * (np.exp(nll - ref_nll) - 1), 3),
+                "top1_vs_fp32_pct": round(100 * float((logprobs.argmax(-1) == reference.argmax(-1)).mean()), 2),
+                "mean_kl": round(float(kl), 5),
+            }
+            key = f"{label}, prompts {'in bf16' if products else 'through the blocks'}"
+            report["rows"][key] = row
+            print(f"{key}: {row}")
+    args.results.mkdir(parents=True, exist_ok=True)
+    written = args.results / f"prompt_quality-{args.name}.json"
+    written.write_text(json.dumps(report, indent=2))
+    print(f"wrote {written}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
