@@ -59,13 +59,13 @@ def dequantize_nbits(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
     else:
         q = codes
     if zero_points is None:
-        zero = np.full((n, blocks), 1 << (bits - 1), np.float64)
+        zero = np.full((n, blocks), 1 << (bits - 1), np.float32)
     elif bits == 4:
-        zero = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float64)
+        zero = np.stack([zero_points & 0x0F, zero_points >> 4], axis=-1).reshape(n, -1)[:, :blocks].astype(np.float32)
     else:
-        zero = zero_points.reshape(n, -1)[:, :blocks].astype(np.float64)
-    values = (q.astype(np.float64) - zero[..., None]) * scales.reshape(n, blocks).astype(np.float64)[..., None]
-    return values.reshape(n, -1)[:, :k].T.astype(np.float32)
+        zero = zero_points.reshape(n, -1)[:, :blocks].astype(np.float32)
+    values = (q.astype(np.float32) - zero[..., None]) * scales.reshape(n, blocks).astype(np.float32)[..., None]  # fp32, as the op computes
+    return values.reshape(n, -1)[:, :k].T
 
 
 class PromptProductsPass(InPlacePass):

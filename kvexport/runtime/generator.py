@@ -55,7 +55,7 @@ from kvexport.runtime.cuda_graph import (
 from kvexport.runtime.opened import check_room, check_token_ids, open_export
 from kvexport.runtime.prepacked import prepacked_graphs
 from kvexport.runtime.sampling import SamplingConfig, choose_tokens
-from kvexport.runtime.session import open_session, session_options
+from kvexport.runtime.session import open_session, prompt_session_for, session_options
 from kvexport.runtime.text import text_pieces
 
 TokenIds = Sequence[int] | Sequence[Sequence[int]] | np.ndarray
@@ -201,6 +201,13 @@ class Generator:
             with nodes a capture cannot hold (named).
         static_decode: the same fixed-capacity, fixed-address decode step, without capture
             (any provider): what ``cuda_graph`` replays, testable on CPU.
+        prompt_products: an in-place export with int8/int4 blocks, on a CPU with AMX or
+            AVX512-BF16 and kvexport's kernels built: run the prompt through a second session
+            whose block products are bf16 (:func:`~kvexport.runtime.session.prompt_session_for`),
+            the decode steps on the blocks; ``prompt_products`` (the attribute) then names the
+            kernel path, else why there is none. Not with the memory modes, ``decode_graph``,
+            ``cuda_graph`` or ``static_decode``. The serving engine's prompts run the same way
+            (``EngineConfig.prompt_products``).
 
     """
 
@@ -218,6 +225,7 @@ class Generator:
         decode_graph: bool = False,
         cuda_graph: bool = False,
         static_decode: bool = False,
+        prompt_products: bool = True,
     ) -> None:
         opened = open_export(directory, provider, check=check)
         self.directory = opened.directory
@@ -265,6 +273,12 @@ class Generator:
             captures = cuda_graph and graph == graphs[-1]  # the session that runs the decode steps
             self.sessions[graph] = open_session(paths[graph], self.provider, options, cuda_graph=captures)
         self.sessions.setdefault("decode", self.sessions["prefill"])
+        self.prompt_products = "not asked for"  # the prompt session's kernel path, or why there is none
+        if prompt_products and len(graphs) == 1 and not (cuda_graph or static_decode or share_weights or prepacked):
+            options = session_options(intra_op_threads, spinning=self.provider == "cpu")
+            prompt, self.prompt_products = prompt_session_for(paths["prefill"], self.provider, options, self.vocab_size)
+            if prompt is not None:  # the prompt runs in bf16, the decode steps on the export's blocks
+                self.sessions["prefill"] = prompt
         # the prompt's runs on a capturing session are neither captured nor replayed
         self._prompt_run_options = graph_run_options(NO_CAPTURE) if cuda_graph else None
         self._fixed: dict[tuple[int, int], FixedDecode] = {}  # (rows, capacity) -> its fixed step

@@ -369,6 +369,24 @@ def open_mixed_session(
     return _inference_session(proto.SerializeToString(), graph_path, provider, options, "its mixed step")
 
 
+def prompt_session_for(
+    graph_path: Path, provider: str, options: ort.SessionOptions, vocab_size: int
+) -> tuple[ort.InferenceSession | None, str]:
+    """The session for prompts where this CPU has bf16 units (:func:`open_prompt_session`), and its kernel path or why none.
+
+    None off CPU, where kvexport's kernels are not built, where the prompt product would take
+    the portable loop (no AMX, no AVX512-BF16: ONNX Runtime's blocks are the faster there), and
+    for a graph without block-quantized products. The LM head (``vocab_size`` wide) keeps its blocks.
+    """
+    from kvexport.runtime.kernels import FAST_PROMPT_GEMMS, prompt_gemm_path
+
+    path = prompt_gemm_path() if resolve_provider(provider) == "cpu" else None
+    if path not in FAST_PROMPT_GEMMS:
+        return None, f"no bf16 units for prompts here (kernel path: {path or 'not built, or not on CPU'})"
+    session = open_prompt_session(graph_path, options, skip_width=vocab_size)
+    return session, path if session is not None else "no block-quantized products in the graph"
+
+
 def open_prompt_session(
     graph_path: Path, options: ort.SessionOptions | None = None, *, skip_width: int | None = None
 ) -> ort.InferenceSession | None:

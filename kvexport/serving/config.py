@@ -68,15 +68,15 @@ class EngineConfig:
             chunk's GEMMs; the runner opens a second session for it (a second copy of the
             packed weights). A graph the split can't take runs them as separate calls. Off
             by default: on an AVX2 host it saved nothing served.
-        prompt_products: ``off`` (the default): one session for everything, prompts
-            through the export's blocks, so a request's tokens equal the
-            :class:`~kvexport.runtime.generator.Generator`'s. ``auto``: on a CPU with AMX or AVX512-BF16 (and kvexport's kernels
+        prompt_products: ``auto`` (the default): on a CPU with AMX or AVX512-BF16 (and kvexport's kernels
             built), prompt pieces and prefix jobs run through a second session whose
             block-quantized products are bf16 (:mod:`kvexport.passes.prompt_products`): the
             prompts' GEMMs on the CPU's bf16 units, 2 bytes a weight more in memory; decode
             calls, speculative rounds and mixed steps keep the export's blocks. A prompt's
             logits and cache then differ from the blocks' by bf16's rounding (closer to the
-            float product: the activations are not quantized to int8).
+            float product: the activations are not quantized to int8), as the
+            :class:`~kvexport.runtime.generator.Generator`'s do. ``off``: one session for
+            everything, prompts through the export's blocks.
         batch_prompts: on CPU, prefill fresh prompts' first pieces (up to ``chunk`` tokens,
             cut to one length) in consecutive slots as one call, as a burst of requests
             brings them (:class:`~kvexport.serving.scheduler.PrefillBatch`): the same rows
@@ -163,10 +163,10 @@ class EngineConfig:
         flag="--mixed-step",
     )
     prompt_products: str = setting(
-        "off",
-        "How prompt pieces run their int8/int4 block products: off (the export's blocks, as decode calls), or auto "
-        "(in bf16 through a second session, where the CPU has AMX or AVX512-BF16 and kvexport's kernels are built; "
-        "decode calls keep the blocks; 2 bytes a weight more memory).",
+        "auto",
+        "How prompt pieces run their int8/int4 block products: auto (in bf16 through a second session, where the CPU "
+        "has AMX or AVX512-BF16 and kvexport's kernels are built; decode calls keep the blocks; 2 bytes a weight more "
+        "memory) or off (the export's blocks, as decode calls).",
         flag="--prompt-products",
         choices=("auto", "off"),
     )

@@ -31,7 +31,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -46,13 +45,12 @@ from kvexport.runtime.cuda_graph import (
     graph_run_options,
     require_capture,
 )
-from kvexport.runtime.kernels import FAST_PROMPT_GEMMS, prompt_gemm_path
 from kvexport.runtime.opened import OpenedExport
 from kvexport.runtime.sampling import SamplingConfig
 from kvexport.runtime.session import (
     open_mixed_session,
-    open_prompt_session,
     open_session,
+    prompt_session_for,
     session_options,
 )
 from kvexport.runtime.speculative import Drafter, speculative_round
@@ -137,7 +135,8 @@ class ModelRunner:
         self.prompt_session: ort.InferenceSession | None = None
         self.prompt_products = "not asked for"  # the prompt session's kernel path, or why there is none
         if prompt_products:
-            self._open_prompt_session(opened, graph, session_options(intra_op_threads, spinning=spinning))
+            options = session_options(intra_op_threads, spinning=spinning)
+            self.prompt_session, self.prompt_products = prompt_session_for(graph, opened.provider, options, self.vocab_size)
         self.cache = SlotCache(manifest, opened.provider, slots, capacity)
         # decode-step inputs and logits, one row per slot; a binding views their first rows
         self._ids = np.zeros((slots, 1), np.int64)
@@ -146,15 +145,6 @@ class ModelRunner:
         self._logits = np.zeros((slots, 1, self.vocab_size), self.dtype)
         self._bindings: dict[int, ort.IOBinding] = {}
         self._mixed_bindings: dict[tuple[int, int], ort.IOBinding] = {}
-
-    def _open_prompt_session(self, opened: OpenedExport, graph: Path, options: ort.SessionOptions) -> None:
-        """The prompt pieces' session (:func:`~kvexport.runtime.session.open_prompt_session`) where the CPU has bf16 units."""
-        path = prompt_gemm_path() if opened.provider == "cpu" else None
-        if path not in FAST_PROMPT_GEMMS:
-            self.prompt_products = f"no bf16 units for prompts here (kernel path: {path or 'not built, or not on CPU'})"
-            return
-        self.prompt_session = open_prompt_session(graph, options, skip_width=self.vocab_size)
-        self.prompt_products = path if self.prompt_session is not None else "no block-quantized products in the graph"
 
     def execute(self, plan: CallPlan, *, sampling: tuple[SamplingConfig, np.random.Generator] | None = None) -> ModelOutput:
         """Run one step's plan: the admitted requests' row copies, then its call.
@@ -175,7 +165,7 @@ class ModelRunner:
             except Exception as exc:
                 output.error = f"{type(exc).__name__}: {first_line(exc)[:300]}"
         elif isinstance(call, PrefillChunk):
-            output.prompt = [self.run_piece(call.request.slot, call.tokens, call.start)]
+            output.prompt = [self._prompt_piece(call)]
         elif isinstance(call, PrefillBatch):
             output.prompt = list(self.run_rows(call.first, [chunk.tokens for chunk in call.chunks], call.start))
         elif isinstance(call, MixedCall):
@@ -188,6 +178,20 @@ class ModelRunner:
             self._speculate(call, output, sampling)
         output.seconds = time.perf_counter() - started
         return output
+
+    def _prompt_piece(self, chunk: PrefillChunk) -> np.ndarray:
+        """A prompt chunk's logits; a lone token after a cached past runs with the one before it.
+
+        A call of one token a row takes the decode path's attention, which sums in another order
+        than a prompt's: the prompt's last token after a reused prefix (the prefix cache leaves at
+        least that one) gave logits up to 0.6 away from the same prompt's in one call (SmolLM2-135M,
+        int8 blocks and bf16 prompts alike), and greedy tokens that parted from the Generator's.
+        Two tokens run the prompt path, and the row before is rewritten with what it holds.
+        """
+        request, start = chunk.request, chunk.start
+        if len(chunk.tokens) == 1 and start > 0:
+            return self.run_piece(request.slot, [request.prompt[start - 1], *chunk.tokens], start - 1)[-1:]
+        return self.run_piece(request.slot, chunk.tokens, start)
 
     def _speculate(
         self, plan: SpeculativePlan, output: ModelOutput, sampling: tuple[SamplingConfig, np.random.Generator] | None
