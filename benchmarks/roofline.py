@@ -46,9 +46,6 @@ import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-sys.path.insert(0, str(Path(__file__).parent))
-from prefill_profile import _by_op
-
 from kvexport.bundle.manifest import read_manifest
 from kvexport.passes import QuantizationConfig, QuantizeWeightsPass
 from kvexport.passes.prompt_products import pack_bf16
@@ -161,6 +158,18 @@ def bandwidth() -> dict[str, float]:
     return {"one core (numpy sum)": round(one, 1), "2 threads (ORT ReduceSum)": round(both, 1)}
 
 
+def _by_op(events: list[dict[str, Any]], skip: int) -> dict[str, float]:
+    """Node time by op type, ms per run, over the runs after the first ``skip``."""
+    runs = sorted((e for e in events if e.get("cat") == "Session" and e.get("name") == "model_run"), key=lambda e: e["ts"])
+    kept = runs[skip:]
+    totals: dict[str, float] = {}
+    for event in events:
+        if event.get("cat") == "Node" and kept and event.get("ts", 0) >= kept[0]["ts"] and event["name"].endswith("_kernel_time"):
+            op = event["args"].get("op_name", "?")
+            totals[op] = totals.get(op, 0.0) + event["dur"] / 1000 / len(kept)
+    return totals
+
+
 def _block_weights(graph_path: Path, vocab: int) -> int:
     """Weights of the block products (every MatMulNBits but the head's), K x N summed."""
     graph = onnx.load(str(graph_path), load_external_data=False).graph
@@ -201,13 +210,13 @@ def step_profile(export: Path) -> dict[str, Any]:
                 calls = 5
                 for _ in range(calls + 1):
                     cache.run_rows(session, 0, [[int(t)] for t in rng.integers(0, vocab, 16)], 128)
-                skip, tokens = 17, 16
+                skip, tokens = 17, 16  # the 16 prompts and the first decode call
             else:
                 calls = 3
                 for _ in range(calls + 1):
                     cache.run_rows(session, 0, prompts, 0)
                 skip, tokens = 1, 8 * 128
-            by_op = _by_op(json.loads(Path(session.end_profiling()).read_text()), runs_to_skip=skip)
+            by_op = _by_op(json.loads(Path(session.end_profiling()).read_text()), skip)
             total = sum(by_op.values())
             products = sum(ms for op, ms in by_op.items() if op in (MATMUL_NBITS, PROMPT_MATMUL))
             report[label] = {

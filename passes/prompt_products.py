@@ -69,25 +69,44 @@ def dequantize_nbits(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
 
 
 class PromptProductsPass(InPlacePass):
-    """Each block-quantized ``MatMulNBits`` but the LM head's as kvexport's bf16 ``PromptMatMul`` (see the module docstring)."""
+    """Each block-quantized ``MatMulNBits`` but the LM head's as kvexport's bf16 ``PromptMatMul`` (see the module docstring).
 
-    def __init__(self, skip_width: int | None = None) -> None:
+    ``placeholders``: each packed weight's initializer is an empty placeholder, and the arrays
+    are kept in :attr:`weights`, for a session to take from memory
+    (``SessionOptions.add_initializer``: ONNX Runtime reads them where they are, where a graph's
+    own initializers, or external ones added from memory, are copied: 0.2 GB more for SmolLM2-135M).
+    """
+
+    def __init__(self, skip_width: int | None = None, *, placeholders: bool = False) -> None:
         super().__init__()
         self.skip_width = skip_width
+        self.placeholders = placeholders
         self.counts: dict[str, int] = {"nodes": 0}
+        self.weights: dict[str, np.ndarray] = {}  # with ``placeholders``: each packed weight by its initializer's name
 
     def call(self, model: ir.Model) -> PassResult:
         """Replace every node the kernel can take in the main graph."""
         self.counts["nodes"] = 0
+        self.weights = {}
         graph = model.graph
         for node in list(graph):
             weight = _dequantized(node, self.skip_width)
             if weight is not None:
-                _replace(graph, node, weight, self.counts["nodes"])
+                packed = pack_bf16(weight).view(np.uint16)
+                name = f"kvexport.prompt_weight{self.counts['nodes']}"
+                tensor = self._tensor(packed, name)
+                _replace(graph, node, tensor, packed.shape, weight.shape, self.counts["nodes"])
                 self.counts["nodes"] += 1
         if self.counts["nodes"]:
             model.opset_imports.setdefault(KVEXPORT_DOMAIN, 1)
         return PassResult(model, modified=self.counts["nodes"] > 0)
+
+
+    def _tensor(self, packed: np.ndarray, name: str) -> ir.Tensor:
+        if not self.placeholders:
+            return ir.Tensor(packed, dtype=ir.DataType.BFLOAT16, name=name)
+        self.weights[name] = packed
+        return ir.Tensor(np.zeros(0, np.uint16), dtype=ir.DataType.BFLOAT16, name=name)
 
 
 def _dequantized(node: ir.Node, skip_width: int | None) -> np.ndarray | None:
@@ -112,12 +131,12 @@ def _dequantized(node: ir.Node, skip_width: int | None) -> np.ndarray | None:
     return dequantize_nbits(codes.const_value.numpy(), scales.const_value.numpy(), zero, k, bits)
 
 
-def _replace(graph: ir.Graph, node: ir.Node, weight: np.ndarray, number: int) -> None:
+def _replace(
+    graph: ir.Graph, node: ir.Node, tensor: ir.Tensor, packed_shape: tuple[int, ...], weight_shape: tuple[int, ...], number: int
+) -> None:
     """The kernel in the node's place: the activation, the packed bf16 weight and the bias (if any), the same output."""
-    k, n = weight.shape
-    packed = pack_bf16(weight)
-    tensor = ir.Tensor(packed.view(np.uint16), dtype=ir.DataType.BFLOAT16, name=f"kvexport.prompt_weight{number}")
-    initializer = ir.Value(name=tensor.name, shape=ir.Shape(packed.shape), type=ir.TensorType(ir.DataType.BFLOAT16), const_value=tensor)
+    k, n = weight_shape
+    initializer = ir.Value(name=tensor.name, shape=ir.Shape(packed_shape), type=ir.TensorType(ir.DataType.BFLOAT16), const_value=tensor)
     graph.register_initializer(initializer)
     inputs = list(node.inputs) + [None] * max(0, 6 - len(node.inputs))
     bias = inputs[5]
