@@ -1,10 +1,13 @@
 """kvexport's own CPU kernels for ONNX Runtime: a custom-op library, built once per machine.
 
-One op for now, ``kvexport.CacheAttention`` (``cache_attention.cc``): attention over the
+Two ops: ``kvexport.CacheAttention`` (``cache_attention.cc``): attention over the
 in-place fp32 cache, for decode calls and prompts, in place of ONNX Runtime 1.31's CPU
-``GroupQueryAttention`` (why: :mod:`kvexport.passes.cache_attention`). The runtime uses it
-where the library is built (:func:`library_path`): CPU sessions then run those nodes
-through it (:class:`kvexport.passes.CacheAttentionPass`). Exports do not change.
+``GroupQueryAttention`` (why: :mod:`kvexport.passes.cache_attention`); and
+``kvexport.PromptMatMul`` (``prompt_matmul.cc``): a prompt's products in bf16 on AMX tiles or
+AVX512-BF16 (why: :mod:`kvexport.passes.prompt_products`; :func:`prompt_gemm_path`). The
+runtime uses them where the library is built (:func:`library_path`): CPU sessions then run
+those nodes through it (:class:`kvexport.passes.CacheAttentionPass`), and a second session
+runs prompts (:func:`kvexport.runtime.session.prompt_session_for`). Exports do not change.
 
 :func:`build` compiles it with the machine's C++ compiler against ONNX Runtime's C API
 headers, which no PyPI wheel ships (nor npm's ``onnxruntime-node``), and Debian has them
