@@ -201,8 +201,8 @@ class Generator:
             with nodes a capture cannot hold (named).
         static_decode: the same fixed-capacity, fixed-address decode step, without capture
             (any provider): what ``cuda_graph`` replays, testable on CPU.
-        prompt_products: an in-place export with int8/int4 blocks, on a CPU with AMX or
-            AVX512-BF16 and kvexport's kernels built: run the prompt through a second session
+        prompt_products: an in-place export with int8/int4 blocks, on a CPU with AMX (or
+            KVEXPORT_PROMPT_GEMM=avx512bf16) and kvexport's kernels built: run the prompt through a second session
             whose block products are bf16 (:func:`~kvexport.runtime.session.prompt_session_for`),
             the decode steps on the blocks; ``prompt_products`` (the attribute) then names the
             kernel path, else why there is none. Not with the memory modes, ``decode_graph``,

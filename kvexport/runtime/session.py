@@ -376,7 +376,7 @@ def prompt_session_for(
     """The session for prompts where this CPU has bf16 units (:func:`open_prompt_session`), and its kernel path or why none.
 
     None off CPU, where kvexport's kernels are not built, where the prompt product would take
-    the portable loop (no AMX, no AVX512-BF16: ONNX Runtime's blocks are the faster there), and
+    the portable loop (no AMX, and no AVX512-BF16 asked for by name: ONNX Runtime's blocks are the faster there), and
     for a graph without block-quantized products. The LM head (``vocab_size`` wide) keeps its blocks.
     """
     from kvexport.runtime.kernels import FAST_PROMPT_GEMMS, prompt_gemm_path

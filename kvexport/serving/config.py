@@ -68,7 +68,7 @@ class EngineConfig:
             chunk's GEMMs; the runner opens a second session for it (a second copy of the
             packed weights). A graph the split can't take runs them as separate calls. Off
             by default: on an AVX2 host it saved nothing served.
-        prompt_products: ``auto`` (the default): on a CPU with AMX or AVX512-BF16 (and kvexport's kernels
+        prompt_products: ``auto`` (the default): on a CPU with AMX (and kvexport's kernels
             built), prompt pieces and prefix jobs run through a second session whose
             block-quantized products are bf16 (:mod:`kvexport.passes.prompt_products`): the
             prompts' GEMMs on the CPU's bf16 units, 2 bytes a weight more in memory; decode
@@ -165,7 +165,7 @@ class EngineConfig:
     prompt_products: str = setting(
         "auto",
         "How prompt pieces run their int8/int4 block products: auto (in bf16 through a second session, where the CPU "
-        "has AMX or AVX512-BF16 and kvexport's kernels are built; decode calls keep the blocks; 2 bytes a weight more "
+        "has AMX and kvexport's kernels are built; decode calls keep the blocks; 2 bytes a weight more "
         "memory) or off (the export's blocks, as decode calls).",
         flag="--prompt-products",
         choices=("auto", "off"),

@@ -84,15 +84,17 @@ def library_path() -> Path | None:
 
 
 PROMPT_GEMM_VARIABLE = "KVEXPORT_PROMPT_GEMM"  # amx | avx512bf16 | generic | auto: the prompt product's path (prompt_matmul.cc)
-FAST_PROMPT_GEMMS = ("amx", "avx512bf16")  # the paths that beat ONNX Runtime's MatMulNBits on prompts
+FAST_PROMPT_GEMMS = ("amx", "avx512bf16")  # the paths the runtime opens a prompt session for (avx512bf16: by name only)
 
 
 def prompt_gemm_path() -> str | None:
     """The path kvexport's prompt product (``kvexport.PromptMatMul``) takes on this CPU, or None (no library built).
 
-    ``amx`` (AMX tiles, where the CPU has them and the OS grants them), ``avx512bf16`` (AVX512-BF16
-    dot products), ``generic`` (a portable loop), chosen when a kernel is made; ``KVEXPORT_PROMPT_GEMM``
-    forces one (``unavailable`` where the CPU lacks it).
+    ``amx`` (AMX tiles, where the CPU has them and the OS grants them) or ``generic`` (a portable
+    loop), chosen when a kernel is made; ``KVEXPORT_PROMPT_GEMM`` forces one, or ``avx512bf16``
+    (AVX512-BF16 dot products: slower than ONNX Runtime's int8 blocks on a Sapphire Rapids, so
+    never chosen by itself; asked for by name, the runtime opens its prompt session with it), or
+    says ``unavailable`` where the CPU lacks the one asked for.
     """
     path = library_path()
     if path is None:
