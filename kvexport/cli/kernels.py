@@ -18,7 +18,7 @@ from kvexport.cli.base import main, run
 )
 @click.option("--out", type=click.Path(path_type=Path, dir_okay=False), default=None, help="Where to write the library [default: the cache the runtime looks in].")
 def build_kernels_command(ort_include: Path | None, out: Path | None) -> None:
-    """Build kvexport's CPU kernels (attention over the in-place fp32 cache, for ONNX Runtime); CPU sessions use them once built."""
+    """Build kvexport's CPU kernels (attention over the in-place fp32 cache, bf16 prompt products on AMX) for ONNX Runtime; CPU sessions use them once built."""
     from kvexport.runtime.kernels import KERNELS_VARIABLE, build, default_library
 
     library = run(lambda: build(ort_include, out))
