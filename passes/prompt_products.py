@@ -92,7 +92,7 @@ class PromptProductsPass(InPlacePass):
         for node in list(graph):
             weight = _dequantized(node, self.skip_width)
             if weight is not None:
-                packed = pack_bf16(weight).view(np.uint16)
+                packed = pack_bf16(weight)
                 name = f"kvexport.prompt_weight{self.counts['nodes']}"
                 tensor = self._tensor(packed, name)
                 _replace(graph, node, tensor, packed.shape, weight.shape, self.counts["nodes"])
@@ -100,7 +100,6 @@ class PromptProductsPass(InPlacePass):
         if self.counts["nodes"]:
             model.opset_imports.setdefault(KVEXPORT_DOMAIN, 1)
         return PassResult(model, modified=self.counts["nodes"] > 0)
-
 
     def _tensor(self, packed: np.ndarray, name: str) -> ir.Tensor:
         if not self.placeholders:

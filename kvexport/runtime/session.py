@@ -21,7 +21,6 @@ import onnxruntime as ort
 from kvexport.bundle.storage import check_external_data
 from kvexport.errors import ManifestError, ProviderError, first_line
 from kvexport.passes.vocabulary import (
-    CACHE_ATTENTION,
     GROUP_QUERY_ATTENTION,
     KVEXPORT_DOMAIN,
     MATMUL_INTEGER_TO_FLOAT,
@@ -53,7 +52,6 @@ PROMPT_ATTENTIONS = ("products", "gqa")
 # the ops the CPU rewrites look for: a graph with none of them is opened as it is, without loading onnx_ir and the
 # passes (half a second on 2 cores, against 40 ms to open a tiny graph)
 CPU_REWRITTEN_OPS = frozenset({(MS_DOMAIN, GROUP_QUERY_ATTENTION), (MS_DOMAIN, MATMUL_INTEGER_TO_FLOAT)})
-_KERNEL = (KVEXPORT_DOMAIN, CACHE_ATTENTION)  # an op that needs kvexport's kernel library registered (any of its domain does)
 CPU_REWRITES_VERSION = 4  # raise it when a CPU rewrite's graph changes: pre-packed caches built by older ones are then rebuilt
 
 

@@ -96,7 +96,7 @@ struct Product {
   const uint16_t* w;  // [groups, K_pad/2, 16, 2]
   const float* bias;  // null or [N]
   float* y;           // [M, N]
-  int64_t m, n, k_pad, groups, m_blocks, n_chunks;
+  int64_t m, n, k_pad, groups, m_blocks;
 };
 
 // The rows' A in bf16, padded with zeros to whole blocks and steps.
@@ -318,7 +318,7 @@ struct PromptMatMulKernel {
     Convert convert{a.GetTensorData<float>(), a_bf16.data(), m, k, k_pad};
     context.ParallelFor(convert_task, static_cast<size_t>(m_blocks * kRows), 0, &convert);
     Product product{a_bf16.data(), static_cast<const uint16_t*>(w.GetTensorRawData()), bias,
-                    y.GetTensorMutableData<float>(), m, n, k_pad, groups, m_blocks, 0};
+                    y.GetTensorMutableData<float>(), m, n, k_pad, groups, m_blocks};
     switch (path) {
       case Path::kAmx:
         context.ParallelFor(amx_task, static_cast<size_t>(((m_blocks + kChunkBlocks - 1) / kChunkBlocks) *
