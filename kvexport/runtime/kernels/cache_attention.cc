@@ -4,7 +4,8 @@
 // shared past/present buffer, without rotary, softcap or head sink:
 //   inputs  query [B, S, N*D], key [B, S, Nkv*D], value [B, S, Nkv*D],
 //           past_key [B, Nkv, C, D], past_value [B, Nkv, C, D], seqlens_k [B] (int32: a row's last position),
-//           attention_bias (optional) [B or 1, N or 1, S or 1, T] added to the scores
+//           attention_bias (optional) [B or 1, N or 1, S or 1, T] added to the scores,
+//           block_table (optional) [B, W] (int32): the paged layout, below
 //   outputs output [B, S, N*D], present_key, present_value [B, Nkv, C, D]
 //   attributes num_heads, kv_num_heads, scale (0: 1/sqrt(D)), local_window_size (-1: none)
 // A row's S new keys and values go after its max(0, seqlens_k + 1 - S) cached ones (a first
@@ -12,6 +13,11 @@
 // seqlens_k, the last local_window_size of them where that is set. Where present is bound to
 // past's buffer (the in-place cache) only the new rows are written. Several rows after pasts
 // of different lengths are taken too (the op refuses them).
+//
+// Paged (a block_table given): the cache is a pool of blocks [P, Nkv, Bs, D] shared by every row,
+// and row b's position t lives in block block_table[b, t / Bs] at t % Bs; a row holds W * Bs
+// positions. Only the blocks a row's positions reach are read or written; the engine's block
+// manager (kvexport/serving/blocks.py) hands them out, so memory follows the tokens in use.
 //
 // Why (2 Zen 5 cores; kvexport/passes/cache_attention.py has the numbers):
 // - one token a row: ONNX Runtime 1.31.1's op reads the fp32 cache at about 22 GB/s where the
@@ -39,6 +45,19 @@
 
 namespace {
 
+// Where a row's cached positions live: rows of their own ([B, Nkv, C, D]: block b, C positions
+// a block) or a block table's blocks of a pool ([P, Nkv, Bs, D]).
+struct Layout {
+  const int32_t* table;  // null: the row layout
+  int64_t width, block_size, kv_heads, head_size;
+
+  // offset of row b's KV head h at position t, in floats
+  int64_t at(int64_t b, int64_t h, int64_t t) const {
+    const int64_t block = table == nullptr ? b : table[b * width + t / block_size];
+    return ((block * kv_heads + h) * block_size + t % block_size) * head_size;
+  }
+};
+
 struct Problem {
   const float* query;
   float* output;
@@ -47,7 +66,8 @@ struct Problem {
   const int32_t* seqlens;
   const float* bias;  // null, or [bias_b, bias_h, 1, bias_t]
   int64_t bias_b, bias_h, bias_t;
-  int64_t heads, kv_heads, head_size, capacity, window;
+  int64_t heads, kv_heads, head_size, window;
+  Layout layout;
   float scale;
 };
 
@@ -59,11 +79,9 @@ void attend(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores
   const int64_t start = p.window > 0 ? std::max<int64_t>(0, last + 1 - p.window) : 0;
   const int64_t n = last + 1 - start;
   scores.resize(static_cast<size_t>(G * n));
-  const float* keys = p.past_key + ((b * p.kv_heads + kvh) * p.capacity + start) * D;
-  const float* values = p.past_value + ((b * p.kv_heads + kvh) * p.capacity + start) * D;
   const float* q = p.query + (b * p.heads + kvh * G) * D;
   for (int64_t t = 0; t < n; ++t) {
-    const float* k = keys + t * D;
+    const float* k = p.past_key + p.layout.at(b, kvh, start + t);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       float dot = 0.0f;
@@ -95,7 +113,7 @@ void attend(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores
     std::fill(out + g * D, out + (g + 1) * D, 0.0f);
   }
   for (int64_t t = 0; t < n; ++t) {
-    const float* v = values + t * D;
+    const float* v = p.past_value + p.layout.at(b, kvh, start + t);
     for (int64_t g = 0; g < G; ++g) {
       const float weight = scores[g * n + t];
       float* og = out + g * D;
@@ -120,11 +138,11 @@ struct Prompt {
   const float* query;  // [B, S, N*D]
   float* output;
   const float* keys_t;  // [B, Nkv, D, T_pad]: the cache's keys transposed, up to each row's last
-  const float* values;  // present's values [B, Nkv, C, D]
+  const float* values;  // present's values [B, Nkv, C, D], or (paged) gathered [B, Nkv, T_pad, D]
   const int32_t* seqlens;
   const float* bias;
   int64_t bias_b, bias_h, bias_s, bias_t;
-  int64_t tokens, heads, kv_heads, head_size, capacity, window, t_pad, blocks;
+  int64_t tokens, heads, kv_heads, head_size, values_stride, window, t_pad, blocks;  // values_stride: C or T_pad
   float scale;
 };
 
@@ -289,7 +307,7 @@ void prompt_task(void* data, size_t index) {
       std::fill(row + end, row + keys, 0.0f);
     }
   }
-  const float* values = p.values + (b * p.kv_heads + kvh) * p.capacity * D;
+  const float* values = p.values + (b * p.kv_heads + kvh) * p.values_stride * D;
   if (kAvx512 && D % 64 == 0)
     weighted_avx512(scores.data(), stride, from, keys, values, D, outs.data(), inverses.data(), rows);
   else
@@ -297,25 +315,33 @@ void prompt_task(void* data, size_t index) {
 }
 
 struct Transpose {
-  const float* keys;  // present [B, Nkv, C, D]
-  float* keys_t;      // [B, Nkv, D, T_pad]
+  const float* keys;    // present
+  const float* values;  // present; gathered into values_out where that is set (paged)
+  float* keys_t;        // [B, Nkv, D, T_pad]
+  float* values_out;    // null, or [B, Nkv, T_pad, D]
   const int32_t* seqlens;
-  int64_t kv_heads, capacity, head_size, t_pad;
+  Layout layout;
+  int64_t t_pad;
 };
 
 void transpose_task(void* data, size_t index) {
   const Transpose& p = *static_cast<const Transpose*>(data);
   const auto i = static_cast<int64_t>(index);
-  const int64_t b = i / p.kv_heads, D = p.head_size;
+  const int64_t kv_heads = p.layout.kv_heads, b = i / kv_heads, h = i % kv_heads, D = p.layout.head_size;
   const int64_t keys = static_cast<int64_t>(p.seqlens[b]) + 1;
-  const float* from = p.keys + i * p.capacity * D;
   float* to = p.keys_t + i * D * p.t_pad;
+  const float* from[16];
   for (int64_t t0 = 0; t0 < keys; t0 += 16) {  // 16 keys at a time: the reads stay in a few lines
     const int64_t n = std::min<int64_t>(16, keys - t0);
+    for (int64_t t = 0; t < n; ++t) from[t] = p.keys + p.layout.at(b, h, t0 + t);
     for (int64_t d = 0; d < D; ++d)
-      for (int64_t t = 0; t < n; ++t) to[d * p.t_pad + t0 + t] = from[(t0 + t) * D + d];
+      for (int64_t t = 0; t < n; ++t) to[d * p.t_pad + t0 + t] = from[t][d];
   }
   for (int64_t d = 0; d < D; ++d) std::fill(to + d * p.t_pad + keys, to + (d + 1) * p.t_pad, 0.0f);
+  if (p.values_out == nullptr) return;
+  float* values = p.values_out + i * p.t_pad * D;
+  for (int64_t t = 0; t < keys; ++t)
+    std::memcpy(values + t * D, p.values + p.layout.at(b, h, t), static_cast<size_t>(D) * sizeof(float));
 }
 
 struct CacheAttentionKernel {
@@ -340,10 +366,12 @@ struct CacheAttentionKernel {
     const auto cache_shape = past_key.GetTensorTypeAndShapeInfo().GetShape();
     if (q_shape.size() != 3 || cache_shape.size() != 4)
       throw std::invalid_argument("CacheAttention: queries [B, S, N*D] over a [B, Nkv, C, D] cache");
-    const int64_t B = q_shape[0], S = q_shape[1], D = cache_shape[3], C = cache_shape[2];
+    const int64_t B = q_shape[0], S = q_shape[1], D = cache_shape[3];
     if (S < 1 || D < 1)
       throw std::invalid_argument("CacheAttention: a call needs at least one token and a head size");
-    if (q_shape[2] != heads * D || cache_shape[0] != B || cache_shape[1] != kv_heads)
+    const Layout layout = layout_of(context, B, cache_shape);
+    const int64_t C = layout.table == nullptr ? cache_shape[2] : layout.width * layout.block_size;  // a row's positions
+    if (q_shape[2] != heads * D || (layout.table == nullptr && cache_shape[0] != B) || cache_shape[1] != kv_heads)
       throw std::invalid_argument("CacheAttention: the query's and the cache's shapes disagree with the heads");
     const std::vector<int64_t> kv_shape{B, S, kv_heads * D};
     if (key.GetTensorTypeAndShapeInfo().GetShape() != kv_shape || value.GetTensorTypeAndShapeInfo().GetShape() != kv_shape)
@@ -360,6 +388,13 @@ struct CacheAttentionKernel {
       if (keys < 1 || past + S > C)
         throw std::out_of_range("CacheAttention: seqlens_k " + std::to_string(lengths[b]) + " puts the call's tokens outside the cache's " +
                                 std::to_string(C) + " positions");
+      if (layout.table != nullptr)
+        for (int64_t block = 0; block * layout.block_size < keys; ++block) {
+          const int32_t at = layout.table[b * layout.width + block];
+          if (at < 0 || at >= cache_shape[0])
+            throw std::out_of_range("CacheAttention: block_table names block " + std::to_string(at) + ", outside the pool's " +
+                                    std::to_string(cache_shape[0]));
+        }
       longest = std::max<int64_t>(longest, keys);
     }
 
@@ -368,7 +403,7 @@ struct CacheAttentionKernel {
     auto present_value = context.GetOutput(2, cache_shape);
     float* pk = present_key.GetTensorMutableData<float>();
     float* pv = present_value.GetTensorMutableData<float>();
-    const size_t cache_bytes = static_cast<size_t>(B * kv_heads * C * D) * sizeof(float);
+    const size_t cache_bytes = static_cast<size_t>(cache_shape[0] * kv_heads * cache_shape[2] * D) * sizeof(float);
     if (pk != past_key.GetTensorData<float>()) std::memcpy(pk, past_key.GetTensorData<float>(), cache_bytes);
     if (pv != past_value.GetTensorData<float>()) std::memcpy(pv, past_value.GetTensorData<float>(), cache_bytes);
     const float* k = key.GetTensorData<float>();
@@ -377,41 +412,57 @@ struct CacheAttentionKernel {
       const int64_t past = std::max<int64_t>(0, static_cast<int64_t>(lengths[b]) + 1 - S);
       for (int64_t s = 0; s < S; ++s)
         for (int64_t h = 0; h < kv_heads; ++h) {
-          const int64_t at = ((b * kv_heads + h) * C + past + s) * D, from = ((b * S + s) * kv_heads + h) * D;
+          const int64_t at = layout.at(b, h, past + s), from = ((b * S + s) * kv_heads + h) * D;
           std::memcpy(pk + at, k + from, static_cast<size_t>(D) * sizeof(float));
           std::memcpy(pv + at, v + from, static_cast<size_t>(D) * sizeof(float));
         }
     }
     const float used_scale = scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(D));
-    const float* bias_data = nullptr;
     std::vector<int64_t> bias_shape{1, 1, 1, 0};
-    if (context.GetInputCount() > 6) {
-      auto bias = context.GetInput(6);
-      if (bias != nullptr) {
-        bias_shape = bias.GetTensorTypeAndShapeInfo().GetShape();
-        if (bias_shape.size() != 4 || (bias_shape[0] != 1 && bias_shape[0] != B) ||
-            (bias_shape[1] != 1 && bias_shape[1] != heads) || (bias_shape[2] != 1 && bias_shape[2] != S))
-          throw std::invalid_argument("CacheAttention: attention_bias must be [B or 1, N or 1, S or 1, T]");
-        if (longest > bias_shape[3])
-          throw std::out_of_range("CacheAttention: attention_bias is narrower than a row's positions");
-        bias_data = bias.GetTensorData<float>();
-      }
-    }
+    const float* bias_data = bias_of(context, B, S, longest, bias_shape);
     if (S > 1) {
       const int64_t t_pad = (longest + 31) / 32 * 32;
       std::vector<float> keys_t(static_cast<size_t>(B * kv_heads * D * t_pad));
-      Transpose transpose{pk, keys_t.data(), lengths, kv_heads, C, D, t_pad};
+      std::vector<float> gathered(layout.table == nullptr ? 0 : keys_t.size());  // a paged cache's values, row by row
+      Transpose transpose{pk, pv, keys_t.data(), layout.table == nullptr ? nullptr : gathered.data(), lengths, layout, t_pad};
       context.ParallelFor(transpose_task, static_cast<size_t>(B * kv_heads), 0, &transpose);
       const int64_t blocks = (S + kQueryBlock - 1) / kQueryBlock;
-      Prompt prompt{query.GetTensorData<float>(), output.GetTensorMutableData<float>(), keys_t.data(), pv, lengths,
+      Prompt prompt{query.GetTensorData<float>(), output.GetTensorMutableData<float>(), keys_t.data(),
+                    layout.table == nullptr ? pv : gathered.data(), lengths,
                     bias_data, bias_shape[0], bias_shape[1], bias_shape[2], bias_shape[3],
-                    S, heads, kv_heads, D, C, window, t_pad, blocks, used_scale};
+                    S, heads, kv_heads, D, layout.table == nullptr ? C : t_pad, window, t_pad, blocks, used_scale};
       context.ParallelFor(prompt_task, static_cast<size_t>(B * kv_heads * blocks), 0, &prompt);
       return;
     }
     Problem problem{query.GetTensorData<float>(), output.GetTensorMutableData<float>(), pk, pv, lengths,
-                    bias_data, bias_shape[0], bias_shape[1], bias_shape[3], heads, kv_heads, D, C, window, used_scale};
+                    bias_data, bias_shape[0], bias_shape[1], bias_shape[3], heads, kv_heads, D, window, layout, used_scale};
     context.ParallelFor(attend_task, static_cast<size_t>(B * kv_heads), 0, &problem);
+  }
+
+  // the row layout, or (a block_table given) the paged one
+  Layout layout_of(Ort::KernelContext& context, int64_t B, const std::vector<int64_t>& cache_shape) const {
+    Layout layout{nullptr, 1, cache_shape[2], kv_heads, cache_shape[3]};
+    if (context.GetInputCount() <= 7) return layout;
+    auto table = context.GetInput(7);
+    if (table == nullptr) return layout;
+    const auto shape = table.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.size() != 2 || shape[0] != B || shape[1] < 1)
+      throw std::invalid_argument("CacheAttention: block_table must be [B, W], a row of block numbers per query row");
+    layout.table = table.GetTensorData<int32_t>();
+    layout.width = shape[1];
+    return layout;
+  }
+
+  // the optional bias's data (null: none) and its shape in ``shape``
+  const float* bias_of(Ort::KernelContext& context, int64_t B, int64_t S, int64_t longest, std::vector<int64_t>& shape) const {
+    if (context.GetInputCount() <= 6) return nullptr;
+    auto bias = context.GetInput(6);
+    if (bias == nullptr) return nullptr;
+    shape = bias.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.size() != 4 || (shape[0] != 1 && shape[0] != B) || (shape[1] != 1 && shape[1] != heads) || (shape[2] != 1 && shape[2] != S))
+      throw std::invalid_argument("CacheAttention: attention_bias must be [B or 1, N or 1, S or 1, T]");
+    if (longest > shape[3]) throw std::out_of_range("CacheAttention: attention_bias is narrower than a row's positions");
+    return bias.GetTensorData<float>();
   }
 };
 
@@ -419,12 +470,12 @@ struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp, CacheAttentionKern
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new CacheAttentionKernel(api, info); }
   const char* GetName() const { return "CacheAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 7; }
+  size_t GetInputTypeCount() const { return 8; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 5 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    return index == 5 || index == 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
-    return index == 6 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+    return index >= 6 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                       : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 3; }
