@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .fuse_attention import FuseAttentionPass
     from .fuse_ort_block import FuseOrtBlockPass
     from .pack_projections import PackProjectionsPass
+    from .paged_cache import PagedCachePass
     from .pipeline import (
         DEFAULT_REWRITE_PASSES,
         PASS_NAMES,
@@ -51,6 +52,7 @@ _LAZY = {
     "FuseAttentionPass": ".fuse_attention",
     "FuseOrtBlockPass": ".fuse_ort_block",
     "PackProjectionsPass": ".pack_projections",
+    "PagedCachePass": ".paged_cache",
     "PassInputError": ".errors",
     "DEFAULT_REWRITE_PASSES": ".pipeline",
     "PASS_NAMES": ".pipeline",
@@ -95,6 +97,7 @@ __all__ = [
     "FuseOrtBlockPass",
     "NoCacheError",
     "PackProjectionsPass",
+    "PagedCachePass",
     "PassInputError",
     "PassReport",
     "PromptAttentionPass",

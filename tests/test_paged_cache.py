@@ -110,3 +110,121 @@ def test_paged_table_outside_the_pool_is_refused(library: Path) -> None:
     }
     with pytest.raises(Exception, match="block_table names block 4, outside the pool's 4"):
         session.run(None, feeds)
+
+
+# ---------------------------------------------------------------- the engine over a pool
+
+TRAINED_LLAMA = Path(__file__).parent / "data" / "tiny-trained-llama"
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from kvexport import export_model
+
+    out = tmp_path_factory.mktemp("paged-llama") / "out"
+    export_model(out, str(TRAINED_LLAMA), target="ort-cpu")
+    return out
+
+
+def _run(export: Path, prompts: list[list[int]], params: object, **settings: object) -> tuple[list[list[int]], object]:
+    from kvexport.serving.engine import Engine
+
+    with Engine(export, warm_up=0, **settings) as engine:
+        states = [engine.submit(prompt, params) for prompt in prompts]  # type: ignore[arg-type]
+        tokens = [state.result()[0] for state in states]
+        return tokens, (engine.stats(), engine.kv_layout, engine.table.blocks)
+
+
+def _prompts(count: int, seed: int, shared: int = 0) -> list[list[int]]:
+    """Prompts of 3..40 tokens; the first ``shared`` tokens the same in all (a prefix the cache reuses)."""
+    rng = np.random.default_rng(seed)
+    head = [int(t) for t in rng.integers(5, 250, shared)]
+    return [head + [int(t) for t in rng.integers(5, 250, int(rng.integers(3, 40)))] for _ in range(count)]
+
+
+def test_paged_engine_gives_the_slot_layouts_tokens(llama: Path) -> None:
+    from kvexport.serving.request import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    prompts = _prompts(7, 1) + _prompts(5, 2, shared=37)  # ragged, batched, and a prefix that spans blocks
+    slots, (_, layout, _) = _run(llama, prompts, params, slots=4, max_context=128, kv_layout="slots")
+    paged, (stats, paged_layout, blocks) = _run(llama, prompts, params, slots=4, max_context=128)
+    assert layout.startswith("slots") and paged_layout == "paged"
+    assert paged == slots
+    assert stats.prefix_hits > 0 and stats.preemptions == 0  # type: ignore[attr-defined]
+
+
+def test_preempted_requests_finish_with_the_uninterrupted_tokens(llama: Path) -> None:
+    from kvexport.serving.engine import slot_bytes
+    from kvexport.serving.request import SamplingParams
+    from kvexport.runtime.opened import open_export
+
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompts = _prompts(6, 3)
+    block = slot_bytes(open_export(llama, "cpu").manifest, 16)
+    whole, _ = _run(llama, prompts, params, slots=6, max_context=96, kv_layout="slots")
+    small, (stats, _, blocks) = _run(llama, prompts, params, slots=6, max_context=96, kv_memory=10 * block)
+    assert stats.preemptions > 0  # type: ignore[attr-defined]
+    assert small == whole
+
+
+def test_a_soak_with_hang_ups_and_a_small_pool_ends_with_every_block_free(llama: Path) -> None:
+    from kvexport.serving.engine import Engine, slot_bytes
+    from kvexport.serving.request import SamplingParams
+    from kvexport.runtime.opened import open_export
+
+    rng = np.random.default_rng(7)
+    block = slot_bytes(open_export(llama, "cpu").manifest, 16)
+    with Engine(llama, slots=8, max_context=96, kv_memory=12 * block, prefix_cache=False, warm_up=0) as engine:
+        states = []
+        for i, prompt in enumerate(_prompts(40, 4)):
+            params = SamplingParams(max_tokens=int(rng.integers(1, 50)), temperature=float(i % 2), seed=i, ignore_eos=True)
+            states.append(engine.submit(prompt, params))
+            if rng.random() < 0.3:
+                states[int(rng.integers(len(states)))].cancel()
+        reasons = [state.result()[2] for state in states]
+        stats = engine.stats()
+    assert set(reasons) <= {"length", "cancelled"} and "length" in reasons
+    assert stats.preemptions > 0 and stats.kv_blocks_used == 0 and stats.slots_in_use == 0
+
+
+def test_a_pool_too_small_for_one_request_is_refused_at_start(llama: Path) -> None:
+    from kvexport.errors import KvexportError
+    from kvexport.serving.engine import Engine, slot_bytes
+    from kvexport.runtime.opened import open_export
+
+    block = slot_bytes(open_export(llama, "cpu").manifest, 16)
+    with pytest.raises(KvexportError, match=r"holds 5 blocks of 16 tokens .* one request of max_context 96 tokens needs 8"):
+        Engine(llama, max_context=96, kv_memory=5 * block, warm_up=0)
+
+
+def test_paged_is_refused_where_the_kernel_does_not_read_the_cache(trained_exports: dict[str, Path]) -> None:
+    from kvexport.errors import KvexportError
+    from kvexport.serving.engine import Engine
+
+    with pytest.raises(KvexportError, match="--kv-layout paged: no paged cache here \\(an int8 cache"):
+        Engine(trained_exports["kv-int8"], kv_layout="paged", warm_up=0)
+    with Engine(trained_exports["kv-int8"], max_context=64, warm_up=0) as engine:
+        assert engine.kv_layout.startswith("slots (an int8 cache")
+
+
+def test_the_pass_pages_every_cache_read_and_refuses_other_readers(llama: Path, trained_exports: dict[str, Path]) -> None:
+    import onnx_ir as ir
+
+    from kvexport.passes import PagedCachePass, PassInputError
+    from kvexport.runtime.session import cpu_rewrites
+
+    model = ir.load(llama / "prefill.onnx")
+    cpu_rewrites(model, kernel=True)
+    paged = PagedCachePass()
+    assert paged(model).modified
+    kernels = [node for node in model.graph if node.op_type == "CacheAttention"]
+    table = next(value for value in model.graph.inputs if value.name == "block_table")
+    assert paged.counts["nodes"] == len(kernels) > 0 and all(node.inputs[7] is table for node in kernels)
+    for value in model.graph.inputs:
+        if value.name.startswith("past."):
+            assert list(value.shape)[0] == "kv_blocks" and {node.op_type for node, _ in value.uses()} == {"CacheAttention"}
+    quantized = ir.load(trained_exports["kv-int8"] / "prefill.onnx")
+    cpu_rewrites(quantized, kernel=True)
+    with pytest.raises(PassInputError, match=r"past\.0\.key feeds .*only kvexport.s CacheAttention reads a paged cache"):
+        PagedCachePass()(quantized)

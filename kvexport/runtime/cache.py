@@ -196,3 +196,75 @@ class SlotCache:
     def read(self, index: int, row: int, length: int) -> np.ndarray:
         """A host copy of cache tensor ``index`` of one row, its first ``length`` positions: [1, H, length, D]."""
         return self.banks.read(0, index, (self.slots, *self.row_shape))[row : row + 1, :, :length]
+
+
+PAGE_TOKENS = 16  # positions a block of the paged cache holds (vLLM's default block size too)
+
+
+class PagedCache(SlotCache):
+    """The serving engine's cache as a pool of ``blocks`` blocks of :data:`PAGE_TOKENS` positions, read through a block table.
+
+    One ``[blocks, H, PAGE_TOKENS, D]`` buffer per cache tensor, shared by every slot, and
+    :attr:`tables` (int32 ``[slots, capacity / PAGE_TOKENS]``): slot s's position t is in
+    block ``tables[s, t // PAGE_TOKENS]``. The graph reads it as its ``block_table`` input
+    (:class:`~kvexport.passes.PagedCachePass`, kvexport's CPU kernel); a slot addresses
+    ``capacity`` positions, rounded up to whole blocks. The table is bound by
+    address, so whoever hands out the blocks (:class:`~kvexport.serving.blocks.BlockManager`)
+    writes it in place between calls. Untouched blocks take no memory: the pool is allocated,
+    never written whole.
+    """
+
+    def __init__(self, manifest: Manifest, provider: str, slots: int, capacity: int, blocks: int) -> None:
+        if provider == "cuda":
+            raise ManifestError("the paged cache runs on CPU only (kvexport's attention kernel reads it)")
+        dims = manifest.dims
+        self.manifest = manifest
+        self.dtype = numpy_dtype(manifest.dtype)
+        self.cache_dtype, stored_dim = cache_layout_of(manifest)
+        self.slots, self.blocks = slots, blocks
+        self.row_shape = (dims.num_kv_heads, capacity, stored_dim)  # what a slot addresses
+        self.block_shape = (dims.num_kv_heads, PAGE_TOKENS, stored_dim)
+        self.past = cache_names("past", dims.num_layers)
+        self.present = cache_names("present", dims.num_layers)
+        self.row_bytes = cache_row_bytes(manifest, capacity)
+        self.block_bytes = cache_row_bytes(manifest, PAGE_TOKENS)
+        self.banks = CacheBanks(len(self.past), blocks * int(np.prod(self.block_shape)), self.cache_dtype, "cpu", banks=1)
+        self.tables = np.zeros((slots, -(-capacity // PAGE_TOKENS)), np.int32)
+        self._row_bindings = {}
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes the pool reserves (every layer, K and V); the blocks no slot ever wrote take no memory."""
+        return len(self.past) * self.blocks * self.block_bytes
+
+    def bind(self, binding: ort.IOBinding, first: int, rows: int, *, prefix: str = "") -> None:
+        """Bind every tensor's pool as past and present, and rows ``first..first+rows`` of the tables as ``block_table``."""
+        shape = [self.blocks, *self.block_shape]
+        for index, (past, present) in enumerate(zip(self.past, self.present, strict=True)):
+            pointer = self.banks.pointers[0][index]
+            binding.bind_input(prefix + past, "cpu", 0, self.cache_dtype, shape, pointer)
+            binding.bind_output(prefix + present, "cpu", 0, self.cache_dtype, shape, pointer)
+        table = self.tables[first : first + rows]
+        binding.bind_input(prefix + "block_table", "cpu", 0, np.int32, list(table.shape), table.ctypes.data)
+
+    @property
+    def can_copy_rows(self) -> bool:
+        """Rows are not copied here: a prefix's blocks are shared, a partly filled block copied (:meth:`copy_blocks`)."""
+        return False
+
+    def copy_rows(self, source: int, target: int, length: int) -> None:
+        """Not in the paged layout (see :meth:`copy_blocks`)."""
+        raise NotImplementedError("the paged cache shares a prefix's blocks; it copies whole blocks only (copy_blocks)")
+
+    def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
+        """Copy block ``source`` into block ``target`` for each pair, every tensor."""
+        for index in range(len(self.past)):
+            view = self.banks.host_view(0, index, (self.blocks, *self.block_shape))
+            for source, target in pairs:
+                view[target] = view[source]
+
+    def read(self, index: int, row: int, length: int) -> np.ndarray:
+        """A host copy of cache tensor ``index`` of slot ``row``, its first ``length`` positions through its table: [1, H, length, D]."""
+        view = self.banks.host_view(0, index, (self.blocks, *self.block_shape))
+        blocks = self.tables[row, : -(-length // PAGE_TOKENS)]
+        return np.concatenate([view[block] for block in blocks], axis=1)[None, :, :length].copy()

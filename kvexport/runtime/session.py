@@ -173,20 +173,28 @@ def session_providers(provider: Literal["cpu", "cuda"], *, cuda_graph: bool = Fa
 
 
 def open_session(
-    graph_path: Path, provider: str = "cpu", options: ort.SessionOptions | None = None, *, cuda_graph: bool = False
+    graph_path: Path,
+    provider: str = "cpu",
+    options: ort.SessionOptions | None = None,
+    *,
+    cuda_graph: bool = False,
+    paged: bool = False,
 ) -> ort.InferenceSession:
     """Open one graph on the resolved provider, after checking its external data is safe.
 
     ``options`` defaults to :func:`session_options`; CPU backs CUDA for the ops it lacks.
     ``cuda_graph``: the CUDA provider may capture runs as CUDA graphs (a run's
     ``gpu_graph_id`` says which, :func:`kvexport.runtime.cuda_graph.graph_run_options`);
-    refused on CPU.
+    refused on CPU. ``paged``: the cache as a pool of blocks read through a block table
+    (:func:`page_cache`; CPU only).
     """
     check_external_data(graph_path)
     resolved = resolve_provider(provider)
     session_providers(resolved, cuda_graph=cuda_graph)  # refuses --cuda-graph on CPU before any work
+    if paged and resolved != "cpu":
+        raise ProviderError("the paged cache runs on CPU only (kvexport's attention kernel reads it)")
     options = options or session_options()
-    model = cpu_graph(graph_path, options) if resolved == "cpu" else str(graph_path)
+    model = cpu_graph(graph_path, options, paged=paged) if resolved == "cpu" else str(graph_path)
     return _inference_session(model, graph_path, provider, options, "this graph", cuda_graph=cuda_graph)
 
 
@@ -205,7 +213,7 @@ def prompt_attention_products() -> bool:
     return choice == "products"
 
 
-def cpu_graph(graph_path: Path, options: ort.SessionOptions) -> str | bytes:
+def cpu_graph(graph_path: Path, options: ort.SessionOptions, *, paged: bool = False) -> str | bytes:
     """What a CPU session of ``graph_path`` loads: its path, or the graph rewritten for this CPU.
 
     Where :func:`signed_int8_weights` holds, per-channel weights are read as int8; where
@@ -216,11 +224,12 @@ def cpu_graph(graph_path: Path, options: ort.SessionOptions) -> str | bytes:
     rewrites). The
     rewritten graph comes as bytes, and ``options`` is told where its data file is: only
     the graph is read here, the weights stay in the export's data file, and ONNX Runtime
-    folds the int8 codes from them when the session loads.
+    folds the int8 codes from them when the session loads. ``paged``: the cache becomes a pool
+    of blocks (:func:`page_cache`) too.
     """
     kernels = library_path()
     ops = graph_ops(onnx.load(str(graph_path), load_external_data=False).graph)
-    rewritten = _cpu_rewrite(graph_path, ops, kernels)
+    rewritten = _cpu_rewrite(graph_path, ops, kernels, paged=paged)
     if rewritten is not None:
         graph, ops = rewritten
     _register_kernels(ops, graph_path, kernels, options)  # or a pre-packed graph's
@@ -256,22 +265,27 @@ def _register_kernels(ops: set[tuple[str, str]], graph_path: Path, kernels: Path
     options.register_custom_ops_library(str(kernels))
 
 
-def _cpu_rewrite(graph_path: Path, ops: set[tuple[str, str]], kernels: Path | None) -> tuple[bytes, set[tuple[str, str]]] | None:
+def _cpu_rewrite(
+    graph_path: Path, ops: set[tuple[str, str]], kernels: Path | None, *, paged: bool = False
+) -> tuple[bytes, set[tuple[str, str]]] | None:
     """The graph at ``graph_path`` (whose ops are ``ops``) after the CPU rewrites, and its ops; None where none changed it.
 
     None too where the graph has no op a CPU rewrite looks for (:data:`CPU_REWRITTEN_OPS`), this
     host wants none of them, or onnx_ir is not installed (a serving image): then nothing of
-    onnx_ir or the passes is loaded.
+    onnx_ir or the passes is loaded. ``paged`` always rewrites (:func:`page_cache`).
     """
-    if not ops & CPU_REWRITTEN_OPS:
+    if not paged and not ops & CPU_REWRITTEN_OPS:
         return None
     choices = {"signed": signed_int8_weights(), "products": prompt_attention_products(), "kernel": kernels is not None}
-    if not any(choices.values()) or importlib.util.find_spec("onnx_ir") is None:
+    if not paged and (not any(choices.values()) or importlib.util.find_spec("onnx_ir") is None):
         return None
     import onnx_ir as ir  # onnx_ir and the passes load here, for the graphs they may rewrite only
 
     model = ir.load(graph_path)
-    if not cpu_rewrites(model, **choices):
+    changed = cpu_rewrites(model, **choices)
+    if paged:
+        page_cache(model, graph_path)
+    elif not changed:
         return None
     proto = ir.to_proto(model)
     return proto.SerializeToString(), graph_ops(proto.graph)
@@ -309,6 +323,21 @@ def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | Non
     return bool(pipeline) and PassManager(pipeline)(model).modified
 
 
+def page_cache(model: Any, graph_path: Path) -> None:
+    """Make ``model``'s in-place cache a pool of blocks read through a block table (:class:`~kvexport.passes.PagedCachePass`).
+
+    Run after :func:`cpu_rewrites`: only kvexport's attention kernel reads a paged cache, so a
+    graph where another op reads the cache (an 8-bit cache's), or where the kernel library is
+    not built, is refused in one :class:`ManifestError` line.
+    """
+    from kvexport.passes import PagedCachePass, PassInputError
+
+    try:
+        PagedCachePass()(model)
+    except PassInputError as exc:
+        raise ManifestError(f"{graph_path}: no paged cache for this graph ({first_line(exc)})") from exc
+
+
 def disabled_optimizers(provider: str) -> list[str]:
     """ONNX Runtime's graph optimizers a session on ``provider`` leaves out.
 
@@ -340,7 +369,12 @@ def _inference_session(
 
 
 def open_mixed_session(
-    graph_path: Path, provider: str = "cpu", options: ort.SessionOptions | None = None, *, all_logits: bool = False
+    graph_path: Path,
+    provider: str = "cpu",
+    options: ort.SessionOptions | None = None,
+    *,
+    all_logits: bool = False,
+    paged: bool = False,
 ) -> ort.InferenceSession:
     """Open the mixed step's graph, derived from an in-place prefill graph (:func:`kvexport.passes.mixed_step.mixed_step`).
 
@@ -362,6 +396,8 @@ def open_mixed_session(
     if resolve_provider(provider) == "cpu":  # its prompt half runs at batch 1, where the op is the faster
         kernels = library_path()
         cpu_rewrites(model, products=False, kernel=kernels is not None)
+    if paged:
+        page_cache(model, graph_path)
     proto = ir.to_proto(model)
     _register_kernels(graph_ops(proto.graph), graph_path, kernels, options)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
@@ -369,7 +405,7 @@ def open_mixed_session(
 
 
 def prompt_session_for(
-    graph_path: Path, provider: str, options: ort.SessionOptions, vocab_size: int
+    graph_path: Path, provider: str, options: ort.SessionOptions, vocab_size: int, *, paged: bool = False
 ) -> tuple[ort.InferenceSession | None, str]:
     """The session for prompts where this CPU has bf16 units (:func:`open_prompt_session`), and its kernel path or why none.
 
@@ -382,12 +418,12 @@ def prompt_session_for(
     path = prompt_gemm_path() if resolve_provider(provider) == "cpu" else None
     if path not in FAST_PROMPT_GEMMS:
         return None, f"no bf16 units for prompts here (kernel path: {path or 'not built, or not on CPU'})"
-    session = open_prompt_session(graph_path, options, skip_width=vocab_size)
+    session = open_prompt_session(graph_path, options, skip_width=vocab_size, paged=paged)
     return session, path if session is not None else "no block-quantized products in the graph"
 
 
 def open_prompt_session(
-    graph_path: Path, options: ort.SessionOptions | None = None, *, skip_width: int | None = None
+    graph_path: Path, options: ort.SessionOptions | None = None, *, skip_width: int | None = None, paged: bool = False
 ) -> ort.InferenceSession | None:
     """A CPU session of ``graph_path`` for prompts: its block-quantized products in bf16 (:class:`~kvexport.passes.PromptProductsPass`).
 
@@ -412,6 +448,8 @@ def open_prompt_session(
     products = PromptProductsPass(skip_width, placeholders=True)
     if not products(model).modified:
         return None
+    if paged:
+        page_cache(model, graph_path)
     options = options or session_options()
     proto = ir.to_proto(model)
     del model

@@ -48,12 +48,19 @@ class EngineConfig:
 
     Attributes:
         slots: rows of the cache: requests generating at once.
-        max_context: tokens per slot (prompt + completion); default: what fits
+        max_context: tokens per slot (prompt + completion); default: the model's positions over
+            the paged cache; over slots, what fits
             :data:`~kvexport.serving.engine.DEFAULT_KV_MEMORY` (1 GiB) over the slots, at most the
             model's positions (with ``kv_memory``: the model's positions).
-        kv_memory: size the slots from this many bytes of cache instead (as many slots of
-            ``max_context`` tokens as fit, in the export's cache dtype: an int8 cache holds
-            4x the fp32 cache's slots); it overrides ``slots`` (the CLI refuses both).
+        kv_layout: ``auto`` (the default): the paged cache where kvexport's kernel reads it (CPU,
+            an fp32 in-place cache, the kernels built, no fixed-address decode), else slots;
+            ``paged`` (refused where it can't be) or ``slots``.
+        kv_memory: the paged cache's pool, in bytes (default
+            :data:`~kvexport.serving.engine.DEFAULT_KV_MEMORY`): requests hold blocks of 16
+            positions as they fill them, so memory follows the tokens in use. Over slots: size
+            the slots from it instead (as many slots of ``max_context`` tokens as fit, in the
+            export's cache dtype: an int8 cache holds 4x the fp32 cache's slots); it overrides
+            ``slots`` there (the CLI refuses both with ``--kv-layout slots``).
         max_queue: requests that may wait for a slot; more are refused.
         chunk: the most tokens of one prompt in one prefill call (prompts that share a call,
             ``batch_prompts``, take up to this many each).
@@ -123,13 +130,22 @@ class EngineConfig:
     slots: int = setting(8, "Requests generating at once (cache rows).", flag="--slots", low=1)
     max_context: int | None = setting(
         None, "Tokens per slot, prompt + completion.", flag="--max-context", low=2,
-        shown="what fits 1 GiB of cache over the slots (a multiple of 256, at least 512), at most the model's positions; "
-        "with --kv-memory, the model's positions"
+        shown="the model's positions over the paged cache; over slots, what fits 1 GiB of cache over the slots (a "
+        "multiple of 256, at least 512), at most the model's positions, and with --kv-memory the model's positions"
+    )
+    kv_layout: str = setting(
+        "auto",
+        "The cache's layout: paged (a pool of 16-token blocks that requests hold as they fill them, so memory follows "
+        "the tokens in use; CPU with an fp32 cache and kvexport's kernels built), slots (a whole context a slot, "
+        "reserved up front: CUDA, 8-bit caches, --cuda-graph) or auto (paged where it can be).",
+        flag="--kv-layout",
+        choices=("auto", "paged", "slots"),
     )
     kv_memory: int | None = setting(
         None,
-        "Size the slots from this much cache memory instead (e.g. 2GiB, 500MB): as many slots of --max-context "
-        "tokens as fit in the export's cache dtype.",
+        "Cache memory (e.g. 2GiB, 500MB): the paged cache's pool (default 1 GiB, touched only as blocks fill); with "
+        "the slot layout, size the slots from it instead: as many slots of --max-context tokens as fit in the "
+        "export's cache dtype.",
         flag="--kv-memory",
     )
     max_queue: int = setting(
@@ -254,10 +270,10 @@ class EngineConfig:
     def from_options(cls, given: dict[str, Any]) -> EngineConfig:
         """A config from the CLI's engine options (:func:`engine_options`): the fields given, ``kv_memory`` as text.
 
-        ``--slots`` and ``--kv-memory`` both size the cache, so giving both is refused.
+        With ``--kv-layout slots``, ``--slots`` and ``--kv-memory`` both size the cache, so giving both is refused.
         """
-        if given.get("slots") is not None and given.get("kv_memory") is not None:
-            raise KvexportError("--slots and --kv-memory both size the cache; give one")
+        if given.get("slots") is not None and given.get("kv_memory") is not None and given.get("kv_layout") == "slots":
+            raise KvexportError("--slots and --kv-memory both size the slot layout's cache; give one")
         values = {name: value for name, value in given.items() if value is not None}
         if "kv_memory" in values:
             values["kv_memory"] = parse_bytes(values["kv_memory"])

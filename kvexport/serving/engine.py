@@ -61,10 +61,12 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer
 
 from kvexport.bundle.manifest import Manifest
-from kvexport.errors import KvexportError, first_line
-from kvexport.runtime.cache import cache_row_bytes
-from kvexport.runtime.opened import check_prompt, open_export
+from kvexport.errors import KvexportError, ManifestError, first_line
+from kvexport.runtime.cache import PAGE_TOKENS, cache_row_bytes
+from kvexport.runtime.kernels import library_path
+from kvexport.runtime.opened import OpenedExport, check_prompt, open_export
 from kvexport.runtime.speculative import Drafter, require_all_logits
+from kvexport.serving.blocks import BlockManager, blocks_for
 from kvexport.serving.config import EngineConfig
 from kvexport.serving.errors import ParameterError
 from kvexport.serving.output import OutputBatch, OutputProcessor, RequestState
@@ -83,7 +85,7 @@ from kvexport.serving.slots import SlotTable
 
 __all__ = [
     "DEFAULT_KV_MEMORY", "Engine", "EngineClosed", "EngineFull", "EngineListener", "EngineStats", "default_capacity",
-    "slot_bytes", "slots_for_memory",
+    "pool_blocks", "slot_bytes", "slots_for_memory",
 ]
 
 # The cache's size where neither --max-context nor --kv-memory says it (default_capacity): 1 GiB. Every
@@ -120,6 +122,34 @@ def slots_for_memory(manifest: Manifest, capacity: int, budget: int) -> int:
             f"{manifest.cache_dtype} cache; give more, or a smaller max_context"
         )
     return budget // per_slot
+
+
+def pool_blocks(manifest: Manifest, budget: int, capacity: int) -> int:
+    """Blocks of the paged cache that ``budget`` bytes hold (the spare one among them); one line if one request of ``capacity`` tokens does not fit."""
+    blocks = budget // slot_bytes(manifest, PAGE_TOKENS)
+    needed = blocks_for(capacity) + 2  # the spare block, and one a shared prefix's partly valid block is copied into
+    if blocks < needed:
+        raise KvexportError(
+            f"kv_memory {budget} bytes holds {blocks} blocks of {PAGE_TOKENS} tokens ({slot_bytes(manifest, PAGE_TOKENS)} bytes each "
+            f"of {manifest.cache_dtype} cache); one request of max_context {capacity} tokens needs {needed}: give more "
+            "--kv-memory, or a smaller --max-context"
+        )
+    return blocks
+
+
+def why_not_paged(config: EngineConfig, opened: OpenedExport) -> str | None:
+    """Why the engine keeps the slot layout for ``opened`` under ``config`` (None: it pages the cache)."""
+    if config.kv_layout == "slots":
+        return "--kv-layout slots"
+    if opened.provider != "cpu":
+        return "not on CPU"
+    if config.cuda_graph or config.static_decode:
+        return "a fixed-address decode call (--cuda-graph, --static-decode)"
+    if opened.manifest.cache_dtype != "fp32":
+        return f"an {opened.manifest.cache_dtype} cache, which ONNX Runtime's attention reads"
+    if library_path() is None:
+        return "kvexport's kernels are not built (kvexport build-kernels)"
+    return None
 
 
 class EngineClosed(KvexportError):
@@ -185,15 +215,19 @@ class Engine:
         opened.require_in_place("the engine needs the in-place cache")
         self.directory, self.manifest, self.provider = opened.directory, opened.manifest, opened.provider
         dims = self.manifest.dims
+        unpaged = why_not_paged(config, opened)
+        if unpaged is not None and config.kv_layout == "paged":
+            raise KvexportError(f"--kv-layout paged: no paged cache here ({unpaged}); use --kv-layout auto or slots")
         if config.max_context is not None:
             self.capacity = config.max_context
-        elif config.kv_memory is not None:
+        elif config.kv_memory is not None or unpaged is None:
             self.capacity = dims.max_positions
         else:
             self.capacity = default_capacity(self.manifest, config.slots)
         if not 2 <= self.capacity <= dims.max_positions:
             raise KvexportError(f"max_context {self.capacity}: must be 2..{dims.max_positions} (the model's positions)")
-        if config.kv_memory is not None:
+        blocks = None if unpaged is not None else pool_blocks(self.manifest, config.kv_memory or DEFAULT_KV_MEMORY, self.capacity)
+        if blocks is None and config.kv_memory is not None:
             config = self.config = config.updated(slots=slots_for_memory(self.manifest, self.capacity, config.kv_memory))
         self.slots, self.max_queue, self.chunk = config.slots, config.max_queue, config.chunk
         self.prefix_cache = config.prefix_cache
@@ -205,19 +239,18 @@ class Engine:
         if self.drafter is not None:
             require_all_logits(self.directory, self.manifest)
         self.draft_tokens = config.draft_tokens
-        self.runner = ModelRunner(
-            opened,
-            config.slots,
-            self.capacity,
-            intra_op_threads=config.intra_op_threads,
-            spinning=config.spinning,
-            mixed=config.mixed_step and self.provider == "cpu",
-            drafter=self.drafter,
-            cuda_graph=config.cuda_graph,
-            static_decode=config.static_decode,
-            prompt_products=config.prompt_products == "auto",
+        try:
+            self.runner = self._runner(opened, blocks)
+        except ManifestError as exc:  # a graph the kernel can't page (auto: the slot layout then)
+            if blocks is None or config.kv_layout == "paged":
+                raise
+            unpaged, blocks = first_line(exc), None
+            self.runner = self._runner(opened, None)
+        self.kv_layout = "paged" if blocks is not None else f"slots ({unpaged})"
+        manager = BlockManager(blocks, self.runner.cache.tables) if blocks is not None else None  # type: ignore[attr-defined]
+        self.table = SlotTable(
+            config.slots, prefix_cache=config.prefix_cache, can_copy_rows=self.runner.can_copy_rows, blocks=manager
         )
-        self.table = SlotTable(config.slots, prefix_cache=config.prefix_cache, can_copy_rows=self.runner.can_copy_rows)
         self.scheduler = Scheduler(
             self.table,
             budget=PrefillBudget(config.chunk, target_ms=config.step_ms),
@@ -244,6 +277,22 @@ class Engine:
         self._thread.start()
         if listener is not None:
             self._listeners.append(listener)
+
+    def _runner(self, opened: OpenedExport, blocks: int | None) -> ModelRunner:
+        config = self.config
+        return ModelRunner(
+            opened,
+            config.slots,
+            self.capacity,
+            intra_op_threads=config.intra_op_threads,
+            spinning=config.spinning,
+            mixed=config.mixed_step and self.provider == "cpu",
+            drafter=self.drafter,
+            cuda_graph=config.cuda_graph,
+            static_decode=config.static_decode,
+            prompt_products=config.prompt_products == "auto",
+            paged_blocks=blocks,
+        )
 
     # ---------------------------------------------------------------- requests
 
@@ -539,6 +588,8 @@ class Engine:
             for request, placement in plan.start.admitted:
                 self.output.admitted(request.id, placement.reused)
         for chunk, logits in zip(plan.chunks, ran.prompt, strict=True):
+            if chunk.request.resume is not None:  # recomputed after a preemption: its next token is pending already
+                continue
             if self.runner.all_logits:
                 self.output.prompt_logprobs(chunk.request.id, logits, chunk.start)
             if chunk.last:

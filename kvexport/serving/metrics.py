@@ -74,6 +74,8 @@ class ServerMetrics:
             ("kvexport_slots_in_use", "Cache slots held by requests.", stats.slots_in_use),
             ("kvexport_slots_pinned", "Cache slots kept for registered prefixes.", stats.pinned),
             ("kvexport_slots", "Cache slots.", stats.slots),
+            ("kvexport_kv_blocks_used", "Blocks of the paged cache held by slots (cached prefixes too; 0 over slots).", stats.kv_blocks_used),
+            ("kvexport_kv_blocks_free", "Blocks of the paged cache no slot holds (0 over slots).", stats.kv_blocks - stats.kv_blocks_used),
         ):
             gauge = GaugeMetricFamily(name, help_text, labels=["model"])
             gauge.add_metric([self.model], value)
@@ -89,6 +91,7 @@ class ServerMetrics:
             ("kvexport_batched_pieces", "Later prompt pieces (after a past) that ran in one call with other prompts'.", stats.batched_pieces),
             ("kvexport_spec_draft_tokens", "Speculative tokens proposed by the drafter.", stats.drafted_tokens),
             ("kvexport_spec_accepted_tokens", "Speculative tokens the model kept.", stats.accepted_tokens),
+            ("kvexport_preemptions", "Requests whose cache blocks were given up for others' (recomputed later).", stats.preemptions),
         ):
             counter = CounterMetricFamily(name, help_text, labels=["model"])
             counter.add_metric([self.model], value)

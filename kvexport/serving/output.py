@@ -257,8 +257,8 @@ class OutputProcessor:
         top = state.params.prompt_logprobs
         if top is None:
             return
-        if start == 0:  # in place: the siblings of n > 1 share this list
-            state.prompt_logprobs.append(None)
+        if start == 0:  # in place: the siblings of n > 1 share this list (a prompt run again, preempted, starts it again)
+            state.prompt_logprobs[:] = [None]
         prompt = state.prompt
         wanted = min(len(logits), len(prompt) - 1 - start)
         if wanted <= 0:

@@ -250,6 +250,8 @@ class Request:
         self.next_token = 0  # the token the next decode step feeds
         self.output: list[int] = []
         self.cached_tokens = 0  # prompt tokens whose rows came from the prefix cache
+        self.resume: list[int] | None = None  # preempted after its first token: what the cache must hold again
+        self.preempted = 0  # times its rows were given up for others' (the paged cache ran out)
         self.draft_budget: DraftBudget | None = None
         self._cancelled = cancelled if cancelled is not None else threading.Event()
 
@@ -257,6 +259,11 @@ class Request:
     def cancelled(self) -> bool:
         """Whether the caller cancelled it."""
         return self._cancelled.is_set()
+
+    @property
+    def context(self) -> list[int]:
+        """What its prefill runs: the prompt, or after a preemption the prompt and the tokens generated before the pending one."""
+        return self.resume if self.resume is not None else self.prompt
 
     @property
     def wants_whole_prompt(self) -> bool:

@@ -24,6 +24,13 @@ With ``mixed``, a second session runs the mixed step's graph (derived from the p
 graph when the runner opens, :mod:`kvexport.passes.mixed_step`): one call that prefills a
 prompt chunk into its slot and decodes the running rows, the chunk's and the rows' tokens
 packed into the same GEMMs. It packs the weights a second time (that session's memory).
+
+With ``paged_blocks`` (CPU, an fp32 cache kvexport's kernel reads) the cache is a pool of that
+many blocks (:class:`~kvexport.runtime.cache.PagedCache`) and every session reads it through
+its ``block_table`` input (:class:`~kvexport.passes.PagedCachePass`): a slot is a row of the
+table, and the scheduler's :class:`~kvexport.serving.blocks.BlockManager` writes the table in
+place. Bindings stay as they are (the table's rows are bound by address); a prefix is shared
+by blocks, and the admitted requests' block copies run before the step's call.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import onnxruntime as ort
 
 from kvexport.errors import KvexportError, first_line
 from kvexport.passes.vocabulary import ROWS_AFTER_PAST
-from kvexport.runtime.cache import SlotCache, numpy_dtype
+from kvexport.runtime.cache import PagedCache, SlotCache, numpy_dtype
 from kvexport.runtime.cuda_graph import (
     NO_CAPTURE,
     FixedDecode,
@@ -92,6 +99,8 @@ class ModelRunner:
 
     ``cuda_graph``: capture each row count's decode call as a CUDA graph (CUDA only, a graph
     a capture can hold); ``static_decode``: the same fixed-address decode call uncaptured.
+    ``paged_blocks``: the paged cache's pool, in blocks (see the module docstring); a graph the
+    kernel can't page raises :class:`~kvexport.errors.ManifestError`.
     """
 
     def __init__(
@@ -107,8 +116,12 @@ class ModelRunner:
         cuda_graph: bool = False,
         static_decode: bool = False,
         prompt_products: bool = False,
+        paged_blocks: int | None = None,
     ) -> None:
         manifest = opened.manifest
+        paged = self.paged = paged_blocks is not None
+        if paged and (cuda_graph or static_decode):
+            raise KvexportError("the paged cache has no fixed-address decode call (cuda_graph, static_decode): use the slot layout")
         self.drafter = drafter
         self.dtype = numpy_dtype(manifest.dtype)
         self.vocab_size = manifest.dims.vocab_size
@@ -117,7 +130,7 @@ class ModelRunner:
         options = session_options(intra_op_threads, spinning=spinning)
         if cuda_graph:
             require_capture(opened.provider, graph)
-        self.session = open_session(graph, opened.provider, options, cuda_graph=cuda_graph)
+        self.session = open_session(graph, opened.provider, options, cuda_graph=cuda_graph, paged=paged)
         self.cuda_graph, self.static_decode = cuda_graph, static_decode
         # prompt pieces on a capturing session run neither captured nor replayed
         self._uncaptured = graph_run_options(NO_CAPTURE) if cuda_graph else None
@@ -128,7 +141,7 @@ class ModelRunner:
         if mixed:
             try:  # a graph the split can't take (MixedStepError), or no onnx_ir here: separate calls, as before
                 self.mixed_session = open_mixed_session(
-                    graph, opened.provider, session_options(intra_op_threads, spinning=spinning), all_logits=self.all_logits
+                    graph, opened.provider, session_options(intra_op_threads, spinning=spinning), all_logits=self.all_logits, paged=paged
                 )
             except (KvexportError, ValueError, ImportError) as exc:
                 self.unmixed_because = f"{type(exc).__name__}: {first_line(exc)}"
@@ -136,8 +149,14 @@ class ModelRunner:
         self.prompt_products = "not asked for"  # the prompt session's kernel path, or why there is none
         if prompt_products:
             options = session_options(intra_op_threads, spinning=spinning)
-            self.prompt_session, self.prompt_products = prompt_session_for(graph, opened.provider, options, self.vocab_size)
-        self.cache = SlotCache(manifest, opened.provider, slots, capacity)
+            self.prompt_session, self.prompt_products = prompt_session_for(
+                graph, opened.provider, options, self.vocab_size, paged=paged
+            )
+        self.cache: SlotCache = (
+            PagedCache(manifest, opened.provider, slots, capacity, paged_blocks)
+            if paged_blocks is not None
+            else SlotCache(manifest, opened.provider, slots, capacity)
+        )
         # decode-step inputs and logits, one row per slot; a binding views their first rows
         self._ids = np.zeros((slots, 1), np.int64)
         self._positions = np.zeros((slots, 1), np.int64)
@@ -155,7 +174,9 @@ class ModelRunner:
         """
         if plan.start is not None:
             for _, placement in plan.start.admitted:
-                if placement.copy_from is not None:
+                if isinstance(self.cache, PagedCache):
+                    self.cache.copy_blocks(placement.block_copies)
+                elif placement.copy_from is not None:
                     self.copy_rows(placement.copy_from, placement.slot, placement.reused)
         call, output = plan.call, ModelOutput()
         started = time.perf_counter()
@@ -190,7 +211,7 @@ class ModelRunner:
         """
         request, start = chunk.request, chunk.start
         if len(chunk.tokens) == 1 and start > 0:
-            return self.run_piece(request.slot, [request.prompt[start - 1], *chunk.tokens], start - 1)[-1:]
+            return self.run_piece(request.slot, [request.context[start - 1], *chunk.tokens], start - 1)[-1:]
         return self.run_piece(request.slot, chunk.tokens, start)
 
     def _speculate(
@@ -210,7 +231,7 @@ class ModelRunner:
 
     @property
     def can_copy_rows(self) -> bool:
-        """Whether rows can be copied between slots here (CPU buffers)."""
+        """Whether rows can be copied between slots here (CPU buffers; paged: shared by blocks, never copied)."""
         return self.cache.can_copy_rows
 
     def copy_rows(self, source: int, target: int, length: int) -> None:

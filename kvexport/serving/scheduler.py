@@ -23,6 +23,7 @@ from typing import Protocol, TypeAlias
 
 from kvexport.drafting import DEFAULT_DRAFT_TOKENS, DraftBudget
 from kvexport.errors import KvexportError
+from kvexport.serving.blocks import BlockManager
 from kvexport.serving.errors import ParameterError
 from kvexport.serving.request import Request, Status
 from kvexport.serving.slots import MIN_COPIED_PREFIX, Placement, SlotTable
@@ -123,7 +124,7 @@ class PrefillChunk:
     @property
     def last(self) -> bool:
         """Whether this chunk ends the prompt (its logits give the first token)."""
-        return self.start + len(self.tokens) == len(self.request.prompt)
+        return self.start + len(self.tokens) == len(self.request.context)
 
 
 @dataclass(frozen=True)
@@ -306,7 +307,9 @@ class EngineStats:
     drafts proposed and kept; ``mixed_steps`` the decode steps that ran in one call with a
     prompt chunk (``EngineConfig.mixed_step``); ``batched_prompts`` the prompts whose first
     piece ran in one call with others' (``EngineConfig.batch_prompts``), ``batched_pieces``
-    the later pieces (after a past) that did.
+    the later pieces (after a past) that did. Over the paged cache: ``kv_blocks`` the pool's
+    blocks, ``kv_blocks_used`` those slots hold (cached prefixes too), ``preemptions`` the
+    requests whose rows were given up for others' when the pool ran out (0 and 0 otherwise).
     """
 
     slots: int
@@ -325,12 +328,15 @@ class EngineStats:
     mixed_steps: int = 0
     batched_prompts: int = 0
     batched_pieces: int = 0
+    preemptions: int = 0
+    kv_blocks: int = 0
+    kv_blocks_used: int = 0
     finished: dict[str, int] = field(default_factory=dict)
 
 
 _COUNTERS = (
     "steps", "prompt_tokens", "generated_tokens", "prefix_hits", "cached_tokens", "drafted_tokens", "accepted_tokens", "mixed_steps",
-    "batched_prompts", "batched_pieces",
+    "batched_prompts", "batched_pieces", "preemptions",
 )
 
 
@@ -414,7 +420,10 @@ class Scheduler:
     def stats(self) -> EngineStats:
         """What the scheduler holds and has counted so far."""
         in_use, prefilling, waiting = self.counts()
+        blocks = self.table.blocks
         return EngineStats(
+            kv_blocks=blocks.blocks - 1 if blocks is not None else 0,
+            kv_blocks_used=blocks.used if blocks is not None else 0,
             slots=len(self.table),
             slots_in_use=in_use,
             running=in_use - prefilling,
@@ -488,11 +497,18 @@ class Scheduler:
         plan = StepPlan(dropped=[r for r in self.waiting if r.cancelled], cancelled=self.take_cancelled())
         for request in plan.dropped:  # a caller that left while it waited
             self.waiting.remove(request)
+        blocks = self.table.blocks
+        if blocks is not None:
+            self._make_room(blocks)
         free = self.table.free(self.active)
         while self.prefix_jobs and free:
+            if blocks is not None and not self.table.reclaim(self.active, blocks.needed_to_admit(len(self.prefix_jobs[0].tokens))):
+                break  # it waits for blocks
             job = self.prefix_jobs.popleft()
             job.slot = self.table.pin_slot(free)
             free.remove(job.slot)
+            if blocks is not None:
+                blocks.assign(job.slot, 0, len(job.tokens))
             plan.prefixes.append(job)
         held: list[Request] = []
         while self.waiting and free:
@@ -500,8 +516,11 @@ class Scheduler:
             if self._waits_for_rows(request):
                 held.append(request)  # a sibling of n > 1: its prompt is prefilled once, by the first
                 continue
+            if blocks is not None and not self.table.reclaim(self.active, blocks.needed_to_admit(len(request.context) + 1)):
+                self.waiting.appendleft(request)  # first come, first served: the rest wait behind it for blocks
+                break
             rows = max(self.active, default=-1) + 1
-            placement = self.table.place(request.prompt, free, rows, reuse=not request.wants_whole_prompt)
+            placement = self.table.place(request.context, free, rows, reuse=not request.wants_whole_prompt)
             free.remove(placement.slot)
             request.slot, request.status = placement.slot, Status.PREFILLING
             request.prefilled = request.length = request.cached_tokens = placement.reused
@@ -526,13 +545,45 @@ class Scheduler:
             bursting = bool(batches) and self.batch_after_past
         for request in prefilling:
             start = starts[request.id]
-            while budget and start < len(request.prompt):  # pieces of at most chunk tokens, in order
-                piece = request.prompt[start : start + min(budget, self.budget.chunk)]
+            while budget and start < len(request.context):  # pieces of at most chunk tokens, in order
+                piece = request.context[start : start + min(budget, self.budget.chunk)]
                 plan.prefill.append(PrefillChunk(request, start, piece))
                 start += len(piece)
                 budget -= len(piece)
         plan.waiting = len(self.waiting)
         return plan
+
+    def _make_room(self, blocks: BlockManager) -> None:
+        """Paged: back each running request's next positions with blocks, oldest first; preempt the newest while the pool is short.
+
+        A running request writes one position a decode call (a lone one with speculative
+        decoding: up to its drafts more). Where the free blocks and those that free slots cache
+        do not cover that, the request admitted last gives its blocks up (:meth:`preempt`),
+        as vLLM's scheduler does, and is recomputed when blocks are free again.
+        """
+        running = sorted((r for r in self.active.values() if r.status is Status.RUNNING), key=lambda r: r.submitted)
+        ahead = 1 + (self.draft_tokens if self.speculate and len(self.active) == 1 else 0)
+        for request in running:
+            end = min(request.length + ahead, self.capacity)
+            while request.status is Status.RUNNING and not self.table.reclaim(self.active, blocks.needed(request.slot, end)):
+                self.preempt(max(self.active.values(), key=lambda r: r.submitted))
+            if request.status is Status.RUNNING:
+                blocks.grow(request.slot, end)
+
+    def preempt(self, request: Request) -> None:
+        """Give up ``request``'s slot and rows; it waits first in line, to prefill its prompt and the tokens it generated again.
+
+        Its pending token (the last it generated) is fed by its next decode call as before, so
+        it goes on with the tokens it would have had; nothing it streamed is sent again.
+        """
+        del self.active[request.slot]
+        self.table.release(request.slot, valid=False)
+        request.status, request.slot = Status.WAITING, -1
+        request.prefilled = request.length = request.cached_tokens = 0
+        request.resume = [*request.prompt, *request.output[:-1]] if request.output else None
+        request.preempted += 1
+        self.waiting.appendleft(request)
+        self._counters["preemptions"] += 1
 
     def next_call(self) -> CallPlan | None:
         """The next step's plan: a new round's start (:meth:`schedule`) with its first call, or the round's next call.
@@ -574,6 +625,8 @@ class Scheduler:
             if isinstance(call, PrefillBatch):
                 return call
             if call.request.status is not Status.PREFILLING or call.request.cancelled:  # a cancel ends it next round
+                continue
+            if call.start != call.request.prefilled:  # an earlier piece did not run: this one would leave a gap
                 continue
             if self.mixed and index == len(plan.prefill) - 1:  # the round's last chunk and its decode call, in one call
                 decode = self.decode_plan(beside=call)
@@ -622,7 +675,7 @@ class Scheduler:
         left out (it runs at batch 1).
         """
         offered = (
-            r for r in prefilling if not r.cancelled and starts[r.id] < len(r.prompt) and (starts[r.id] == 0 or self.batch_after_past)
+            r for r in prefilling if not r.cancelled and starts[r.id] < len(r.context) and (starts[r.id] == 0 or self.batch_after_past)
         )
         runs: list[list[Request]] = []
         for request in sorted(offered, key=lambda r: r.slot):
@@ -633,7 +686,7 @@ class Scheduler:
         batches = []
         for run in runs:
             start = starts[run[0].id]
-            pieces = [min(len(r.prompt) - start, self.budget.chunk) for r in run]
+            pieces = [min(len(r.context) - start, self.budget.chunk) for r in run]
             for first, end in _grouped(pieces):
                 width = min(pieces[first:end])
                 rows = run[first:end][: budget // width]
@@ -642,7 +695,7 @@ class Scheduler:
                 per_call = len(rows) if self.batch_tokens is None else max(1, self.batch_tokens // width)
                 for part in _even_parts(rows, -(-len(rows) // per_call)):
                     if len(part) >= 2:
-                        batches.append(PrefillBatch(tuple(PrefillChunk(r, start, r.prompt[start : start + width]) for r in part)))
+                        batches.append(PrefillBatch(tuple(PrefillChunk(r, start, r.context[start : start + width]) for r in part)))
                         budget -= width * len(part)
         return batches
 
@@ -695,6 +748,8 @@ class Scheduler:
         if request.draft_budget is None:
             request.draft_budget = DraftBudget(self.draft_tokens)
         room = min(request.params.max_tokens - len(request.output) - 1, self.capacity - request.length - 1)
+        if self.table.blocks is not None:  # paged: within the blocks it holds
+            room = max(0, min(room, self.table.blocks.positions(request.slot) - request.length - 1))
         context = [*self.table.residents[request.slot].tokens, request.next_token]
         return SpeculativePlan(request, context, room, request.draft_budget)
 

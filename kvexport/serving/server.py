@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvexport.errors import KvexportError
+from kvexport.runtime.cache import PAGE_TOKENS
 from kvexport.serving.config import ApiConfig, EngineConfig
 from kvexport.serving.engine import DEFAULT_KV_MEMORY, Engine, slot_bytes
 
@@ -83,9 +84,19 @@ def prompt_summary(engine: Engine) -> str:
 
 
 def cache_summary(engine: Engine) -> str:
-    """The cache's dtype and size, and how --kv-memory sized it: ``int8 cache 1.2 GiB (--kv-memory: 16 slots of 75.5 MiB)``."""
+    """The cache's dtype and size, and how --kv-memory sized it: ``int8 cache 1.2 GiB (--kv-memory: 16 slots of 75.5 MiB)``.
+
+    Paged: ``paged fp32 cache, 1455 blocks of 16 tokens (at most 1.00 GiB, held as requests fill them)``.
+    """
+    blocks = engine.table.blocks
+    if blocks is not None:
+        pool = engine.runner.cache.pool_bytes  # type: ignore[attr-defined]
+        return (
+            f"paged {engine.manifest.cache_dtype} cache, {blocks.blocks - 1} blocks of {PAGE_TOKENS} tokens (at most "
+            f"{pool / 2**30:.2f} GiB, held as requests fill them)"
+        )
     per_slot = slot_bytes(engine.manifest, engine.capacity)
-    text = f"{engine.manifest.cache_dtype} cache {engine.slots * per_slot / 2**30:.2f} GiB"
+    text = f"{engine.manifest.cache_dtype} cache{_unpaged(engine)} {engine.slots * per_slot / 2**30:.2f} GiB"
     if engine.config.kv_memory is not None:
         text += f" (--kv-memory {engine.config.kv_memory} bytes: {engine.slots} slots of {per_slot / 2**20:.1f} MiB)"
     elif engine.config.max_context is None and engine.capacity < engine.manifest.dims.max_positions:
@@ -94,3 +105,8 @@ def cache_summary(engine: Engine) -> str:
             "tokens: --max-context or --kv-memory for more)"
         )
     return text
+
+
+def _unpaged(engine: Engine) -> str:
+    """`` in slots (why)`` where the engine keeps the slot layout."""
+    return f" in {engine.kv_layout}"

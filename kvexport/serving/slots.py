@@ -7,6 +7,12 @@ slot holding them is free and as cheap a place as any, else copied into the slot
 (where the runner can copy rows: CPU). Slots are handed out so the decode rows stay few:
 a free slot below the highest running one, least recently used first, else the lowest
 free one. A pinned slot (a registered prefix) is never handed to a request.
+
+Over the paged cache (``blocks``, a :class:`~kvexport.serving.blocks.BlockManager`) a slot is
+only a row of the block table: placing a request gives its slot blocks for its prompt (a
+reused prefix's blocks shared, not copied), a free slot's cached blocks go back to the pool
+least recently used first when blocks run short (:meth:`SlotTable.reclaim`), and a request's
+rows that may be half written give theirs back at once.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 from kvexport.drafting import common_prefix
+from kvexport.serving.blocks import BlockManager
 
 # A cached prefix shorter than this is not worth copying from another slot
 MIN_COPIED_PREFIX = 16
@@ -37,6 +44,7 @@ class Placement:
     slot: int
     reused: int
     copy_from: int | None = None  # copy the first ``reused`` rows of this slot into ``slot`` first
+    block_copies: tuple[tuple[int, int], ...] = ()  # paged: copy these (from, to) blocks first instead
 
 
 class SlotTable:
@@ -49,11 +57,13 @@ class SlotTable:
         prefix_cache: bool = True,
         can_copy_rows: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        blocks: BlockManager | None = None,
     ) -> None:
         self.residents = [Resident() for _ in range(slots)]
         self.prefix_cache = prefix_cache
-        self.can_copy_rows = can_copy_rows
+        self.can_copy_rows = can_copy_rows or blocks is not None  # paged: a prefix is shared, never copied row by row
         self.clock = clock
+        self.blocks = blocks
 
     def __len__(self) -> int:
         return len(self.residents)
@@ -83,6 +93,9 @@ class SlotTable:
             self.residents[placement.copy_from].used = self.clock()
         resident.tokens = list(prompt[: placement.reused])
         resident.used = self.clock()
+        if self.blocks is not None:  # room checked by the scheduler (BlockManager.needed_to_admit)
+            copies = self.blocks.assign(placement.slot, placement.reused, len(prompt) + 1, source=placement.copy_from)
+            placement = Placement(placement.slot, placement.reused, placement.copy_from, tuple(copies))
         return placement
 
     def _best_reuse(self, prompt: Sequence[int], free: Sequence[int], rows: int, target: int) -> Placement:
@@ -127,6 +140,22 @@ class SlotTable:
         resident.used = self.clock()
         if not valid:
             resident.tokens.clear()
+        if self.blocks is not None and (not valid or not self.prefix_cache):
+            self.blocks.release(slot)
+            resident.tokens.clear()
+
+    def reclaim(self, busy: Collection[int], needed: int) -> bool:
+        """Paged: free slots give their cached blocks back, least recently used first, until ``needed`` are free; whether they are."""
+        blocks = self.blocks
+        if blocks is None:
+            return True
+        idle = sorted((r.used, slot) for slot, r in enumerate(self.residents) if slot not in busy and not r.pinned and blocks.owned[slot])
+        for _, slot in idle:
+            if blocks.free >= needed:
+                break
+            blocks.release(slot)
+            self.residents[slot].tokens.clear()
+        return blocks.free >= needed
 
     def unpin(self, tokens: Sequence[int]) -> bool:
         """Free the pinned slot holding exactly ``tokens``; False if none does."""
@@ -138,6 +167,8 @@ class SlotTable:
 
     def forget(self) -> None:
         """Nothing is cached any more (after a warm-up)."""
-        for resident in self.residents:
+        for slot, resident in enumerate(self.residents):
             resident.tokens.clear()
             resident.pinned = False
+            if self.blocks is not None:
+                self.blocks.release(slot)

@@ -1,0 +1,108 @@
+"""The in-place cache as a pool of blocks read through a block table (kvexport's ``CacheAttention``, paged).
+
+:class:`PagedCachePass` takes a graph whose every cache input (``past.*``, and the mixed step's
+``decode.past.*``) feeds only ``kvexport.CacheAttention`` nodes (:class:`CacheAttentionPass`
+ran) and ``Shape`` nodes that read its first dimension (the batch), and makes the cache paged:
+
+- a new int32 input ``block_table`` ``[batch, max_blocks]`` (``decode.block_table`` for the
+  mixed step's decode half) feeds each such node as its eighth input: row b's position t is in
+  block ``block_table[b, t / block_size]`` of the pool;
+- the cache inputs and outputs become the pool, ``[kv_blocks, H, block_size, D]``, one buffer
+  per tensor shared by every row;
+- a ``Shape`` that read the batch from a cache input reads it from the call's
+  ``attention_mask`` (``decode.attention_mask``) instead: the pool's first dimension is its
+  blocks.
+
+Anything else reading a cache input (an 8-bit cache's ``GroupQueryAttention``, a graph whose
+cache grows) is refused with a :class:`PassInputError` naming it: only the kernel reads a
+paged cache. ``counts["nodes"]`` says how many attention nodes read the table.
+"""
+
+from __future__ import annotations
+
+import onnx_ir as ir
+from onnx_ir.passes import InPlacePass, PassResult
+
+from .errors import PassInputError
+from .vocabulary import CACHE_ATTENTION, KVEXPORT_DOMAIN
+
+BLOCK_TABLE = "block_table"  # the graph input (the mixed step's decode half: "decode." before it)
+_PREFIXES = ("decode.", "")  # the mixed step's decode half first: "decode.past." also ends in "past."
+
+
+class PagedCachePass(InPlacePass):
+    """Every in-place cache input as a pool of blocks read through a block table (see the module docstring)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: dict[str, int] = {"nodes": 0}
+
+    def requires(self, model: ir.Model) -> None:
+        """Refuse a graph whose cache inputs feed anything but the kernel and a batch ``Shape``."""
+        pasts = [value for value in model.graph.inputs if _prefix_of(value.name) is not None]
+        if not pasts:
+            raise PassInputError("the graph has no past.* cache inputs to page")
+        for value in pasts:
+            for node, index in value.uses():
+                if not (_reads_kernel_cache(node, index) or _reads_batch(node)):
+                    raise PassInputError(
+                        f"{value.name} feeds {node.domain or 'ai.onnx'}.{node.op_type} {node.name!r}: only kvexport's "
+                        "CacheAttention reads a paged cache (an fp32 in-place cache with the kernel library built)"
+                    )
+
+    def call(self, model: ir.Model) -> PassResult:
+        """Add the block tables, wire them into the kernel's nodes, and give the cache the pool's shape."""
+        graph = model.graph
+        self.counts["nodes"] = 0
+        tables: dict[str, ir.Value] = {}
+        inputs = {value.name: value for value in graph.inputs}
+        for value in list(graph.inputs):
+            prefix = _prefix_of(value.name)
+            if prefix is None:
+                continue
+            if prefix not in tables:
+                tables[prefix] = ir.Value(
+                    name=prefix + BLOCK_TABLE, type=ir.TensorType(ir.DataType.INT32), shape=ir.Shape([f"{prefix}batch", "max_blocks"])
+                )
+                graph.inputs.append(tables[prefix])
+            for node, index in list(value.uses()):
+                if _reads_batch(node):
+                    node.replace_input_with(index, inputs[prefix + "attention_mask"])
+                elif index == 3:
+                    padded = [*node.inputs, *[None] * (7 - len(node.inputs))]
+                    node.resize_inputs(8)
+                    for at, item in enumerate(padded[:7]):
+                        node.replace_input_with(at, item)
+                    node.replace_input_with(7, tables[prefix])
+                    self.counts["nodes"] += 1
+            value.shape = _pool_shape(value.shape)
+        for value in graph.outputs:
+            if _prefix_of((value.name or "").replace("present.", "past.", 1)) is not None:
+                value.shape = _pool_shape(value.shape)
+        return PassResult(model, modified=bool(tables))
+
+
+def _prefix_of(name: str | None) -> str | None:
+    """``""`` for a ``past.*`` name, ``"decode."`` for the mixed step's ``decode.past.*``; None for anything else."""
+    for prefix in _PREFIXES:
+        if name is not None and name.startswith(prefix + "past."):
+            return prefix
+    return None
+
+
+def _reads_kernel_cache(node: ir.Node, index: int) -> bool:
+    return node.domain == KVEXPORT_DOMAIN and node.op_type == CACHE_ATTENTION and index in (3, 4)
+
+
+def _reads_batch(node: ir.Node) -> bool:
+    """A ``Shape`` of the first dimension only (start 0, end 1)."""
+    if node.domain not in ("", "ai.onnx") or node.op_type != "Shape":
+        return False
+    start, end = node.attributes.get("start"), node.attributes.get("end")
+    return start is not None and start.value == 0 and end is not None and end.value == 1
+
+
+def _pool_shape(shape: ir.Shape | None) -> ir.Shape:
+    """``[kv_blocks, H, block_size, D]`` from a cache's ``[batch, H, capacity, D]``."""
+    dims = list(shape) if shape is not None else [None, None, None, None]
+    return ir.Shape(["kv_blocks", dims[1], "block_size", dims[3]])
