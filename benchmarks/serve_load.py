@@ -11,7 +11,9 @@ vLLM's serving metrics with vLLM's definitions (``benchmarks/benchmark_serving.p
   successive streamed chunks, pooled over requests;
 - request throughput: completed requests / wall time of the level; output throughput:
   output tokens / wall time;
-- mean, median and p99 of each latency.
+- mean, median and p99 of each latency;
+- peak RSS: the most resident memory of the server's processes (it and its children, sampled
+  every 0.1 s) while the level ran, and the RSS when it ended.
 
 Systems, all started before the first level and left idle while the others run:
 ``kvexport serve`` of the ``--target ort-cpu --quantize int8|int4`` exports (``--slots
@@ -52,6 +54,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -196,6 +199,50 @@ def wait_healthy(url: str, process: subprocess.Popen[Any], seconds: float = 120)
             pass
         time.sleep(0.5)
     raise RuntimeError(f"{url}: not healthy after {seconds} s")
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of process ``pid`` and every process below it (vLLM's engine core is a child)."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    tree, grew = {pid}, True
+    while grew:
+        more = {child for child, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    total = 0
+    for member in tree:
+        try:
+            total += int(Path(f"/proc/{member}/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:
+            continue
+    return total
+
+
+class PeakRss:
+    """The most resident memory of a process tree while a ``with`` block runs (sampled every 0.1 s)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.1):
+            self.peak = max(self.peak, tree_rss(self.pid))
+
+    def __enter__(self) -> PeakRss:
+        self.peak = tree_rss(self.pid)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _cpu_times() -> tuple[int, int]:
@@ -480,26 +527,32 @@ def main(argv: list[str] | None = None) -> int:
             # prompts of their own each round, the same for every server: a repeated level's prompts would hit
             # the servers' prefix caches (vLLM keeps every earlier round's blocks, the slots only the last wave)
             seed = 1000 * round_index + concurrency
-            for system, (url, _, model) in servers.items():
+            for system, (url, process, model) in servers.items():
                 busy = settle(args.settle)
                 print(f"{system}: concurrency {concurrency}, {count} requests (host {busy:.0%} busy the second before)", file=sys.stderr, flush=True)
-                row = asyncio.run(run_level(url, model, vocab, concurrency, count, args.input_len, args.output_len, seed=seed))
+                with PeakRss(process.pid) as memory:
+                    row = asyncio.run(run_level(url, model, vocab, concurrency, count, args.input_len, args.output_len, seed=seed))
                 row["host_busy_before"] = round(busy, 3)
+                row["peak_rss_mb"] = round(memory.peak / 2**20, 1)
+                row["rss_after_mb"] = round(tree_rss(process.pid) / 2**20, 1)
                 levels.setdefault(system, []).append(row)
                 print(
                     f"  {row['output_throughput']:.1f} tok/s, TTFT p99 {row['ttft']['p99_ms']:.0f} ms, "
-                    f"TPOT median {row['tpot']['median_ms']:.1f} ms, completed {row['completed']}/{count}",
+                    f"TPOT median {row['tpot']['median_ms']:.1f} ms, peak RSS {row['peak_rss_mb']:.0f} MB, completed {row['completed']}/{count}",
                     file=sys.stderr, flush=True,
                 )
     finally:
         stop_servers(servers)
-    print(f"{'system':<20} {'conc':>4} {'out tok/s':>10} {'req/s':>7} {'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'ITL p99':>8} {'E2EL med':>9}")
+    print(
+        f"{'system':<20} {'conc':>4} {'out tok/s':>10} {'req/s':>7} {'TTFT med':>9} {'TTFT p99':>9} {'TPOT med':>9} {'ITL p99':>8} "
+        f"{'E2EL med':>9} {'peak MB':>8}"
+    )
     for system, rows in levels.items():
         for r in rows:
             print(
                 f"{system:<20} {r['concurrency']:>4} {r['output_throughput']:>10.1f} {r['request_throughput']:>7.2f} "
                 f"{r['ttft']['median_ms']:>9.0f} {r['ttft']['p99_ms']:>9.0f} {r['tpot']['median_ms']:>9.1f} "
-                f"{r['itl']['p99_ms']:>8.1f} {r['e2el']['median_ms']:>9.0f}"
+                f"{r['itl']['p99_ms']:>8.1f} {r['e2el']['median_ms']:>9.0f} {r['peak_rss_mb']:>8.0f}"
             )
     result = {
         "model": args.model if args.checkpoint is None else args.checkpoint.resolve().name,

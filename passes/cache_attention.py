@@ -81,10 +81,10 @@ def _replaceable(node: ir.Node, presents: dict[str, ir.Value]) -> bool:
     window = node.attributes.get("local_window_size")
     if window is not None and window.value != -1 and window.value < 1:
         return False  # a window of no positions (the kernel reads 0 as none)
-    if any(v.dtype != ir.DataType.FLOAT for v in (query, key, value, past_key, past_value)):
+    if any(v.dtype != ir.DataType.FLOAT for v in (past_key, past_value)):
         return False
-    bias = inputs[10]
-    if bias is not None and bias.dtype != ir.DataType.FLOAT:
+    # the op's T is one type: an input of no known type (a derived graph's, the mixed step's) is the cache's
+    if any(v is not None and v.dtype not in (None, ir.DataType.FLOAT) for v in (query, key, value, inputs[10])):
         return False
     for past in (past_key, past_value):
         name = past.name or ""

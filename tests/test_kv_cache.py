@@ -119,18 +119,27 @@ def test_kv_memory_sizes_the_slots_from_the_cache_dtype(trained_exports: dict[st
     # 4 layers x K and V x 2 heads x 64 positions x 64 channels: 4 bytes, 1 byte, half a byte each
     assert per_slot == {"none": 2 * 4 * 2 * 64 * 64 * 4, "kv-int8": 2 * 4 * 2 * 64 * 64, "kv-int4": 2 * 4 * 2 * 64 * 32}
     budget = 10 * per_slot["none"] + 1
-    for name, slots in (("none", 10), ("kv-int8", 40), ("kv-int4", 80)):
-        with Engine(trained_exports[name], kv_memory=budget, max_context=64, warm_up=0) as engine:
+    for name, slots in (("none", 10), ("kv-int8", 40), ("kv-int4", 80)):  # an 8-bit cache keeps the slot layout
+        with Engine(trained_exports[name], kv_memory=budget, max_context=64, warm_up=0, kv_layout="slots") as engine:
             assert engine.slots == slots
             cache = engine.runner.cache
             buffers = sum(cache.banks.host_view(0, i, (cache.slots, *cache.row_shape)).nbytes for i in range(len(cache.past)))
             assert buffers == slots * per_slot[name] <= budget
+    # paged (an fp32 cache's default): the same budget is a pool of 16-token blocks, whatever the slots
+    with Engine(trained_exports["none"], kv_memory=budget, max_context=64, slots=3, warm_up=0) as engine:
+        cache = engine.runner.cache
+        assert engine.kv_layout == "paged" and engine.slots == 3 and cache.blocks == budget // (per_slot["none"] // 4)
+        buffers = sum(cache.banks.host_view(0, i, (cache.blocks, *cache.block_shape)).nbytes for i in range(len(cache.past)))
+        assert buffers == cache.pool_bytes == 40 * per_slot["none"] // 4 <= budget
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--slots", "4", "--kv-memory", "1GiB"], "Error: --slots and --kv-memory both size the cache; give one"),
+        (
+            ["--slots", "4", "--kv-memory", "1GiB", "--kv-layout", "slots"],
+            "Error: --slots and --kv-memory both size the slot layout's cache; give one",
+        ),
         (["--kv-memory", "lots"], "Error: 'lots': not a size; write bytes, or a number with B, KB, MB, GB, KiB, MiB or GiB"),
         (
             ["--kv-memory", "1KiB", "--max-context", "64"],

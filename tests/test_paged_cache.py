@@ -148,30 +148,30 @@ def test_paged_engine_gives_the_slot_layouts_tokens(llama: Path) -> None:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = _prompts(7, 1) + _prompts(5, 2, shared=37)  # ragged, batched, and a prefix that spans blocks
     slots, (_, layout, _) = _run(llama, prompts, params, slots=4, max_context=128, kv_layout="slots")
-    paged, (stats, paged_layout, blocks) = _run(llama, prompts, params, slots=4, max_context=128)
+    paged, (stats, paged_layout, _blocks) = _run(llama, prompts, params, slots=4, max_context=128)
     assert layout.startswith("slots") and paged_layout == "paged"
     assert paged == slots
     assert stats.prefix_hits > 0 and stats.preemptions == 0  # type: ignore[attr-defined]
 
 
 def test_preempted_requests_finish_with_the_uninterrupted_tokens(llama: Path) -> None:
+    from kvexport.runtime.opened import open_export
     from kvexport.serving.engine import slot_bytes
     from kvexport.serving.request import SamplingParams
-    from kvexport.runtime.opened import open_export
 
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompts = _prompts(6, 3)
     block = slot_bytes(open_export(llama, "cpu").manifest, 16)
     whole, _ = _run(llama, prompts, params, slots=6, max_context=96, kv_layout="slots")
-    small, (stats, _, blocks) = _run(llama, prompts, params, slots=6, max_context=96, kv_memory=10 * block)
+    small, (stats, _, _blocks) = _run(llama, prompts, params, slots=6, max_context=96, kv_memory=10 * block)
     assert stats.preemptions > 0  # type: ignore[attr-defined]
     assert small == whole
 
 
 def test_a_soak_with_hang_ups_and_a_small_pool_ends_with_every_block_free(llama: Path) -> None:
+    from kvexport.runtime.opened import open_export
     from kvexport.serving.engine import Engine, slot_bytes
     from kvexport.serving.request import SamplingParams
-    from kvexport.runtime.opened import open_export
 
     rng = np.random.default_rng(7)
     block = slot_bytes(open_export(llama, "cpu").manifest, 16)
@@ -190,8 +190,8 @@ def test_a_soak_with_hang_ups_and_a_small_pool_ends_with_every_block_free(llama:
 
 def test_a_pool_too_small_for_one_request_is_refused_at_start(llama: Path) -> None:
     from kvexport.errors import KvexportError
-    from kvexport.serving.engine import Engine, slot_bytes
     from kvexport.runtime.opened import open_export
+    from kvexport.serving.engine import Engine, slot_bytes
 
     block = slot_bytes(open_export(llama, "cpu").manifest, 16)
     with pytest.raises(KvexportError, match=r"holds 5 blocks of 16 tokens .* one request of max_context 96 tokens needs 8"):
@@ -223,7 +223,7 @@ def test_the_pass_pages_every_cache_read_and_refuses_other_readers(llama: Path, 
     assert paged.counts["nodes"] == len(kernels) > 0 and all(node.inputs[7] is table for node in kernels)
     for value in model.graph.inputs:
         if value.name.startswith("past."):
-            assert list(value.shape)[0] == "kv_blocks" and {node.op_type for node, _ in value.uses()} == {"CacheAttention"}
+            assert next(iter(value.shape)) == "kv_blocks" and {node.op_type for node, _ in value.uses()} == {"CacheAttention"}
     quantized = ir.load(trained_exports["kv-int8"] / "prefill.onnx")
     cpu_rewrites(quantized, kernel=True)
     with pytest.raises(PassInputError, match=r"past\.0\.key feeds .*only kvexport.s CacheAttention reads a paged cache"):

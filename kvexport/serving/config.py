@@ -48,8 +48,8 @@ class EngineConfig:
 
     Attributes:
         slots: rows of the cache: requests generating at once.
-        max_context: tokens per slot (prompt + completion); default: the model's positions over
-            the paged cache; over slots, what fits
+        max_context: tokens per slot (prompt + completion); default over the paged cache: the
+            model's positions, at most 8192 and what one request can take of the pool; over slots, what fits
             :data:`~kvexport.serving.engine.DEFAULT_KV_MEMORY` (1 GiB) over the slots, at most the
             model's positions (with ``kv_memory``: the model's positions).
         kv_layout: ``auto`` (the default): the paged cache where kvexport's kernel reads it (CPU,
@@ -130,7 +130,8 @@ class EngineConfig:
     slots: int = setting(8, "Requests generating at once (cache rows).", flag="--slots", low=1)
     max_context: int | None = setting(
         None, "Tokens per slot, prompt + completion.", flag="--max-context", low=2,
-        shown="the model's positions over the paged cache; over slots, what fits 1 GiB of cache over the slots (a "
+        shown="paged: the model's positions, at most 8192 and what one request can take of the pool; over slots, what "
+        "fits 1 GiB of cache over the slots (a "
         "multiple of 256, at least 512), at most the model's positions, and with --kv-memory the model's positions"
     )
     kv_layout: str = setting(

@@ -124,6 +124,18 @@ def slots_for_memory(manifest: Manifest, capacity: int, budget: int) -> int:
     return budget // per_slot
 
 
+PAGED_CONTEXT = 8192  # the paged cache's default context, at most: a decode call's mask is as wide
+
+
+def paged_capacity(manifest: Manifest, budget: int) -> int:
+    """Tokens a request may hold by default over a paged pool of ``budget`` bytes.
+
+    The model's positions, at most :data:`PAGED_CONTEXT` and what one request can take of the pool.
+    """
+    whole = (budget // slot_bytes(manifest, PAGE_TOKENS) - 2) * PAGE_TOKENS
+    return max(2, min(manifest.dims.max_positions, PAGED_CONTEXT, whole))
+
+
 def pool_blocks(manifest: Manifest, budget: int, capacity: int) -> int:
     """Blocks of the paged cache that ``budget`` bytes hold (the spare one among them); one line if one request of ``capacity`` tokens does not fit."""
     blocks = budget // slot_bytes(manifest, PAGE_TOKENS)
@@ -220,7 +232,9 @@ class Engine:
             raise KvexportError(f"--kv-layout paged: no paged cache here ({unpaged}); use --kv-layout auto or slots")
         if config.max_context is not None:
             self.capacity = config.max_context
-        elif config.kv_memory is not None or unpaged is None:
+        elif unpaged is None:
+            self.capacity = paged_capacity(self.manifest, config.kv_memory or DEFAULT_KV_MEMORY)
+        elif config.kv_memory is not None:
             self.capacity = dims.max_positions
         else:
             self.capacity = default_capacity(self.manifest, config.slots)
@@ -395,7 +409,7 @@ class Engine:
         into their slots, so this needs the CPU provider). The slot stays taken, one fewer
         for requests, until :meth:`unregister_prefix`. Blocks until the prefix is cached.
         """
-        if not self.prefix_cache or not self.runner.can_copy_rows:
+        if not self.prefix_cache or not self.table.can_copy_rows:
             raise KvexportError("registered prefixes need the prefix cache on the CPU provider")
         ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
         check_prompt(ids, self.vocab_size, 1, self.capacity)
