@@ -24,9 +24,8 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from .errors import PassInputError
-from .vocabulary import CACHE_ATTENTION, KVEXPORT_DOMAIN
+from .vocabulary import BLOCK_TABLE, CACHE_ATTENTION, KVEXPORT_DOMAIN
 
-BLOCK_TABLE = "block_table"  # the graph input (the mixed step's decode half: "decode." before it)
 _PREFIXES = ("decode.", "")  # the mixed step's decode half first: "decode.past." also ends in "past."
 
 

@@ -26,3 +26,9 @@ GQA_MARK = "kvexport.gqa_cache"
 # model metadata: every layer's attention takes several rows after a past ("products": an 8-bit cache's
 # products; the op refuses such a call). passes.prompt_attention sets it, kvexport.serving.runner reads it
 ROWS_AFTER_PAST = "kvexport.rows_after_past"
+
+# the paged cache (passes.paged_cache): the int32 graph input that maps a row's positions to the pool's blocks
+# ("decode." before it for the mixed step's decode half), and the positions a block holds, which the runtime's
+# pool (kvexport.runtime.cache.PagedCache) and the engine's block manager (kvexport.serving.blocks) both count in
+BLOCK_TABLE = "block_table"
+PAGE_TOKENS = 16  # vLLM's default block size too

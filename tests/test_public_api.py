@@ -49,6 +49,7 @@ def test_passes_public_names() -> None:
         "FuseOrtBlockPass",
         "NoCacheError",
         "PackProjectionsPass",
+        "PagedCachePass",
         "PassInputError",
         "PromptAttentionPass",
         "PromptProductsPass",

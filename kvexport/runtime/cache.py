@@ -17,6 +17,7 @@ import onnxruntime as ort
 from kvexport.bundle.manifest import Manifest
 from kvexport.errors import ManifestError
 from kvexport.passes.cache_names import cache_names
+from kvexport.passes.vocabulary import BLOCK_TABLE, PAGE_TOKENS
 
 _NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.float16}
 # a cache's element type: the graph's float, or int8 / int4 (two 4-bit values a uint8)
@@ -198,8 +199,6 @@ class SlotCache:
         return self.banks.read(0, index, (self.slots, *self.row_shape))[row : row + 1, :, :length]
 
 
-PAGE_TOKENS = 16  # positions a block of the paged cache holds (vLLM's default block size too)
-
 
 class PagedCache(SlotCache):
     """The serving engine's cache as a pool of ``blocks`` blocks of :data:`PAGE_TOKENS` positions, read through a block table.
@@ -245,7 +244,7 @@ class PagedCache(SlotCache):
             binding.bind_input(prefix + past, "cpu", 0, self.cache_dtype, shape, pointer)
             binding.bind_output(prefix + present, "cpu", 0, self.cache_dtype, shape, pointer)
         table = self.tables[first : first + rows]
-        binding.bind_input(prefix + "block_table", "cpu", 0, np.int32, list(table.shape), table.ctypes.data)
+        binding.bind_input(prefix + BLOCK_TABLE, "cpu", 0, np.int32, list(table.shape), table.ctypes.data)
 
     @property
     def can_copy_rows(self) -> bool:

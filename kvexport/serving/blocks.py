@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvexport.runtime.cache import PAGE_TOKENS
+from kvexport.passes.vocabulary import PAGE_TOKENS
 
 SPARE_BLOCK = 0  # the block unbacked table entries name (never handed out)
 

@@ -2,9 +2,14 @@
 
 An in-place export (``--target ort-cpu`` / ``ort-cuda``) takes each row's length from the
 mask's *values*: a row's ``seqlens_k`` is the index of its last 1. So one call can hold
-rows of different lengths, and the engine keeps one cache of ``[slots, H, capacity, D]``
-per tensor, allocated once on the session's device. A request owns a slot (a row) from
-its admission until it finishes.
+rows of different lengths. A request owns a slot (a row) from its admission until it
+finishes. On CPU with an fp32 cache (``EngineConfig.kv_layout`` ``auto``) the cache is a pool
+of 16-token blocks read through a block table (:class:`~kvexport.runtime.cache.PagedCache`,
+:class:`~kvexport.serving.blocks.BlockManager`): a slot holds blocks as its request fills
+them, so memory follows the tokens in use, a reused prefix's blocks are shared, and when the
+pool runs out the request admitted last is preempted and recomputed. Elsewhere the engine
+keeps one cache of ``[slots, H, capacity, D]`` per tensor, allocated once on the session's
+device.
 
 The engine is four parts, as vLLM v1 splits it, tied together by one thread's loop:
 
@@ -62,7 +67,8 @@ from tokenizers import Tokenizer
 
 from kvexport.bundle.manifest import Manifest
 from kvexport.errors import KvexportError, ManifestError, first_line
-from kvexport.runtime.cache import PAGE_TOKENS, cache_row_bytes
+from kvexport.passes.vocabulary import PAGE_TOKENS
+from kvexport.runtime.cache import cache_row_bytes
 from kvexport.runtime.kernels import library_path
 from kvexport.runtime.opened import OpenedExport, check_prompt, open_export
 from kvexport.runtime.speculative import Drafter, require_all_logits

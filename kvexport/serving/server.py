@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvexport.errors import KvexportError
-from kvexport.runtime.cache import PAGE_TOKENS
+from kvexport.passes.vocabulary import PAGE_TOKENS
 from kvexport.serving.config import ApiConfig, EngineConfig
 from kvexport.serving.engine import DEFAULT_KV_MEMORY, Engine, slot_bytes
 
