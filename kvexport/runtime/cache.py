@@ -8,6 +8,9 @@
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -78,6 +81,25 @@ class CacheBanks:
                 binding.bind_output(name, self.device, 0, self.dtype, list(shape), pointer)
             else:
                 binding.bind_input(name, self.device, 0, self.dtype, list(shape), pointer)
+
+    def release_memory(self) -> int:
+        """Give the CPU buffers' pages back to the system (Linux ``MADV_DONTNEED``; their values are lost); the bytes given back.
+
+        Untouched pages of a large buffer take no memory; once written (a warm-up's rows) they
+        stay resident until the process ends, unless given back. They are read as zeros, and
+        take memory again, when next written. Buffers on the device, and other systems: 0.
+        """
+        if self.device != "cpu" or not sys.platform.startswith("linux"):
+            return 0
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        page, released = mmap.PAGESIZE, 0
+        for owner in self._owners:
+            start = -(-owner.ctypes.data // page) * page  # whole pages inside the buffer only
+            end = (owner.ctypes.data + owner.nbytes) // page * page
+            if end > start and madvise(start, end - start, 4) == 0:  # 4: MADV_DONTNEED
+                released += end - start
+        return released
 
     def host_view(self, bank: int, index: int, shape: tuple[int, ...]) -> np.ndarray:
         """Buffer ``index`` of ``bank`` itself, viewed as ``shape`` (CPU buffers only)."""
