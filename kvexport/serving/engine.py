@@ -495,6 +495,7 @@ class Engine:
                 state.result()
         with self._lock:
             self.scheduler.forget()
+            self.runner.shrink_arenas()
             self.runner.cache.banks.release_memory()  # the rows it wrote are forgotten: their pages go back
 
     # ---------------------------------------------------------------- loop

@@ -229,6 +229,20 @@ class ModelRunner:
         drafts, kept, following = speculative_round(self.drafter, plan.budget, plan.context, plan.room, run, *sampling)
         output.drafts, output.kept, output.accepted = list(drafts), kept, [*drafts[:kept], following]
 
+    def shrink_arenas(self) -> None:
+        """Give back what ONNX Runtime's CPU arenas hold past one small call (after the warm-up's large ones).
+
+        One token at slot 0's position 0 through each session, with the arena shrinking at the
+        run's end; slot 0's first row is written (the warm-up's rows are forgotten anyway).
+        """
+        if self.cache.banks.device != "cpu":
+            return
+        options = ort.RunOptions()
+        options.add_run_config_entry("memory.enable_memory_arena_shrinkage", "cpu:0")
+        for session in (self.session, self.prompt_session):  # the mixed step's, off by default, keeps its arena
+            if session is not None:
+                self.cache.run_piece(session, 0, [0], 0, options)
+
     @property
     def can_copy_rows(self) -> bool:
         """Whether rows can be copied between slots here (CPU buffers; paged: shared by blocks, never copied)."""
