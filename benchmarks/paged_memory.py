@@ -42,7 +42,7 @@ import serve_load
 SETTINGS = {
     "paged 2 GiB, context 1024": ["--max-context", "1024", "--kv-memory", "2GiB"],
     "paged 2 GiB, context 8192": ["--max-context", "8192", "--kv-memory", "2GiB"],
-    "paged 1 GiB (default), context 8192": ["--max-context", "8192"],
+    "paged 1 GiB, context 8192": ["--max-context", "8192", "--kv-memory", "1GiB"],
     "slots, context 1024": ["--max-context", "1024", "--kv-layout", "slots"],
 }
 

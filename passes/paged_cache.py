@@ -7,8 +7,9 @@ ran) and ``Shape`` nodes that read its first dimension (the batch), and makes th
 - a new int32 input ``block_table`` ``[batch, max_blocks]`` (``decode.block_table`` for the
   mixed step's decode half) feeds each such node as its eighth input: row b's position t is in
   block ``block_table[b, t / block_size]`` of the pool;
-- the cache inputs and outputs become the pool, ``[kv_blocks, H, block_size, D]``, one buffer
-  per tensor shared by every row;
+- the cache inputs and outputs become the pool, ``[H, kv_blocks, block_size, D]`` (head-major:
+  a KV head's consecutive blocks are one run of memory), one buffer per tensor shared by every
+  row;
 - a ``Shape`` that read the batch from a cache input reads it from the call's
   ``attention_mask`` (``decode.attention_mask``) instead: the pool's first dimension is its
   blocks.
@@ -102,6 +103,6 @@ def _reads_batch(node: ir.Node) -> bool:
 
 
 def _pool_shape(shape: ir.Shape | None) -> ir.Shape:
-    """``[kv_blocks, H, block_size, D]`` from a cache's ``[batch, H, capacity, D]``."""
+    """``[H, kv_blocks, block_size, D]`` from a cache's ``[batch, H, capacity, D]``."""
     dims = list(shape) if shape is not None else [None, None, None, None]
-    return ir.Shape(["kv_blocks", dims[1], "block_size", dims[3]])
+    return ir.Shape([dims[1], "kv_blocks", "block_size", dims[3]])

@@ -129,7 +129,7 @@ def test_kv_memory_sizes_the_slots_from_the_cache_dtype(trained_exports: dict[st
     with Engine(trained_exports["none"], kv_memory=budget, max_context=64, slots=3, warm_up=0) as engine:
         cache = engine.runner.cache
         assert engine.kv_layout == "paged" and engine.slots == 3 and cache.blocks == budget // (per_slot["none"] // 4)
-        buffers = sum(cache.banks.host_view(0, i, (cache.blocks, *cache.block_shape)).nbytes for i in range(len(cache.past)))
+        buffers = sum(cache.banks.host_view(0, i, cache.pool_shape).nbytes for i in range(len(cache.past)))
         assert buffers == cache.pool_bytes == 40 * per_slot["none"] // 4 <= budget
 
 

@@ -31,15 +31,15 @@ def _session(library: Path, *, paged: bool, heads: int, kv_heads: int, size: int
         helper.make_tensor_value_info("q", float_, ["B", "S", heads * size]),
         helper.make_tensor_value_info("k", float_, ["B", "S", kv_heads * size]),
         helper.make_tensor_value_info("v", float_, ["B", "S", kv_heads * size]),
-        helper.make_tensor_value_info("past_key", float_, ["P", kv_heads, "C", size]),
-        helper.make_tensor_value_info("past_value", float_, ["P", kv_heads, "C", size]),
+        helper.make_tensor_value_info("past_key", float_, ["P0", "P1", "C", size]),
+        helper.make_tensor_value_info("past_value", float_, ["P0", "P1", "C", size]),
         helper.make_tensor_value_info("seqlens", TensorProto.INT32, ["B"]),
         *([helper.make_tensor_value_info("block_table", TensorProto.INT32, ["B", "W"])] if paged else []),
     ]
     outputs = [
         helper.make_tensor_value_info("out", float_, ["B", "S", heads * size]),
-        helper.make_tensor_value_info("present_key", float_, ["P", kv_heads, "C", size]),
-        helper.make_tensor_value_info("present_value", float_, ["P", kv_heads, "C", size]),
+        helper.make_tensor_value_info("present_key", float_, ["P0", "P1", "C", size]),
+        helper.make_tensor_value_info("present_value", float_, ["P0", "P1", "C", size]),
     ]
     node = helper.make_node(
         "CacheAttention", names, ["out", "present_key", "present_value"], domain="kvexport",
@@ -54,12 +54,12 @@ def _session(library: Path, *, paged: bool, heads: int, kv_heads: int, size: int
 
 
 def _to_pool(rows: np.ndarray, table: np.ndarray, pool_blocks: int, block: int) -> np.ndarray:
-    """Row-layout cache [B, H, C, D] scattered into a pool [P, H, Bs, D] by ``table`` [B, C / Bs]."""
+    """Row-layout cache [B, H, C, D] scattered into a pool [H, P, Bs, D] by ``table`` [B, C / Bs]."""
     batch, heads, capacity, size = rows.shape
-    pool = np.full((pool_blocks, heads, block, size), np.nan, np.float32)  # blocks no row owns hold NaN: a stray read shows
+    pool = np.full((heads, pool_blocks, block, size), np.nan, np.float32)  # blocks no row owns hold NaN: a stray read shows
     for b in range(batch):
         for j in range(capacity // block):
-            pool[table[b, j]] = rows[b, :, j * block : (j + 1) * block]
+            pool[:, table[b, j]] = rows[b, :, j * block : (j + 1) * block]
     return pool
 
 
@@ -97,13 +97,13 @@ def test_paged_layout_matches_rows(
     np.testing.assert_allclose(paged_out, out, rtol=1e-5, atol=1e-5)
     for pool, want in ((key_pool, key_rows), (value_pool, value_rows)):
         for b, n in enumerate(lengths):  # every position up to a row's last, read back through its table
-            got = np.stack([pool[table[b, t // block], :, t % block] for t in range(n)], axis=1)
+            got = np.stack([pool[:, table[b, t // block], t % block] for t in range(n)], axis=1)
             np.testing.assert_array_equal(got, want[b, :, :n])
 
 
 def test_paged_table_outside_the_pool_is_refused(library: Path) -> None:
     session = _session(library, paged=True, heads=2, kv_heads=1, size=16, window=-1)
-    pool = np.zeros((4, 1, 8, 16), np.float32)
+    pool = np.zeros((1, 4, 8, 16), np.float32)
     feeds = {
         "q": np.zeros((1, 1, 32), np.float32), "k": np.zeros((1, 1, 16), np.float32), "v": np.zeros((1, 1, 16), np.float32),
         "past_key": pool, "past_value": pool, "seqlens": np.array([9], np.int32), "block_table": np.array([[0, 4]], np.int32),
@@ -223,8 +223,20 @@ def test_the_pass_pages_every_cache_read_and_refuses_other_readers(llama: Path, 
     assert paged.counts["nodes"] == len(kernels) > 0 and all(node.inputs[7] is table for node in kernels)
     for value in model.graph.inputs:
         if value.name.startswith("past."):
-            assert next(iter(value.shape)) == "kv_blocks" and {node.op_type for node, _ in value.uses()} == {"CacheAttention"}
+            assert list(value.shape)[1] == "kv_blocks" and {node.op_type for node, _ in value.uses()} == {"CacheAttention"}
     quantized = ir.load(trained_exports["kv-int8"] / "prefill.onnx")
     cpu_rewrites(quantized, kernel=True)
     with pytest.raises(PassInputError, match=r"past\.0\.key feeds .*only kvexport.s CacheAttention reads a paged cache"):
         PagedCachePass()(quantized)
+
+
+def test_speculative_rounds_over_the_paged_cache_give_the_slot_layouts_tokens(trained_all_logits: Path) -> None:
+    from kvexport.runtime.speculative import PromptLookup
+    from kvexport.serving.request import SamplingParams
+
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    prompt = [[int(t) for t in np.tile(np.arange(30, 50), 3)]]  # a repeating prompt: lookup drafts are kept
+    slots, _ = _run(trained_all_logits, prompt, params, slots=2, max_context=128, kv_layout="slots", drafter=PromptLookup())
+    paged, (stats, layout, _) = _run(trained_all_logits, prompt, params, slots=2, max_context=128, drafter=PromptLookup())
+    assert layout == "paged" and stats.accepted_tokens > 0  # type: ignore[attr-defined]
+    assert paged == slots

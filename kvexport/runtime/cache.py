@@ -225,7 +225,8 @@ class SlotCache:
 class PagedCache(SlotCache):
     """The serving engine's cache as a pool of ``blocks`` blocks of :data:`PAGE_TOKENS` positions, read through a block table.
 
-    One ``[blocks, H, PAGE_TOKENS, D]`` buffer per cache tensor, shared by every slot, and
+    One ``[H, blocks, PAGE_TOKENS, D]`` buffer per cache tensor (head-major: a KV head's
+    consecutive blocks are one run of memory), shared by every slot, and
     :attr:`tables` (int32 ``[slots, capacity / PAGE_TOKENS]``): slot s's position t is in
     block ``tables[s, t // PAGE_TOKENS]``. The graph reads it as its ``block_table`` input
     (:class:`~kvexport.passes.PagedCachePass`, kvexport's CPU kernel); a slot addresses
@@ -244,7 +245,8 @@ class PagedCache(SlotCache):
         self.cache_dtype, stored_dim = cache_layout_of(manifest)
         self.slots, self.blocks = slots, blocks
         self.row_shape = (dims.num_kv_heads, capacity, stored_dim)  # what a slot addresses
-        self.block_shape = (dims.num_kv_heads, PAGE_TOKENS, stored_dim)
+        self.block_shape = (dims.num_kv_heads, PAGE_TOKENS, stored_dim)  # one block's every head
+        self.pool_shape = (dims.num_kv_heads, blocks, PAGE_TOKENS, stored_dim)
         self.past = cache_names("past", dims.num_layers)
         self.present = cache_names("present", dims.num_layers)
         self.row_bytes = cache_row_bytes(manifest, capacity)
@@ -260,7 +262,7 @@ class PagedCache(SlotCache):
 
     def bind(self, binding: ort.IOBinding, first: int, rows: int, *, prefix: str = "") -> None:
         """Bind every tensor's pool as past and present, and rows ``first..first+rows`` of the tables as ``block_table``."""
-        shape = [self.blocks, *self.block_shape]
+        shape = list(self.pool_shape)
         for index, (past, present) in enumerate(zip(self.past, self.present, strict=True)):
             pointer = self.banks.pointers[0][index]
             binding.bind_input(prefix + past, "cpu", 0, self.cache_dtype, shape, pointer)
@@ -280,12 +282,12 @@ class PagedCache(SlotCache):
     def copy_blocks(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Copy block ``source`` into block ``target`` for each pair, every tensor."""
         for index in range(len(self.past)):
-            view = self.banks.host_view(0, index, (self.blocks, *self.block_shape))
+            view = self.banks.host_view(0, index, self.pool_shape)
             for source, target in pairs:
-                view[target] = view[source]
+                view[:, target] = view[:, source]
 
     def read(self, index: int, row: int, length: int) -> np.ndarray:
         """A host copy of cache tensor ``index`` of slot ``row``, its first ``length`` positions through its table: [1, H, length, D]."""
-        view = self.banks.host_view(0, index, (self.blocks, *self.block_shape))
+        view = self.banks.host_view(0, index, self.pool_shape)
         blocks = self.tables[row, : -(-length // PAGE_TOKENS)]
-        return np.concatenate([view[block] for block in blocks], axis=1)[None, :, :length].copy()
+        return np.concatenate([view[:, block] for block in blocks], axis=1)[None, :, :length].copy()

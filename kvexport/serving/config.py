@@ -56,7 +56,7 @@ class EngineConfig:
             an fp32 in-place cache, the kernels built, no fixed-address decode), else slots;
             ``paged`` (refused where it can't be) or ``slots``.
         kv_memory: the paged cache's pool, in bytes (default
-            :data:`~kvexport.serving.engine.DEFAULT_KV_MEMORY`): requests hold blocks of 16
+            :data:`~kvexport.serving.engine.DEFAULT_POOL_MEMORY`, 4 GiB): requests hold blocks of 16
             positions as they fill them, so memory follows the tokens in use. Over slots: size
             the slots from it instead (as many slots of ``max_context`` tokens as fit, in the
             export's cache dtype: an int8 cache holds 4x the fp32 cache's slots); it overrides
@@ -144,7 +144,7 @@ class EngineConfig:
     )
     kv_memory: int | None = setting(
         None,
-        "Cache memory (e.g. 2GiB, 500MB): the paged cache's pool (default 1 GiB, touched only as blocks fill); with "
+        "Cache memory (e.g. 2GiB, 500MB): the paged cache's pool (default 4 GiB, touched only as blocks fill); with "
         "the slot layout, size the slots from it instead: as many slots of --max-context tokens as fit in the "
         "export's cache dtype.",
         flag="--kv-memory",

@@ -90,7 +90,7 @@ from kvexport.serving.scheduler import (
 from kvexport.serving.slots import SlotTable
 
 __all__ = [
-    "DEFAULT_KV_MEMORY", "Engine", "EngineClosed", "EngineFull", "EngineListener", "EngineStats", "default_capacity",
+    "DEFAULT_KV_MEMORY", "DEFAULT_POOL_MEMORY", "Engine", "EngineClosed", "EngineFull", "EngineListener", "EngineStats", "default_capacity",
     "pool_blocks", "slot_bytes", "slots_for_memory",
 ]
 
@@ -100,6 +100,11 @@ __all__ = [
 # keeps GPT-2's whole context on 8 slots and gives the small Llama-style models 2-5k tokens a slot
 # (llama-server's default, -c 4096, is shared by all its slots).
 DEFAULT_KV_MEMORY = 1 << 30
+# The paged cache's pool where --kv-memory does not say it: 4 GiB, what vLLM's CPU backend set aside for its
+# KV cache on the same 24 GiB host (its log: "Explicitly set (4.0/23.54) GiB for KV cache"). It is reserved,
+# not touched: blocks take memory as requests first fill them (SmolLM2-135M: 64 requests of 640 tokens need
+# 1.77 GiB; the 1 GiB the slots share held 1,455 blocks of 16 and preempted at that load).
+DEFAULT_POOL_MEMORY = 4 << 30
 MIN_DEFAULT_CONTEXT = 512  # the least a slot gets by default, whatever the budget says (a large model's cache)
 
 
@@ -239,14 +244,14 @@ class Engine:
         if config.max_context is not None:
             self.capacity = config.max_context
         elif unpaged is None:
-            self.capacity = paged_capacity(self.manifest, config.kv_memory or DEFAULT_KV_MEMORY)
+            self.capacity = paged_capacity(self.manifest, config.kv_memory or DEFAULT_POOL_MEMORY)
         elif config.kv_memory is not None:
             self.capacity = dims.max_positions
         else:
             self.capacity = default_capacity(self.manifest, config.slots)
         if not 2 <= self.capacity <= dims.max_positions:
             raise KvexportError(f"max_context {self.capacity}: must be 2..{dims.max_positions} (the model's positions)")
-        blocks = None if unpaged is not None else pool_blocks(self.manifest, config.kv_memory or DEFAULT_KV_MEMORY, self.capacity)
+        blocks = None if unpaged is not None else pool_blocks(self.manifest, config.kv_memory or DEFAULT_POOL_MEMORY, self.capacity)
         if blocks is None and config.kv_memory is not None:
             config = self.config = config.updated(slots=slots_for_memory(self.manifest, self.capacity, config.kv_memory))
         self.slots, self.max_queue, self.chunk = config.slots, config.max_queue, config.chunk
