@@ -126,6 +126,12 @@ class SlotCache:
     """
 
     def __init__(self, manifest: Manifest, provider: str, slots: int, capacity: int) -> None:
+        self._describe(manifest, slots, capacity)
+        device = "cuda" if provider == "cuda" else "cpu"
+        self.banks = CacheBanks(len(self.past), slots * int(np.prod(self.row_shape)), self.cache_dtype, device, banks=1)
+
+    def _describe(self, manifest: Manifest, slots: int, capacity: int) -> None:
+        """What a slot addresses, whatever holds it: dtypes, a row's shape and bytes, the cache's names."""
         dims = manifest.dims
         self.manifest = manifest
         self.dtype = numpy_dtype(manifest.dtype)  # the logits'
@@ -135,8 +141,6 @@ class SlotCache:
         self.past = cache_names("past", dims.num_layers)
         self.present = cache_names("present", dims.num_layers)
         self.row_bytes = cache_row_bytes(manifest, capacity)
-        device = "cuda" if provider == "cuda" else "cpu"
-        self.banks = CacheBanks(len(self.past), slots * int(np.prod(self.row_shape)), self.cache_dtype, device, banks=1)
         self._row_bindings: dict[tuple[int, int, int], ort.IOBinding] = {}  # (session, first row, rows) -> binding
 
     def bind(self, binding: ort.IOBinding, first: int, rows: int, *, prefix: str = "") -> None:
@@ -221,7 +225,6 @@ class SlotCache:
         return self.banks.read(0, index, (self.slots, *self.row_shape))[row : row + 1, :, :length]
 
 
-
 class PagedCache(SlotCache):
     """The serving engine's cache as a pool of ``blocks`` blocks of :data:`PAGE_TOKENS` positions, read through a block table.
 
@@ -239,21 +242,14 @@ class PagedCache(SlotCache):
     def __init__(self, manifest: Manifest, provider: str, slots: int, capacity: int, blocks: int) -> None:
         if provider == "cuda":
             raise ManifestError("the paged cache runs on CPU only (kvexport's attention kernel reads it)")
-        dims = manifest.dims
-        self.manifest = manifest
-        self.dtype = numpy_dtype(manifest.dtype)
-        self.cache_dtype, stored_dim = cache_layout_of(manifest)
-        self.slots, self.blocks = slots, blocks
-        self.row_shape = (dims.num_kv_heads, capacity, stored_dim)  # what a slot addresses
-        self.block_shape = (dims.num_kv_heads, PAGE_TOKENS, stored_dim)  # one block's every head
-        self.pool_shape = (dims.num_kv_heads, blocks, PAGE_TOKENS, stored_dim)
-        self.past = cache_names("past", dims.num_layers)
-        self.present = cache_names("present", dims.num_layers)
-        self.row_bytes = cache_row_bytes(manifest, capacity)
+        self._describe(manifest, slots, capacity)
+        heads, _, stored_dim = self.row_shape
+        self.blocks = blocks
+        self.block_shape = (heads, PAGE_TOKENS, stored_dim)  # one block's every head
+        self.pool_shape = (heads, blocks, PAGE_TOKENS, stored_dim)
         self.block_bytes = cache_row_bytes(manifest, PAGE_TOKENS)
         self.banks = CacheBanks(len(self.past), blocks * int(np.prod(self.block_shape)), self.cache_dtype, "cpu", banks=1)
         self.tables = np.zeros((slots, -(-capacity // PAGE_TOKENS)), np.int32)
-        self._row_bindings = {}
 
     @property
     def pool_bytes(self) -> int:

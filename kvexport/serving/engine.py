@@ -136,6 +136,8 @@ def slots_for_memory(manifest: Manifest, capacity: int, budget: int) -> int:
 
 
 PAGED_CONTEXT = 8192  # the paged cache's default context, at most: a decode call's mask is as wide
+# blocks a pool needs beside one request's: the spare block, and one a shared prefix's partly valid block is copied into
+_BLOCKS_BESIDE = 2
 
 
 def paged_capacity(manifest: Manifest, budget: int) -> int:
@@ -143,14 +145,14 @@ def paged_capacity(manifest: Manifest, budget: int) -> int:
 
     The model's positions, at most :data:`PAGED_CONTEXT` and what one request can take of the pool.
     """
-    whole = (budget // slot_bytes(manifest, PAGE_TOKENS) - 2) * PAGE_TOKENS
+    whole = (budget // slot_bytes(manifest, PAGE_TOKENS) - _BLOCKS_BESIDE) * PAGE_TOKENS
     return max(2, min(manifest.dims.max_positions, PAGED_CONTEXT, whole))
 
 
 def pool_blocks(manifest: Manifest, budget: int, capacity: int) -> int:
     """Blocks of the paged cache that ``budget`` bytes hold (the spare one among them); one line if one request of ``capacity`` tokens does not fit."""
     blocks = budget // slot_bytes(manifest, PAGE_TOKENS)
-    needed = blocks_for(capacity) + 2  # the spare block, and one a shared prefix's partly valid block is copied into
+    needed = blocks_for(capacity) + _BLOCKS_BESIDE
     if blocks < needed:
         raise KvexportError(
             f"kv_memory {budget} bytes holds {blocks} blocks of {PAGE_TOKENS} tokens ({slot_bytes(manifest, PAGE_TOKENS)} bytes each "
@@ -239,19 +241,20 @@ class Engine:
         self.directory, self.manifest, self.provider = opened.directory, opened.manifest, opened.provider
         dims = self.manifest.dims
         unpaged = why_not_paged(config, opened)
+        pool_memory = config.kv_memory or DEFAULT_POOL_MEMORY
         if unpaged is not None and config.kv_layout == "paged":
             raise KvexportError(f"--kv-layout paged: no paged cache here ({unpaged}); use --kv-layout auto or slots")
         if config.max_context is not None:
             self.capacity = config.max_context
         elif unpaged is None:
-            self.capacity = paged_capacity(self.manifest, config.kv_memory or DEFAULT_POOL_MEMORY)
+            self.capacity = paged_capacity(self.manifest, pool_memory)
         elif config.kv_memory is not None:
             self.capacity = dims.max_positions
         else:
             self.capacity = default_capacity(self.manifest, config.slots)
         if not 2 <= self.capacity <= dims.max_positions:
             raise KvexportError(f"max_context {self.capacity}: must be 2..{dims.max_positions} (the model's positions)")
-        blocks = None if unpaged is not None else pool_blocks(self.manifest, config.kv_memory or DEFAULT_POOL_MEMORY, self.capacity)
+        blocks = None if unpaged is not None else pool_blocks(self.manifest, pool_memory, self.capacity)
         if blocks is None and config.kv_memory is not None:
             config = self.config = config.updated(slots=slots_for_memory(self.manifest, self.capacity, config.kv_memory))
         self.slots, self.max_queue, self.chunk = config.slots, config.max_queue, config.chunk

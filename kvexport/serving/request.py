@@ -251,7 +251,6 @@ class Request:
         self.output: list[int] = []
         self.cached_tokens = 0  # prompt tokens whose rows came from the prefix cache
         self.resume: list[int] | None = None  # preempted after its first token: what the cache must hold again
-        self.preempted = 0  # times its rows were given up for others' (the paged cache ran out)
         self.draft_budget: DraftBudget | None = None
         self._cancelled = cancelled if cancelled is not None else threading.Event()
 

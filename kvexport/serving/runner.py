@@ -119,7 +119,7 @@ class ModelRunner:
         paged_blocks: int | None = None,
     ) -> None:
         manifest = opened.manifest
-        paged = self.paged = paged_blocks is not None
+        paged = paged_blocks is not None
         if paged and (cuda_graph or static_decode):
             raise KvexportError("the paged cache has no fixed-address decode call (cuda_graph, static_decode): use the slot layout")
         self.drafter = drafter

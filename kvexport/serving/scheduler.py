@@ -581,7 +581,6 @@ class Scheduler:
         request.status, request.slot = Status.WAITING, -1
         request.prefilled = request.length = request.cached_tokens = 0
         request.resume = [*request.prompt, *request.output[:-1]] if request.output else None
-        request.preempted += 1
         self.waiting.appendleft(request)
         self._counters["preemptions"] += 1
 

@@ -141,8 +141,7 @@ class SlotTable:
         if not valid:
             resident.tokens.clear()
         if self.blocks is not None and (not valid or not self.prefix_cache):
-            self.blocks.release(slot)
-            resident.tokens.clear()
+            self._drop_blocks(slot)
 
     def reclaim(self, busy: Collection[int], needed: int) -> bool:
         """Paged: free slots give their cached blocks back, least recently used first, until ``needed`` are free; whether they are."""
@@ -153,9 +152,14 @@ class SlotTable:
         for _, slot in idle:
             if blocks.free >= needed:
                 break
-            blocks.release(slot)
-            self.residents[slot].tokens.clear()
+            self._drop_blocks(slot)
         return blocks.free >= needed
+
+    def _drop_blocks(self, slot: int) -> None:
+        """Paged: ``slot``'s blocks go back to the pool, and with them the tokens its rows held."""
+        assert self.blocks is not None
+        self.blocks.release(slot)
+        self.residents[slot].tokens.clear()
 
     def unpin(self, tokens: Sequence[int]) -> bool:
         """Free the pinned slot holding exactly ``tokens``; False if none does."""
@@ -171,4 +175,4 @@ class SlotTable:
             resident.tokens.clear()
             resident.pinned = False
             if self.blocks is not None:
-                self.blocks.release(slot)
+                self._drop_blocks(slot)
