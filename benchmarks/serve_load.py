@@ -334,6 +334,12 @@ def start_llama(
     return url, process
 
 
+def repository_relative(path: Path) -> str:
+    """``path`` from the checkout's root where it lies inside it (a results file names no path of this machine)."""
+    root, absolute = VLLM_PYTHON.parents[2], Path(os.path.abspath(path))  # not resolved: a venv's python is a link out of it
+    return str(absolute.relative_to(root)) if absolute.is_relative_to(root) else str(path)
+
+
 def vllm_python(choice: str) -> Path | None:
     """The vLLM venv's Python that ``--vllm`` names: ``auto`` (if it is there), ``none`` or a path."""
     if choice == "none":
@@ -563,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
         "slots": args.slots,
         "context": args.context,
         "threads": args.threads,
-        "vllm": {"python": str(vllm), "dtype": args.vllm_dtype} if vllm is not None else None,
+        "vllm": {"python": repository_relative(vllm), "dtype": args.vllm_dtype} if vllm is not None else None,
         "levels": levels,
         "seconds": round(time.perf_counter() - started, 1) if levels else 0.0,
     }
