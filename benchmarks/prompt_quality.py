@@ -1,12 +1,14 @@
 #!/usr/bin/env python
-"""What the bf16 prompt products cost in quality on real weights, as the engine serves: a prompt, then decode steps.
+"""What the engine's serving paths cost in quality on real weights, as it serves: a prompt, then decode steps.
 
 Outside CI. On windows of held-out text (``kvexport.testing.heldout_text``), each window's first
 ``--prompt`` tokens run as one prompt piece and the rest token by token through decode calls (the
 engine's :class:`~kvexport.serving.runner.ModelRunner`), so the prompt's cache shapes every later
-step. Each export's logits at the decode positions are judged against the fp32 export's, the
-same way: perplexity delta, top-1 agreement and mean KL. The quantized export runs twice: its
-prompts through its own blocks (``--prompt-products off``) and in bf16 (``auto``).
+step. Each export's logits at the decode positions are judged against the fp32 export's (fp32
+cache), the same way: perplexity delta, top-1 agreement and mean KL. The fp32 export runs again
+over an fp16 paged cache (the cache alone); each quantized export runs with its prompts through its
+own blocks (``--prompt-products off``), in bf16 (``auto``), then over an fp16 paged cache
+(``--kv-cache-dtype fp16``), and with its decode calls' products in bf16 too (a many-row decode call).
 
     .venv/bin/python benchmarks/prompt_quality.py --fp32 /tmp/smol-fp32 --export int8=/tmp/smol-int8 [--windows 8]
 
@@ -26,6 +28,7 @@ import numpy as np
 
 from kvexport.runtime.kernels import prompt_gemm_path
 from kvexport.runtime.opened import open_export
+from kvexport.serving.blocks import BlockManager, blocks_for
 from kvexport.serving.runner import ModelRunner
 from kvexport.testing import heldout_text
 
@@ -35,11 +38,22 @@ def _log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
-def served_logits(export: Path, windows: list[list[int]], prompt: int, products: bool) -> tuple[np.ndarray, str]:
-    """Log-probabilities at each window's decode positions [windows * (len - prompt), V], and the prompt path."""
+def served_logits(
+    export: Path, windows: list[list[int]], prompt: int, products: bool, pool: str | None = None, bf16_decode: bool = False
+) -> tuple[np.ndarray, str]:
+    """Log-probabilities at each window's decode positions [windows * (len - prompt), V], and the prompt path.
+
+    ``pool``: a paged cache of that dtype (None: the export's, in a slot); ``bf16_decode``: decode calls through the prompt session.
+    """
     opened = open_export(export, "cpu")
     length = len(windows[0])
-    runner = ModelRunner(opened, 1, length, intra_op_threads=2, prompt_products=products)
+    blocks = blocks_for(length) + 2 if pool is not None else None
+    runner = ModelRunner(
+        opened, 1, length, intra_op_threads=2, prompt_products=products, paged_blocks=blocks, pool_dtype=pool or "fp32",
+        bf16_decode_rows=1 if bf16_decode else 0,
+    )
+    if blocks is not None:
+        BlockManager(blocks, runner.cache.tables).grow(0, length)  # type: ignore[attr-defined]
     rows = []
     for window in windows:
         rows.append(runner.run_piece(0, window[:prompt], 0)[-1])
@@ -71,20 +85,28 @@ def main(argv: list[str] | None = None) -> int:
         "fp32_perplexity": round(float(np.exp(ref_nll)), 4), "rows": {},
     }
     print(f"fp32: perplexity {np.exp(ref_nll):.4f} over {len(targets)} tokens ({args.windows} windows, prompts of {args.prompt})")
+    runs = [("fp32, fp16 paged cache", args.fp32, False, "fp16", False)]
     for label, _, folder in (item.partition("=") for item in args.export):
-        for products in (False, True):
-            logprobs, path = served_logits(Path(folder), windows, args.prompt, products)
-            nll = -logprobs[np.arange(len(targets)), targets].mean()
-            kl = (np.exp(reference) * (reference - logprobs)).sum(axis=-1).mean()
-            row = {
-                "prompt_path": path,
-                "perplexity_delta_pct": round(100 * (np.exp(nll - ref_nll) - 1), 3),
-                "top1_vs_fp32_pct": round(100 * float((logprobs.argmax(-1) == reference.argmax(-1)).mean()), 2),
-                "mean_kl": round(float(kl), 5),
-            }
-            key = f"{label}, prompts {'in bf16' if products else 'through the blocks'}"
-            report["rows"][key] = row
-            print(f"{key}: {row}")
+        runs += [
+            (f"{label}, prompts through the blocks", Path(folder), False, None, False),
+            (f"{label}, prompts in bf16", Path(folder), True, None, False),
+            (f"{label}, prompts in bf16, fp16 paged cache", Path(folder), True, "fp16", False),
+            (f"{label}, prompts and decode in bf16, fp16 paged cache", Path(folder), True, "fp16", True),
+        ]
+    for key, folder, products, pool, bf16_decode in runs:
+        logprobs, path = served_logits(folder, windows, args.prompt, products, pool, bf16_decode)
+        nll = -logprobs[np.arange(len(targets)), targets].mean()
+        kl = (np.exp(reference) * (reference - logprobs)).sum(axis=-1).mean()
+        row = {
+            "prompt_path": path,
+            "cache": pool or "fp32",
+            "decode_products": "bf16" if bf16_decode else "the export's",
+            "perplexity_delta_pct": round(100 * (np.exp(nll - ref_nll) - 1), 3),
+            "top1_vs_fp32_pct": round(100 * float((logprobs.argmax(-1) == reference.argmax(-1)).mean()), 2),
+            "mean_kl": round(float(kl), 5),
+        }
+        report["rows"][key] = row
+        print(f"{key}: {row}", flush=True)
     args.results.mkdir(parents=True, exist_ok=True)
     written = args.results / f"prompt_quality-{args.name}.json"
     written.write_text(json.dumps(report, indent=2))

@@ -9,7 +9,8 @@ ran) and ``Shape`` nodes that read its first dimension (the batch), and makes th
   block ``block_table[b, t / block_size]`` of the pool;
 - the cache inputs and outputs become the pool, ``[H, kv_blocks, block_size, D]`` (head-major:
   a KV head's consecutive blocks are one run of memory), one buffer per tensor shared by every
-  row;
+  row; with ``dtype`` (``FLOAT16``) the pool holds that type, which the kernel converts as it
+  reads and writes (the queries, keys and values it computes with stay fp32);
 - a ``Shape`` that read the batch from a cache input reads it from the call's
   ``attention_mask`` (``decode.attention_mask``) instead: the pool's first dimension is its
   blocks.
@@ -33,8 +34,9 @@ _PREFIXES = ("decode.", "")  # the mixed step's decode half first: "decode.past.
 class PagedCachePass(InPlacePass):
     """Every in-place cache input as a pool of blocks read through a block table (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dtype: ir.DataType | None = None) -> None:
         super().__init__()
+        self.dtype = dtype  # the pool's element type (None: the cache's own)
         self.counts: dict[str, int] = {"nodes": 0}
 
     def requires(self, model: ir.Model) -> None:
@@ -75,11 +77,16 @@ class PagedCachePass(InPlacePass):
                         node.replace_input_with(at, item)
                     node.replace_input_with(7, tables[prefix])
                     self.counts["nodes"] += 1
-            value.shape = _pool_shape(value.shape)
+            self._as_pool(value)
         for value in graph.outputs:
             if _prefix_of((value.name or "").replace("present.", "past.", 1)) is not None:
-                value.shape = _pool_shape(value.shape)
+                self._as_pool(value)
         return PassResult(model, modified=bool(tables))
+
+    def _as_pool(self, value: ir.Value) -> None:
+        value.shape = _pool_shape(value.shape)
+        if self.dtype is not None:
+            value.type = ir.TensorType(self.dtype)
 
 
 def _prefix_of(name: str | None) -> str | None:

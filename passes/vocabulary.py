@@ -32,3 +32,5 @@ ROWS_AFTER_PAST = "kvexport.rows_after_past"
 # pool (kvexport.runtime.cache.PagedCache) and the engine's block manager (kvexport.serving.blocks) both count in
 BLOCK_TABLE = "block_table"
 PAGE_TOKENS = 16  # vLLM's default block size too
+# what a paged pool may hold: kvexport's kernel reads both, converting an fp16 pool as it reads and writes it
+POOL_DTYPES = ("fp32", "fp16")

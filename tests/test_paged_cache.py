@@ -24,22 +24,24 @@ def library() -> Path:
     return kernels.library_path() or kernels.build()
 
 
-def _session(library: Path, *, paged: bool, heads: int, kv_heads: int, size: int, window: int) -> ort.InferenceSession:
+def _session(
+    library: Path, *, paged: bool, heads: int, kv_heads: int, size: int, window: int, cache: int = TensorProto.FLOAT
+) -> ort.InferenceSession:
     float_ = TensorProto.FLOAT
     names = ["q", "k", "v", "past_key", "past_value", "seqlens", "", *(["block_table"] if paged else [])]
     inputs = [
         helper.make_tensor_value_info("q", float_, ["B", "S", heads * size]),
         helper.make_tensor_value_info("k", float_, ["B", "S", kv_heads * size]),
         helper.make_tensor_value_info("v", float_, ["B", "S", kv_heads * size]),
-        helper.make_tensor_value_info("past_key", float_, ["P0", "P1", "C", size]),
-        helper.make_tensor_value_info("past_value", float_, ["P0", "P1", "C", size]),
+        helper.make_tensor_value_info("past_key", cache, ["P0", "P1", "C", size]),
+        helper.make_tensor_value_info("past_value", cache, ["P0", "P1", "C", size]),
         helper.make_tensor_value_info("seqlens", TensorProto.INT32, ["B"]),
         *([helper.make_tensor_value_info("block_table", TensorProto.INT32, ["B", "W"])] if paged else []),
     ]
     outputs = [
         helper.make_tensor_value_info("out", float_, ["B", "S", heads * size]),
-        helper.make_tensor_value_info("present_key", float_, ["P0", "P1", "C", size]),
-        helper.make_tensor_value_info("present_value", float_, ["P0", "P1", "C", size]),
+        helper.make_tensor_value_info("present_key", cache, ["P0", "P1", "C", size]),
+        helper.make_tensor_value_info("present_value", cache, ["P0", "P1", "C", size]),
     ]
     node = helper.make_node(
         "CacheAttention", names, ["out", "present_key", "present_value"], domain="kvexport",
@@ -101,6 +103,70 @@ def test_paged_layout_matches_rows(
             np.testing.assert_array_equal(got, want[b, :, :n])
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size", "tokens", "lengths", "window"),
+    [
+        (6, 2, 64, 1, [5, 40, 17], -1),  # decode rows
+        (3, 3, 20, 1, [1, 63], 9),  # a head size the vector loops don't divide, a window
+        (6, 2, 64, 7, [30, 7, 44], -1),  # pieces after pasts
+        (4, 1, 32, 33, [33, 40], 20),  # long pieces, a window
+    ],
+)
+def test_fp16_pool_matches_fp32_rows(
+    library: Path, heads: int, kv_heads: int, size: int, tokens: int, lengths: list[int], window: int
+) -> None:
+    """An fp16 pool reads and writes what an fp32 cache holds after rounding to fp16: the same outputs, the new rows in fp16."""
+    rng = np.random.default_rng(7 * tokens + size)
+    batch, block, capacity = len(lengths), 8, 64
+    width = capacity // block
+    past = rng.standard_normal((2, batch, kv_heads, capacity, size)).astype(np.float16).astype(np.float32)
+    q = rng.standard_normal((batch, tokens, heads * size)).astype(np.float32)
+    k = rng.standard_normal((batch, tokens, kv_heads * size)).astype(np.float32)
+    v = rng.standard_normal((batch, tokens, kv_heads * size)).astype(np.float32)
+    seqlens = np.array([n - 1 for n in lengths], np.int32)
+    pool_blocks = batch * width + 3
+    table = rng.permutation(pool_blocks)[: batch * width].reshape(batch, width).astype(np.int32)
+
+    rows = _session(library, paged=False, heads=heads, kv_heads=kv_heads, size=size, window=window)
+    rounded = {"k": k.astype(np.float16).astype(np.float32), "v": v.astype(np.float16).astype(np.float32)}
+    out, key_rows, value_rows = rows.run(None, {"q": q, **rounded, "past_key": past[0], "past_value": past[1], "seqlens": seqlens})
+    half = _session(library, paged=True, heads=heads, kv_heads=kv_heads, size=size, window=window, cache=TensorProto.FLOAT16)
+    feeds = {
+        "q": q, "k": k, "v": v, "seqlens": seqlens, "block_table": table,
+        "past_key": _to_pool(past[0], table, pool_blocks, block).astype(np.float16),
+        "past_value": _to_pool(past[1], table, pool_blocks, block).astype(np.float16),
+    }
+    half_out, key_pool, value_pool = half.run(None, feeds)
+    assert key_pool.dtype == np.float16
+    np.testing.assert_allclose(half_out, out, rtol=1e-5, atol=1e-5)
+    for pool, want in ((key_pool, key_rows), (value_pool, value_rows)):
+        for b, n in enumerate(lengths):  # the new rows rounded to nearest even, as numpy rounds them
+            got = np.stack([pool[:, table[b, t // block], t % block] for t in range(n)], axis=1)
+            np.testing.assert_array_equal(got.astype(np.float32), want[b, :, :n])
+
+
+def test_fp16_writes_round_as_numpy(library: Path) -> None:
+    """New rows go into an fp16 pool rounded as numpy rounds: ties to even, subnormals, overflow to inf, NaN kept.
+
+    A head size of 20: the first 16 values of a row take the vector conversion, the last 4 the portable one.
+    """
+    specials = np.array([1.0, 1 + 2**-11, 1 + 3 * 2**-11, 65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 2**-24 * 1.5,
+                         -0.0, 1e-5, 2.0 / 3.0, -1.0 / 3.0, 1e-40, np.pi], np.float32)
+    row = np.concatenate([specials, specials[[1, 2, 4, 9]]])  # the portable tail gets ties and a subnormal too
+    size, block = 20, 8
+    session = _session(library, paged=True, heads=1, kv_heads=1, size=size, window=-1, cache=TensorProto.FLOAT16)
+    pool = np.zeros((1, 2, block, size), np.float16)
+    feeds = {
+        "q": np.zeros((1, 1, size), np.float32), "k": row[None, None], "v": -row[None, None],
+        "past_key": pool, "past_value": pool.copy(), "seqlens": np.array([0], np.int32), "block_table": np.array([[1]], np.int32),
+    }
+    _, keys, values = session.run(None, feeds)
+    with np.errstate(over="ignore"):  # 65520 and 1e6 overflow to inf, as they should
+        want = row.astype(np.float16)
+    np.testing.assert_array_equal(keys[0, 1, 0].view(np.uint16), want.view(np.uint16))
+    np.testing.assert_array_equal(values[0, 1, 0].view(np.uint16), (-want).view(np.uint16))
+
+
 def test_paged_table_outside_the_pool_is_refused(library: Path) -> None:
     session = _session(library, paged=True, heads=2, kv_heads=1, size=16, window=-1)
     pool = np.zeros((1, 4, 8, 16), np.float32)
@@ -148,10 +214,28 @@ def test_paged_engine_gives_the_slot_layouts_tokens(llama: Path) -> None:
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     prompts = _prompts(7, 1) + _prompts(5, 2, shared=37)  # ragged, batched, and a prefix that spans blocks
     slots, (_, layout, _) = _run(llama, prompts, params, slots=4, max_context=128, kv_layout="slots")
-    paged, (stats, paged_layout, _blocks) = _run(llama, prompts, params, slots=4, max_context=128)
+    paged, (stats, paged_layout, _blocks) = _run(llama, prompts, params, slots=4, max_context=128, kv_cache_dtype="fp32")
     assert layout.startswith("slots") and paged_layout == "paged"
     assert paged == slots
     assert stats.prefix_hits > 0 and stats.preemptions == 0  # type: ignore[attr-defined]
+
+
+def test_an_fp16_pool_keeps_the_fp32_caches_greedy_tokens_and_logprobs(llama: Path) -> None:
+    """The default pool holds fp16: on the trained model its greedy tokens are the fp32 cache's, log-probabilities within 5e-3 (fp16 keeps 11 bits)."""
+    from kvexport.serving.engine import Engine
+    from kvexport.serving.request import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=0)
+    prompts = _prompts(6, 5) + _prompts(3, 6, shared=37)
+    results: dict[str, list[list[tuple[int, float]]]] = {}
+    for dtype in ("fp32", "fp16"):
+        with Engine(llama, slots=4, max_context=128, kv_cache_dtype=dtype, warm_up=0) as engine:
+            assert engine.cache_dtype == dtype and engine.runner.cache.cache_dtype == np.dtype(dtype.replace("fp", "float"))
+            states = [engine.submit(prompt, params) for prompt in prompts]
+            results[dtype] = [[(e.token_id, e.logprob.logprob) for e in state if e.logprob is not None] for state in states]  # type: ignore[misc]
+    for full, half in zip(results["fp32"], results["fp16"], strict=True):
+        assert [token for token, _ in half] == [token for token, _ in full] and len(full) == 24
+        np.testing.assert_allclose([lp for _, lp in half], [lp for _, lp in full], atol=5e-3)
 
 
 def test_preempted_requests_finish_with_the_uninterrupted_tokens(llama: Path) -> None:
@@ -163,7 +247,7 @@ def test_preempted_requests_finish_with_the_uninterrupted_tokens(llama: Path) ->
     prompts = _prompts(6, 3)
     block = slot_bytes(open_export(llama, "cpu").manifest, 16)
     whole, _ = _run(llama, prompts, params, slots=6, max_context=96, kv_layout="slots")
-    small, (stats, _, _blocks) = _run(llama, prompts, params, slots=6, max_context=96, kv_memory=10 * block)
+    small, (stats, _, _blocks) = _run(llama, prompts, params, slots=6, max_context=96, kv_memory=10 * block, kv_cache_dtype="fp32")
     assert stats.preemptions > 0  # type: ignore[attr-defined]
     assert small == whole
 
@@ -190,12 +274,17 @@ def test_a_soak_with_hang_ups_and_a_small_pool_ends_with_every_block_free(llama:
 
 def test_a_pool_too_small_for_one_request_is_refused_at_start(llama: Path) -> None:
     from kvexport.errors import KvexportError
+    from kvexport.runtime.cache import pool_manifest
     from kvexport.runtime.opened import open_export
     from kvexport.serving.engine import Engine, slot_bytes
 
-    block = slot_bytes(open_export(llama, "cpu").manifest, 16)
-    with pytest.raises(KvexportError, match=r"holds 5 blocks of 16 tokens .* one request of max_context 96 tokens needs 8"):
-        Engine(llama, max_context=96, kv_memory=5 * block, warm_up=0)
+    block = slot_bytes(pool_manifest(open_export(llama, "cpu").manifest, "fp16"), 16)  # an fp16 pool's block
+    with pytest.raises(KvexportError, match=r"holds 5 blocks of 16 tokens .* fp16 cache\); one request of max_context 96 tokens needs 8"):
+        Engine(llama, max_context=96, kv_memory=5 * block, kv_cache_dtype="fp16", warm_up=0)
+    with pytest.raises(KvexportError, match=r"holds 2 blocks of 16 tokens .* fp32 cache\); one request"):
+        Engine(llama, max_context=96, kv_memory=5 * block, warm_up=0)  # a float export's pool stays fp32: twice the bytes
+    with pytest.raises(KvexportError, match=r"--kv-cache-dtype fp16: the cache stays in slots here \(--kv-layout slots\)"):
+        Engine(llama, kv_layout="slots", kv_cache_dtype="fp16", warm_up=0)
 
 
 def test_paged_is_refused_where_the_kernel_does_not_read_the_cache(trained_exports: dict[str, Path]) -> None:
@@ -237,6 +326,36 @@ def test_speculative_rounds_over_the_paged_cache_give_the_slot_layouts_tokens(tr
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     prompt = [[int(t) for t in np.tile(np.arange(30, 50), 3)]]  # a repeating prompt: lookup drafts are kept
     slots, _ = _run(trained_all_logits, prompt, params, slots=2, max_context=128, kv_layout="slots", drafter=PromptLookup())
-    paged, (stats, layout, _) = _run(trained_all_logits, prompt, params, slots=2, max_context=128, drafter=PromptLookup())
+    paged, (stats, layout, _) = _run(trained_all_logits, prompt, params, slots=2, max_context=128, drafter=PromptLookup(), kv_cache_dtype="fp32")
     assert layout == "paged" and stats.accepted_tokens > 0  # type: ignore[attr-defined]
     assert paged == slots
+
+
+def test_decode_calls_of_many_rows_run_the_bf16_products_row_by_row(trained_exports: dict[str, Path]) -> None:
+    """``bf16_decode_rows``: a call of that many rows runs through the prompts' bf16 session, each row as it would alone
+    there; fewer rows keep the export's int8 blocks."""
+    from kvexport.runtime.opened import open_export
+    from kvexport.serving.runner import ModelRunner
+
+    opened = open_export(trained_exports["int8"], "cpu")
+    rng = np.random.default_rng(11)
+    prompts = [[int(t) for t in rng.integers(5, 250, n)] for n in (9, 30, 17, 4)]
+    tokens, positions = [7, 8, 9, 10], [len(p) for p in prompts]
+
+    def decoded(threshold: int, rows: int, alone: bool = False) -> np.ndarray:
+        runner = ModelRunner(opened, 4, 64, prompt_products=True, bf16_decode_rows=threshold)
+        if runner.prompt_session is None:
+            pytest.skip(f"no bf16 session here: {runner.prompt_products}")
+        for slot, prompt in enumerate(prompts):
+            runner.run_piece(slot, prompt, 0)
+        if alone:  # each row in a call of its own: rows 1.. are the call's last row, earlier rows fed their own past's token
+            return np.stack([runner.decode(tokens[: r + 1], positions[: r + 1])[r].astype(np.float32) for r in range(rows)])
+        return np.array(runner.decode(tokens[:rows], positions[:rows]), np.float32)
+
+    many = decoded(4, 4)
+    few = decoded(4, 3)
+    blocks = decoded(0, 4)
+    np.testing.assert_allclose(few, blocks[:3], atol=1e-5)  # 3 rows < 4: the blocks
+    np.testing.assert_allclose(many, decoded(1, 4, alone=True), atol=1e-4)  # 4 rows: bf16, the rows' numbers alone
+    assert np.abs(many - blocks).max() > 1e-3  # and not the blocks'
+    assert (many.argmax(-1) == blocks.argmax(-1)).all()

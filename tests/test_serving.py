@@ -36,6 +36,9 @@ from kvexport.serving.output import RequestState
 from kvexport.testing import app_in_thread
 from tests.conftest import TRAINED
 
+# the engine's tokens equal the Generator's over an fp32 cache with decode calls on the export's blocks; a quantized
+# export's defaults (an fp16 pool, decode calls of 16+ rows in bf16) are judged in tests/test_paged_cache.py
+EXACT: dict[str, object] = {"kv_cache_dtype": "fp32", "bf16_decode_rows": 0}
 HELDOUT_IDS = Tokenizer.from_file(str(TRAINED / "tokenizer.json")).encode((TRAINED / "heldout.txt").read_text()).ids
 
 
@@ -57,7 +60,8 @@ def test_sixteen_greedy_requests_at_once_give_each_prompts_own_tokens(trained_ex
     alone = Generator(export)
     want = [alone.generate([p], 24, eos_token_id=-1)[0, len(p) :].tolist() for p in prompts]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    with Engine(export, slots=16, max_context=160, chunk=48) as engine:
+    exact = {} if scheme == "kv-int8" else EXACT  # an 8-bit cache stays in slots, in its own dtype
+    with Engine(export, slots=16, max_context=160, chunk=48, **exact) as engine:
         handles = engine.submit_all([(p, greedy) for p in prompts])  # all at once: one step admits them all
         got = [h.result() for h in handles]
         stats = engine.stats()
@@ -79,7 +83,7 @@ def test_a_long_prompt_arriving_while_others_decode_changes_no_tokens(trained_ex
     alone = Generator(export)
     want = [alone.generate([p], 64, eos_token_id=-1)[0, len(p) :].tolist() for p in short]
     want.append(alone.generate([long], 16, eos_token_id=-1)[0, len(long) :].tolist())
-    with Engine(export, slots=4, max_context=240, chunk=24) as engine:  # the long prompt takes 9 chunks
+    with Engine(export, slots=4, max_context=240, chunk=24, **EXACT) as engine:  # the long prompt takes 9 chunks
         running = [engine.submit(p, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)) for p in short]
         streams = [iter(handle) for handle in running]
         early = [[next(stream).token_id for _ in range(4)] for stream in streams]  # all decoding now
@@ -99,7 +103,7 @@ def test_requests_reaching_an_idle_engine_one_by_one_are_gathered_into_one_prefi
     alone = Generator(export)
     want = [alone.generate([p], 8, eos_token_id=-1)[0, len(p) :].tolist() for p in prompts]
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    with Engine(export, slots=4, max_context=96, gather_ms=500) as engine:
+    with Engine(export, slots=4, max_context=96, gather_ms=500, **EXACT) as engine:
         handles = []
         for prompt in prompts:  # one by one, 50 ms apart, as a server's requests may come: each within the gap
             handles.append(engine.submit(prompt, greedy))
@@ -119,7 +123,7 @@ def test_requests_arriving_during_a_bursts_step_join_its_next_shared_call(traine
     alone = Generator(export)
     want = [alone.generate([p], 6, eos_token_id=-1)[0, len(p) :].tolist() for p in early + late]
     greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    with Engine(export, slots=8, max_context=96, chunk=16, batch_tokens=64) as engine:
+    with Engine(export, slots=8, max_context=96, chunk=16, batch_tokens=64, **EXACT) as engine:
         calls: list[tuple[str, int, int]] = []  # (kind, first slot, start), in the order they ran
         run_rows, run_piece = engine.runner.run_rows, engine.runner.run_piece
         late_handles: list[Any] = []

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import mmap
 import sys
 from collections.abc import Sequence
@@ -20,11 +21,18 @@ import onnxruntime as ort
 from kvexport.bundle.manifest import Manifest
 from kvexport.errors import ManifestError
 from kvexport.passes.cache_names import cache_names
-from kvexport.passes.vocabulary import BLOCK_TABLE, PAGE_TOKENS
+from kvexport.passes.vocabulary import BLOCK_TABLE, PAGE_TOKENS, POOL_DTYPES
 
 _NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.float16}
 # a cache's element type: the graph's float, or int8 / int4 (two 4-bit values a uint8)
 _CACHE_DTYPES: dict[str, type[np.generic]] = {**_NP_DTYPES, "int8": np.int8, "int4": np.uint8}
+
+
+def pool_manifest(manifest: Manifest, dtype: str) -> Manifest:
+    """``manifest`` as a paged pool of ``dtype`` (:data:`POOL_DTYPES`) sees it: the same, with that cache dtype."""
+    if dtype not in POOL_DTYPES:
+        raise ManifestError(f"a paged cache of {dtype}: choose {', '.join(POOL_DTYPES)}")
+    return dataclasses.replace(manifest, cache={**manifest.cache, "dtype": dtype})
 
 
 def numpy_dtype(dtype: str) -> type[np.floating[Any]]:

@@ -26,6 +26,7 @@ from kvexport.passes.vocabulary import (
     MATMUL_INTEGER_TO_FLOAT,
     MATMUL_NBITS,
     MS_DOMAIN,
+    POOL_DTYPES,
 )
 from kvexport.runtime.kernels import KERNELS_VARIABLE, library_path
 
@@ -178,15 +179,15 @@ def open_session(
     options: ort.SessionOptions | None = None,
     *,
     cuda_graph: bool = False,
-    paged: bool = False,
+    paged: str | None = None,
 ) -> ort.InferenceSession:
     """Open one graph on the resolved provider, after checking its external data is safe.
 
     ``options`` defaults to :func:`session_options`; CPU backs CUDA for the ops it lacks.
     ``cuda_graph``: the CUDA provider may capture runs as CUDA graphs (a run's
     ``gpu_graph_id`` says which, :func:`kvexport.runtime.cuda_graph.graph_run_options`);
-    refused on CPU. ``paged``: the cache as a pool of blocks read through a block table
-    (:func:`page_cache`; CPU only).
+    refused on CPU. ``paged``: the cache as a pool of blocks of that element type (``fp32``,
+    ``fp16``) read through a block table (:func:`page_cache`; CPU only); None: the export's cache.
     """
     check_external_data(graph_path)
     resolved = resolve_provider(provider)
@@ -213,7 +214,7 @@ def prompt_attention_products() -> bool:
     return choice == "products"
 
 
-def cpu_graph(graph_path: Path, options: ort.SessionOptions, *, paged: bool = False) -> str | bytes:
+def cpu_graph(graph_path: Path, options: ort.SessionOptions, *, paged: str | None = None) -> str | bytes:
     """What a CPU session of ``graph_path`` loads: its path, or the graph rewritten for this CPU.
 
     Where :func:`signed_int8_weights` holds, per-channel weights are read as int8; where
@@ -225,7 +226,7 @@ def cpu_graph(graph_path: Path, options: ort.SessionOptions, *, paged: bool = Fa
     rewritten graph comes as bytes, and ``options`` is told where its data file is: only
     the graph is read here, the weights stay in the export's data file, and ONNX Runtime
     folds the int8 codes from them when the session loads. ``paged``: the cache becomes a pool
-    of blocks (:func:`page_cache`) too.
+    of blocks of that element type (:func:`page_cache`) too.
     """
     kernels = library_path()
     ops = graph_ops(onnx.load(str(graph_path), load_external_data=False).graph)
@@ -266,7 +267,7 @@ def _register_kernels(ops: set[tuple[str, str]], graph_path: Path, kernels: Path
 
 
 def _cpu_rewrite(
-    graph_path: Path, ops: set[tuple[str, str]], kernels: Path | None, *, paged: bool = False
+    graph_path: Path, ops: set[tuple[str, str]], kernels: Path | None, *, paged: str | None = None
 ) -> tuple[bytes, set[tuple[str, str]]] | None:
     """The graph at ``graph_path`` (whose ops are ``ops``) after the CPU rewrites, and its ops; None where none changed it.
 
@@ -284,7 +285,7 @@ def _cpu_rewrite(
     model = ir.load(graph_path)
     changed = cpu_rewrites(model, **choices)
     if paged:
-        page_cache(model, graph_path)
+        page_cache(model, graph_path, paged)
     elif not changed:
         return None
     proto = ir.to_proto(model)
@@ -323,17 +324,21 @@ def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | Non
     return bool(pipeline) and PassManager(pipeline)(model).modified
 
 
-def page_cache(model: Any, graph_path: Path) -> None:
-    """Make ``model``'s in-place cache a pool of blocks read through a block table (:class:`~kvexport.passes.PagedCachePass`).
+def page_cache(model: Any, graph_path: Path, dtype: str) -> None:
+    """Make ``model``'s in-place cache a pool of ``dtype`` (fp32, fp16) blocks read through a block table (:class:`~kvexport.passes.PagedCachePass`).
 
     Run after :func:`cpu_rewrites`: only kvexport's attention kernel reads a paged cache, so a
     graph where another op reads the cache (an 8-bit cache's), or where the kernel library is
     not built, is refused in one :class:`ManifestError` line.
     """
+    import onnx_ir as ir
+
     from kvexport.passes import PagedCachePass, PassInputError
 
+    if dtype not in POOL_DTYPES:
+        raise ManifestError(f"a paged cache of {dtype}: choose {', '.join(POOL_DTYPES)}")
     try:
-        PagedCachePass()(model)
+        PagedCachePass(ir.DataType.FLOAT16 if dtype == "fp16" else None)(model)
     except PassInputError as exc:
         raise ManifestError(f"{graph_path}: no paged cache for this graph ({first_line(exc)})") from exc
 
@@ -374,7 +379,7 @@ def open_mixed_session(
     options: ort.SessionOptions | None = None,
     *,
     all_logits: bool = False,
-    paged: bool = False,
+    paged: str | None = None,
 ) -> ort.InferenceSession:
     """Open the mixed step's graph, derived from an in-place prefill graph (:func:`kvexport.passes.mixed_step.mixed_step`).
 
@@ -397,7 +402,7 @@ def open_mixed_session(
         kernels = library_path()
         cpu_rewrites(model, products=False, kernel=kernels is not None)
     if paged:
-        page_cache(model, graph_path)
+        page_cache(model, graph_path, paged)
     proto = ir.to_proto(model)
     _register_kernels(graph_ops(proto.graph), graph_path, kernels, options)
     options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(graph_path.parent))
@@ -405,7 +410,7 @@ def open_mixed_session(
 
 
 def prompt_session_for(
-    graph_path: Path, provider: str, options: ort.SessionOptions, vocab_size: int, *, paged: bool = False
+    graph_path: Path, provider: str, options: ort.SessionOptions, vocab_size: int, *, paged: str | None = None
 ) -> tuple[ort.InferenceSession | None, str]:
     """The session for prompts where this CPU has bf16 units (:func:`open_prompt_session`), and its kernel path or why none.
 
@@ -423,7 +428,7 @@ def prompt_session_for(
 
 
 def open_prompt_session(
-    graph_path: Path, options: ort.SessionOptions | None = None, *, skip_width: int | None = None, paged: bool = False
+    graph_path: Path, options: ort.SessionOptions | None = None, *, skip_width: int | None = None, paged: str | None = None
 ) -> ort.InferenceSession | None:
     """A CPU session of ``graph_path`` for prompts: its block-quantized products in bf16 (:class:`~kvexport.passes.PromptProductsPass`).
 
@@ -449,7 +454,7 @@ def open_prompt_session(
     if not products(model).modified:
         return None
     if paged:
-        page_cache(model, graph_path)
+        page_cache(model, graph_path, paged)
     options = options or session_options()
     proto = ir.to_proto(model)
     del model

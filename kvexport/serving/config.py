@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from kvexport.drafting import DEFAULT_DRAFT_TOKENS
 from kvexport.errors import KvexportError
+from kvexport.passes.vocabulary import POOL_DTYPES
 from kvexport.serving.request import MAX_LOGPROBS
 
 if TYPE_CHECKING:
@@ -61,6 +62,11 @@ class EngineConfig:
             the slots from it instead (as many slots of ``max_context`` tokens as fit, in the
             export's cache dtype: an int8 cache holds 4x the fp32 cache's slots); it overrides
             ``slots`` there (the CLI refuses both with ``--kv-layout slots``).
+        kv_cache_dtype: the paged pool's element type: ``auto`` (the default: fp16 over the
+            paged cache of an export with quantized weights, else the export's own cache dtype),
+            ``fp16`` (half the bytes of an fp32 export's cache: the kernel converts keys and values
+            as it writes and reads them, and computes in fp32) or ``fp32``. Over slots only the
+            export's own is taken.
         max_queue: requests that may wait for a slot; more are refused.
         chunk: the most tokens of one prompt in one prefill call (prompts that share a call,
             ``batch_prompts``, take up to this many each).
@@ -84,6 +90,11 @@ class EngineConfig:
             float product: the activations are not quantized to int8), as the
             :class:`~kvexport.runtime.generator.Generator`'s do. ``off``: one session for
             everything, prompts through the export's blocks.
+        bf16_decode_rows: decode calls of at least this many rows run through that bf16 session
+            too (where there is one; 0: never). A call of many rows is compute-bound on the
+            blocks' int8 arithmetic, where bf16 runs on the AMX tiles; a call of a few rows reads
+            the weights, where the int8 blocks are half the bytes. A request's tokens then depend on
+            how many rows its decode calls ran with, by bf16's rounding (closer to the float model).
         batch_prompts: on CPU, prefill fresh prompts' first pieces (up to ``chunk`` tokens,
             cut to one length) in consecutive slots as one call, as a burst of requests
             brings them (:class:`~kvexport.serving.scheduler.PrefillBatch`): the same rows
@@ -149,6 +160,14 @@ class EngineConfig:
         "export's cache dtype.",
         flag="--kv-memory",
     )
+    kv_cache_dtype: str = setting(
+        "auto",
+        "What the paged cache holds: fp16 (half an fp32 export's cache bytes; kvexport's kernel converts as it reads "
+        "and writes, and computes in fp32), fp32, or auto (fp16 over the paged cache of a quantized export, else the "
+        "export's own).",
+        flag="--kv-cache-dtype",
+        choices=("auto", *POOL_DTYPES),
+    )
     max_queue: int = setting(
         64,
         "Requests that may wait for a slot; more get 503 with Retry-After. Size it to the most requests your clients "
@@ -186,6 +205,14 @@ class EngineConfig:
         "memory) or off (the export's blocks, as decode calls).",
         flag="--prompt-products",
         choices=("auto", "off"),
+    )
+    bf16_decode_rows: int = setting(
+        16,
+        "Decode calls of at least this many rows run their int8/int4 block products in bf16 too, through the prompts' "
+        "session (with --prompt-products auto on AMX): many rows are compute-bound on the blocks' int8 arithmetic, a few "
+        "read the weights, where the blocks are half the bytes. 0: decode calls always keep the blocks.",
+        flag="--bf16-decode-rows",
+        low=0,
     )
     batch_prompts: bool = setting(
         True,

@@ -26,7 +26,7 @@ prompt chunk into its slot and decodes the running rows, the chunk's and the row
 packed into the same GEMMs. It packs the weights a second time (that session's memory).
 
 With ``paged_blocks`` (CPU, an fp32 cache kvexport's kernel reads) the cache is a pool of that
-many blocks (:class:`~kvexport.runtime.cache.PagedCache`) and every session reads it through
+many blocks of ``pool_dtype`` (fp32, or fp16: half the bytes, converted by the kernel as it reads and writes) (:class:`~kvexport.runtime.cache.PagedCache`) and every session reads it through
 its ``block_table`` input (:class:`~kvexport.passes.PagedCachePass`): a slot is a row of the
 table, and the scheduler's :class:`~kvexport.serving.blocks.BlockManager` writes the table in
 place. Bindings stay as they are (the table's rows are bound by address); a prefix is shared
@@ -44,7 +44,7 @@ import onnxruntime as ort
 
 from kvexport.errors import KvexportError, first_line
 from kvexport.passes.vocabulary import ROWS_AFTER_PAST
-from kvexport.runtime.cache import PagedCache, SlotCache, numpy_dtype
+from kvexport.runtime.cache import PagedCache, SlotCache, numpy_dtype, pool_manifest
 from kvexport.runtime.cuda_graph import (
     NO_CAPTURE,
     FixedDecode,
@@ -99,8 +99,8 @@ class ModelRunner:
 
     ``cuda_graph``: capture each row count's decode call as a CUDA graph (CUDA only, a graph
     a capture can hold); ``static_decode``: the same fixed-address decode call uncaptured.
-    ``paged_blocks``: the paged cache's pool, in blocks (see the module docstring); a graph the
-    kernel can't page raises :class:`~kvexport.errors.ManifestError`.
+    ``paged_blocks``: the paged cache's pool, in blocks of ``pool_dtype`` (see the module docstring);
+    a graph the kernel can't page raises :class:`~kvexport.errors.ManifestError`.
     """
 
     def __init__(
@@ -117,9 +117,11 @@ class ModelRunner:
         static_decode: bool = False,
         prompt_products: bool = False,
         paged_blocks: int | None = None,
+        pool_dtype: str = "fp32",
+        bf16_decode_rows: int = 0,
     ) -> None:
         manifest = opened.manifest
-        paged = paged_blocks is not None
+        paged = pool_dtype if paged_blocks is not None else None
         if paged and (cuda_graph or static_decode):
             raise KvexportError("the paged cache has no fixed-address decode call (cuda_graph, static_decode): use the slot layout")
         self.drafter = drafter
@@ -145,6 +147,7 @@ class ModelRunner:
                 )
             except (KvexportError, ValueError, ImportError) as exc:
                 self.unmixed_because = f"{type(exc).__name__}: {first_line(exc)}"
+        self.bf16_decode_rows = bf16_decode_rows  # decode calls of at least this many rows run through the prompt session (0: none)
         self.prompt_session: ort.InferenceSession | None = None
         self.prompt_products = "not asked for"  # the prompt session's kernel path, or why there is none
         if prompt_products:
@@ -153,7 +156,7 @@ class ModelRunner:
                 graph, opened.provider, options, self.vocab_size, paged=paged
             )
         self.cache: SlotCache = (
-            PagedCache(manifest, opened.provider, slots, capacity, paged_blocks)
+            PagedCache(pool_manifest(manifest, pool_dtype), opened.provider, slots, capacity, paged_blocks)
             if paged_blocks is not None
             else SlotCache(manifest, opened.provider, slots, capacity)
         )
@@ -162,7 +165,7 @@ class ModelRunner:
         self._positions = np.zeros((slots, 1), np.int64)
         self._mask = np.zeros((slots, capacity), np.int64)
         self._logits = np.zeros((slots, 1, self.vocab_size), self.dtype)
-        self._bindings: dict[int, ort.IOBinding] = {}
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (id of the session, rows) -> its decode binding
         self._mixed_bindings: dict[tuple[int, int], ort.IOBinding] = {}
 
     def execute(self, plan: CallPlan, *, sampling: tuple[SamplingConfig, np.random.Generator] | None = None) -> ModelOutput:
@@ -295,7 +298,10 @@ class ModelRunner:
         if self.cuda_graph or self.static_decode:
             logits = self._fixed_decode(rows).run(self._ids[:rows], self._mask[:rows], self._positions[:rows])
             return logits[:, 0, :]
-        self.session.run_with_iobinding(self._decode_binding(rows))
+        session = self.session
+        if self.prompt_session is not None and 0 < self.bf16_decode_rows <= rows:
+            session = self.prompt_session
+        session.run_with_iobinding(self._decode_binding(session, rows))
         return self._logits[:rows, 0, :]
 
     def _fixed_decode(self, rows: int) -> FixedDecode:
@@ -347,15 +353,15 @@ class ModelRunner:
         for row, position in enumerate(positions):
             self._mask[row, : position + 1] = 1
 
-    def _decode_binding(self, rows: int) -> ort.IOBinding:
-        """The binding of the first ``rows`` slots, made once per row count and kept."""
-        binding = self._bindings.get(rows)
+    def _decode_binding(self, session: ort.InferenceSession, rows: int) -> ort.IOBinding:
+        """``session``'s binding of the first ``rows`` slots, made once per session and row count and kept."""
+        binding = self._bindings.get((id(session), rows))
         if binding is not None:
             return binding
-        binding = self.session.io_binding()
+        binding = session.io_binding()
         for name, array in (("input_ids", self._ids), ("position_ids", self._positions), ("attention_mask", self._mask)):
             binding.bind_input(name, "cpu", 0, np.int64, [rows, *array.shape[1:]], array.ctypes.data)
         binding.bind_output("logits", "cpu", 0, self.dtype, [rows, 1, self.vocab_size], self._logits.ctypes.data)
         self.cache.bind(binding, 0, rows)
-        self._bindings[rows] = binding
+        self._bindings[(id(session), rows)] = binding
         return binding

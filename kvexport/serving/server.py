@@ -78,9 +78,12 @@ def serve(
 
 
 def prompt_summary(engine: Engine) -> str:
-    """``, prompts in bf16 (amx)`` where a prompt session runs the prompts' products, else nothing."""
+    """``, prompts and decode calls of 16+ rows in bf16 (amx)`` where a prompt session runs their products, else nothing."""
     runner = engine.runner
-    return f", prompts in bf16 ({runner.prompt_products})" if runner.prompt_session is not None else ""
+    if runner.prompt_session is None:
+        return ""
+    rows = f" and decode calls of {runner.bf16_decode_rows}+ rows" if runner.bf16_decode_rows else ""
+    return f", prompts{rows} in bf16 ({runner.prompt_products})"
 
 
 def cache_summary(engine: Engine) -> str:
@@ -92,7 +95,7 @@ def cache_summary(engine: Engine) -> str:
     if blocks is not None:
         pool = engine.runner.cache.pool_bytes  # type: ignore[attr-defined]
         return (
-            f"paged {engine.manifest.cache_dtype} cache, {blocks.blocks - 1} blocks of {PAGE_TOKENS} tokens (at most "
+            f"paged {engine.cache_dtype} cache, {blocks.blocks - 1} blocks of {PAGE_TOKENS} tokens (at most "
             f"{pool / 2**30:.2f} GiB, held as requests fill them)"
         )
     per_slot = slot_bytes(engine.manifest, engine.capacity)

@@ -63,11 +63,105 @@ struct Layout {
   int64_t run(int64_t t, int64_t n) const { return table == nullptr ? n : std::min(n, block_size - t % block_size); }
 };
 
+// ---- an fp16 cache: stored as IEEE half, read a run at a time into fp32 ----
+const bool kAvx512 = __builtin_cpu_supports("avx512f");
+const bool kF16c = __builtin_cpu_supports("f16c");
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
+  uint32_t bits = sign;
+  if (exp == 31) {
+    bits |= 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits |= ((exp + 112) << 23) | (mant << 13);
+  } else if (mant != 0) {  // subnormal: mant * 2^-24
+    const float magnitude = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return sign != 0 ? -magnitude : magnitude;
+  }
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+uint16_t float_to_half(float value) {  // round to nearest even, as vcvtps2ph's mode 0
+  uint32_t x;
+  std::memcpy(&x, &value, sizeof(x));
+  const uint32_t sign = (x >> 16) & 0x8000, biased = (x >> 23) & 0xff;
+  uint32_t mant = x & 0x7fffff;
+  if (biased == 0xff) return static_cast<uint16_t>(sign | 0x7c00 | (mant != 0 ? 0x200 : 0));
+  const int32_t exp = static_cast<int32_t>(biased) - 127 + 15;
+  if (exp >= 31) return static_cast<uint16_t>(sign | 0x7c00);
+  if (exp <= 0) {
+    if (exp < -10) return static_cast<uint16_t>(sign);
+    mant |= 0x800000;
+    const int shift = 14 - exp;
+    uint32_t half = mant >> shift;
+    const uint32_t rest = mant & ((1u << shift) - 1), middle = 1u << (shift - 1);
+    if (rest > middle || (rest == middle && (half & 1))) ++half;
+    return static_cast<uint16_t>(sign | half);
+  }
+  uint32_t half = sign | (static_cast<uint32_t>(exp) << 10) | (mant >> 13);
+  const uint32_t rest = mant & 0x1fff;
+  if (rest > 0x1000 || (rest == 0x1000 && (half & 1))) ++half;  // a carry into the exponent is the right rounding
+  return static_cast<uint16_t>(half);
+}
+
+__attribute__((target("avx512f"))) void to_float_avx512(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + i))));
+  for (; i < n; ++i) out[i] = half_to_float(in[i]);
+}
+
+__attribute__((target("avx,f16c"))) void to_float_f16c(const uint16_t* in, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+  for (; i < n; ++i) out[i] = half_to_float(in[i]);
+}
+
+__attribute__((target("avx512f"))) void to_half_avx512(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtps_ph(_mm512_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = float_to_half(in[i]);
+}
+
+__attribute__((target("avx,f16c"))) void to_half_f16c(const float* in, uint16_t* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT));
+  for (; i < n; ++i) out[i] = float_to_half(in[i]);
+}
+
+void to_float(const uint16_t* in, float* out, int64_t n) {
+  if (kAvx512) return to_float_avx512(in, out, n);
+  if (kF16c) return to_float_f16c(in, out, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(in[i]);
+}
+
+void to_half(const float* in, uint16_t* out, int64_t n) {
+  if (kAvx512) return to_half_avx512(in, out, n);
+  if (kF16c) return to_half_f16c(in, out, n);
+  for (int64_t i = 0; i < n; ++i) out[i] = float_to_half(in[i]);
+}
+
+// A cache tensor as the kernel reads it: fp32 in place, or fp16 converted a run at a time into a buffer.
+struct CacheView {
+  const float* f32;
+  const uint16_t* f16;  // set for an fp16 cache (f32 is then null)
+
+  // ``count`` values from offset ``at`` as fp32: the cache itself, or their conversion in ``buffer``
+  const float* values(int64_t at, int64_t count, float* buffer) const {
+    if (f16 == nullptr) return f32 + at;
+    to_float(f16 + at, buffer, count);
+    return buffer;
+  }
+};
+
 struct Problem {
   const float* query;
   float* output;
-  const float* past_key;    // present's buffer once the new rows are in it
-  const float* past_value;
+  CacheView past_key;  // present's buffer once the new rows are in it
+  CacheView past_value;
   const int32_t* seqlens;
   const float* bias;  // null, or [bias_b, bias_h, 1, bias_t]
   int64_t bias_b, bias_h, bias_t;
@@ -76,9 +170,12 @@ struct Problem {
   float scale;
 };
 
-// One row's KV head: scores of its group's query heads, softmax, the weighted sum of values.
-__attribute__((target_clones("avx512f", "avx2", "default")))
-void attend(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores) {
+// One row's KV head: scores of its group's query heads, softmax, the weighted sum of values. ``keys(at, count)`` and
+// ``values(at, count)`` give a run of the cache from offset ``at`` as fp32 (inlined: the fp32 cache's loops stay as
+// they were; a branch between the two kinds in the loops took the fp32 cache's decode call from 55 to 103 ms).
+template <class Read>
+__attribute__((always_inline)) inline void attend_with(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores,
+                                                       Read keys, Read values) {
   const int64_t D = p.head_size, G = p.heads / p.kv_heads;
   const int64_t last = p.seqlens[b];
   const int64_t start = p.window > 0 ? std::max<int64_t>(0, last + 1 - p.window) : 0;
@@ -87,7 +184,7 @@ void attend(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores
   const float* q = p.query + (b * p.heads + kvh * G) * D;
   for (int64_t t0 = 0; t0 < n;) {  // a block's positions at a time: one address computed a run
     const int64_t run = p.layout.run(start + t0, n - t0);
-    const float* k = p.past_key + p.layout.at(b, kvh, start + t0);
+    const float* k = keys(p.layout.at(b, kvh, start + t0), run * D);
     for (int64_t t = t0; t < t0 + run; ++t, k += D)
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
@@ -122,7 +219,7 @@ void attend(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores
   }
   for (int64_t t0 = 0; t0 < n;) {
     const int64_t run = p.layout.run(start + t0, n - t0);
-    const float* v = p.past_value + p.layout.at(b, kvh, start + t0);
+    const float* v = values(p.layout.at(b, kvh, start + t0), run * D);
     for (int64_t t = t0; t < t0 + run; ++t, v += D)
       for (int64_t g = 0; g < G; ++g) {
         const float weight = scores[g * n + t];
@@ -134,11 +231,123 @@ void attend(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores
   }
 }
 
+struct ReadFloat {
+  const float* cache;
+  const float* operator()(int64_t at, int64_t) const { return cache + at; }
+};
+
+struct ReadHalf {  // converts a run (at most a block, or a row's every position) into the buffer
+  const uint16_t* cache;
+  float* buffer;
+  const float* operator()(int64_t at, int64_t count) const {
+    to_float(cache + at, buffer, count);
+    return buffer;
+  }
+};
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores) {
+  attend_with(p, b, kvh, scores, ReadFloat{p.past_key.f32}, ReadFloat{p.past_value.f32});
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default")))
+void attend_half(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores, std::vector<float>& buffer) {
+  const int64_t last = p.seqlens[b], window = p.window > 0 ? std::min<int64_t>(p.window, last + 1) : last + 1;
+  buffer.resize(static_cast<size_t>((p.layout.table == nullptr ? window : std::min(window, p.layout.block_size)) * p.head_size));
+  attend_with(p, b, kvh, scores, ReadHalf{p.past_key.f16, buffer.data()}, ReadHalf{p.past_value.f16, buffer.data()});
+}
+
+// ---- one token a row on AVX-512 (a head size of a multiple of 16, at most 256): the cache's runs read once, fp32 or
+// fp16 converted in registers; a KV head's query heads (at most 8) share each load ----
+constexpr int64_t kMaxGroup = 8, kMaxChunks = 16;
+
+template <bool Half>
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16(const void* cache, int64_t at) {
+  if constexpr (Half)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(cache) + at)));
+  else
+    return _mm512_loadu_ps(static_cast<const float*>(cache) + at);
+}
+
+template <bool Half>
+__attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores) {
+  const int64_t D = p.head_size, G = p.heads / p.kv_heads, chunks = D / 16;
+  const int64_t last = p.seqlens[b];
+  const int64_t start = p.window > 0 ? std::max<int64_t>(0, last + 1 - p.window) : 0;
+  const int64_t n = last + 1 - start;
+  scores.resize(static_cast<size_t>(G * n));
+  const void* keys = Half ? static_cast<const void*>(p.past_key.f16) : static_cast<const void*>(p.past_key.f32);
+  const void* values = Half ? static_cast<const void*>(p.past_value.f16) : static_cast<const void*>(p.past_value.f32);
+  const float* q = p.query + (b * p.heads + kvh * G) * D;
+  for (int64_t t0 = 0; t0 < n;) {
+    const int64_t run = p.layout.run(start + t0, n - t0);
+    int64_t at = p.layout.at(b, kvh, start + t0);
+    for (int64_t t = t0; t < t0 + run; ++t, at += D) {
+      __m512 acc[kMaxGroup];
+      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m512 k = load16<Half>(keys, at + 16 * c);
+        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), k, acc[g]);
+      }
+      for (int64_t g = 0; g < G; ++g) scores[g * n + t] = _mm512_reduce_add_ps(acc[g]) * p.scale;
+    }
+    t0 += run;
+  }
+  if (p.bias != nullptr)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = kvh * G + g;
+      const float* row = p.bias + ((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : h)) * p.bias_t + start;
+      for (int64_t t = 0; t < n; ++t) scores[g * n + t] += row[t];
+    }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores.data() + g * n;
+    float top = std::numeric_limits<float>::lowest();
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    const float inverse = 1.0f / sum;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inverse;
+  }
+  __m512 out[kMaxGroup * kMaxChunks / 4];  // the group's outputs, 4 chunks of D at a time, kept in registers over the row
+  float* output = p.output + (b * p.heads + kvh * G) * D;
+  for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
+    const int64_t width = std::min<int64_t>(4, chunks - c0);
+    for (int64_t i = 0; i < G * 4; ++i) out[i] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < n;) {
+      const int64_t run = p.layout.run(start + t0, n - t0);
+      int64_t at = p.layout.at(b, kvh, start + t0) + 16 * c0;
+      for (int64_t t = t0; t < t0 + run; ++t, at += D)
+        for (int64_t c = 0; c < width; ++c) {
+          const __m512 v = load16<Half>(values, at + 16 * c);
+          for (int64_t g = 0; g < G; ++g) out[g * 4 + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + t]), v, out[g * 4 + c]);
+        }
+      t0 += run;
+    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t c = 0; c < width; ++c) _mm512_storeu_ps(output + g * D + 16 * (c0 + c), out[g * 4 + c]);
+  }
+}
+
 void attend_task(void* data, size_t index) {
-  thread_local std::vector<float> scores;
+  thread_local std::vector<float> scores, buffer;
   const Problem& p = *static_cast<const Problem*>(data);
   const auto i = static_cast<int64_t>(index);
-  attend(p, i / p.kv_heads, i % p.kv_heads, scores);
+  const int64_t b = i / p.kv_heads, kvh = i % p.kv_heads, G = p.heads / p.kv_heads;
+  const bool half = p.past_key.f16 != nullptr;
+  if (kAvx512 && p.head_size % 16 == 0 && p.head_size <= 16 * kMaxChunks && G <= kMaxGroup) {
+    if (half)
+      attend_avx512<true>(p, b, kvh, scores);
+    else
+      attend_avx512<false>(p, b, kvh, scores);
+  } else if (half) {
+    attend_half(p, b, kvh, scores, buffer);
+  } else {
+    attend(p, b, kvh, scores);
+  }
 }
 
 
@@ -256,8 +465,6 @@ void weighted_generic(const float* weights, int64_t stride, int64_t from, int64_
   }
 }
 
-const bool kAvx512 = __builtin_cpu_supports("avx512f");
-
 __attribute__((target_clones("avx512f", "avx2", "default")))  // the softmax's loops (and libmvec's exp) at the CPU's width
 void prompt_task(void* data, size_t index) {
   thread_local std::vector<float> scores;
@@ -326,33 +533,40 @@ void prompt_task(void* data, size_t index) {
 }
 
 struct Transpose {
-  const float* keys;    // present
-  const float* values;  // present; gathered into values_out where that is set (paged)
-  float* keys_t;        // [B, Nkv, D, T_pad]
-  float* values_out;    // null, or [B, Nkv, T_pad, D]
+  CacheView keys;    // present
+  CacheView values;  // present; gathered into values_out where that is set (paged, or fp16)
+  float* keys_t;     // [B, Nkv, D, T_pad]
+  float* values_out;  // null, or [B, Nkv, T_pad, D]
   const int32_t* seqlens;
   Layout layout;
   int64_t t_pad;
 };
 
 void transpose_task(void* data, size_t index) {
+  thread_local std::vector<float> buffer;
   const Transpose& p = *static_cast<const Transpose*>(data);
   const auto i = static_cast<int64_t>(index);
   const int64_t kv_heads = p.layout.kv_heads, b = i / kv_heads, h = i % kv_heads, D = p.layout.head_size;
   const int64_t keys = static_cast<int64_t>(p.seqlens[b]) + 1;
   float* to = p.keys_t + i * D * p.t_pad;
   const float* from[16];
+  buffer.resize(static_cast<size_t>(16 * D));
   for (int64_t t0 = 0; t0 < keys; t0 += 16) {  // 16 keys at a time: the reads stay in a few lines
     const int64_t n = std::min<int64_t>(16, keys - t0);
-    for (int64_t t = 0; t < n; ++t) from[t] = p.keys + p.layout.at(b, h, t0 + t);
+    for (int64_t t = 0; t < n; ++t) from[t] = p.keys.values(p.layout.at(b, h, t0 + t), D, buffer.data() + t * D);
     for (int64_t d = 0; d < D; ++d)
       for (int64_t t = 0; t < n; ++t) to[d * p.t_pad + t0 + t] = from[t][d];
   }
   for (int64_t d = 0; d < D; ++d) std::fill(to + d * p.t_pad + keys, to + (d + 1) * p.t_pad, 0.0f);
   if (p.values_out == nullptr) return;
   float* values = p.values_out + i * p.t_pad * D;
-  for (int64_t t = 0; t < keys; ++t)
-    std::memcpy(values + t * D, p.values + p.layout.at(b, h, t), static_cast<size_t>(D) * sizeof(float));
+  for (int64_t t = 0; t < keys; ++t) {
+    const int64_t at = p.layout.at(b, h, t);
+    if (p.values.f16 != nullptr)
+      to_float(p.values.f16 + at, values + t * D, D);
+    else
+      std::memcpy(values + t * D, p.values.f32 + at, static_cast<size_t>(D) * sizeof(float));
+  }
 }
 
 struct CacheAttentionKernel {
@@ -413,11 +627,15 @@ struct CacheAttentionKernel {
     auto output = context.GetOutput(0, q_shape);
     auto present_key = context.GetOutput(1, cache_shape);
     auto present_value = context.GetOutput(2, cache_shape);
-    float* pk = present_key.GetTensorMutableData<float>();
-    float* pv = present_value.GetTensorMutableData<float>();
-    const size_t cache_bytes = static_cast<size_t>(cache_shape[0] * cache_shape[1] * cache_shape[2] * D) * sizeof(float);
-    if (pk != past_key.GetTensorData<float>()) std::memcpy(pk, past_key.GetTensorData<float>(), cache_bytes);
-    if (pv != past_value.GetTensorData<float>()) std::memcpy(pv, past_value.GetTensorData<float>(), cache_bytes);
+    const bool half = past_key.GetTensorTypeAndShapeInfo().GetElementType() == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    const size_t element = half ? sizeof(uint16_t) : sizeof(float);
+    void* pk = present_key.GetTensorMutableRawData();
+    void* pv = present_value.GetTensorMutableRawData();
+    const size_t cache_bytes = static_cast<size_t>(cache_shape[0] * cache_shape[1] * cache_shape[2] * D) * element;
+    if (pk != past_key.GetTensorRawData()) std::memcpy(pk, past_key.GetTensorRawData(), cache_bytes);
+    if (pv != past_value.GetTensorRawData()) std::memcpy(pv, past_value.GetTensorRawData(), cache_bytes);
+    const CacheView keys = half ? CacheView{nullptr, static_cast<const uint16_t*>(pk)} : CacheView{static_cast<const float*>(pk), nullptr};
+    const CacheView values = half ? CacheView{nullptr, static_cast<const uint16_t*>(pv)} : CacheView{static_cast<const float*>(pv), nullptr};
     const float* k = key.GetTensorData<float>();
     const float* v = value.GetTensorData<float>();
     for (int64_t b = 0; b < B; ++b) {  // the call's rows after each row's past: where the op writes them
@@ -425,8 +643,13 @@ struct CacheAttentionKernel {
       for (int64_t s = 0; s < S; ++s)
         for (int64_t h = 0; h < kv_heads; ++h) {
           const int64_t at = layout.at(b, h, past + s), from = ((b * S + s) * kv_heads + h) * D;
-          std::memcpy(pk + at, k + from, static_cast<size_t>(D) * sizeof(float));
-          std::memcpy(pv + at, v + from, static_cast<size_t>(D) * sizeof(float));
+          if (half) {
+            to_half(k + from, static_cast<uint16_t*>(pk) + at, D);
+            to_half(v + from, static_cast<uint16_t*>(pv) + at, D);
+          } else {
+            std::memcpy(static_cast<float*>(pk) + at, k + from, static_cast<size_t>(D) * sizeof(float));
+            std::memcpy(static_cast<float*>(pv) + at, v + from, static_cast<size_t>(D) * sizeof(float));
+          }
         }
     }
     const float used_scale = scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(D));
@@ -434,19 +657,20 @@ struct CacheAttentionKernel {
     const float* bias_data = bias_of(context, B, S, longest, bias_shape);
     if (S > 1) {
       const int64_t t_pad = (longest + 31) / 32 * 32;
+      const bool gather = layout.table != nullptr || half;  // a paged or fp16 cache's values, row by row in fp32
       std::vector<float> keys_t(static_cast<size_t>(B * kv_heads * D * t_pad));
-      std::vector<float> gathered(layout.table == nullptr ? 0 : keys_t.size());  // a paged cache's values, row by row
-      Transpose transpose{pk, pv, keys_t.data(), layout.table == nullptr ? nullptr : gathered.data(), lengths, layout, t_pad};
+      std::vector<float> gathered(gather ? keys_t.size() : 0);
+      Transpose transpose{keys, values, keys_t.data(), gather ? gathered.data() : nullptr, lengths, layout, t_pad};
       context.ParallelFor(transpose_task, static_cast<size_t>(B * kv_heads), 0, &transpose);
       const int64_t blocks = (S + kQueryBlock - 1) / kQueryBlock;
       Prompt prompt{query.GetTensorData<float>(), output.GetTensorMutableData<float>(), keys_t.data(),
-                    layout.table == nullptr ? pv : gathered.data(), lengths,
+                    gather ? gathered.data() : values.f32, lengths,
                     bias_data, bias_shape[0], bias_shape[1], bias_shape[2], bias_shape[3],
-                    S, heads, kv_heads, D, layout.table == nullptr ? C : t_pad, window, t_pad, blocks, used_scale};
+                    S, heads, kv_heads, D, gather ? t_pad : C, window, t_pad, blocks, used_scale};
       context.ParallelFor(prompt_task, static_cast<size_t>(B * kv_heads * blocks), 0, &prompt);
       return;
     }
-    Problem problem{query.GetTensorData<float>(), output.GetTensorMutableData<float>(), pk, pv, lengths,
+    Problem problem{query.GetTensorData<float>(), output.GetTensorMutableData<float>(), keys, values, lengths,
                     bias_data, bias_shape[0], bias_shape[1], bias_shape[3], heads, kv_heads, D, window, layout, used_scale};
     context.ParallelFor(attend_task, static_cast<size_t>(B * kv_heads), 0, &problem);
   }
@@ -479,20 +703,23 @@ struct CacheAttentionKernel {
   }
 };
 
-struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp, CacheAttentionKernel> {
+// The op over an fp32 cache, or (``cache`` FLOAT16) an fp16 one: past and present in that type, all else fp32.
+template <ONNXTensorElementDataType cache>
+struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp<cache>, CacheAttentionKernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new CacheAttentionKernel(api, info); }
   const char* GetName() const { return "CacheAttention"; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 8; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 5 || index == 7 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (index == 5 || index == 7) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32;
+    return index == 3 || index == 4 ? cache : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
     return index >= 6 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
                       : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
   size_t GetOutputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  ONNXTensorElementDataType GetOutputType(size_t index) const { return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : cache; }
 };
 
 }  // namespace
@@ -501,7 +728,8 @@ void add_prompt_matmul(Ort::CustomOpDomain& domain);  // prompt_matmul.cc
 
 extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOptions* options,
                                                                                 const OrtApiBase* api_base) {
-  static CacheAttentionOp op;
+  static CacheAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> op;
+  static CacheAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> half_op;
   static std::once_flag initialized;
   std::call_once(initialized, [api_base] { Ort::InitApi(api_base->GetApi(ORT_API_VERSION)); });
   try {
@@ -509,6 +737,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     static std::once_flag added;
     std::call_once(added, [] {
       domain.Add(&op);
+      domain.Add(&half_op);
       add_prompt_matmul(domain);
     });
     Ort::UnownedSessionOptions(options).Add(domain);
