@@ -318,6 +318,43 @@ def test_cancel_frees_the_slot_and_a_full_queue_refuses(trained_exports: dict[st
         assert engine.stats().finished.get("cancelled") == 2
 
 
+def test_requests_sent_during_a_step_wait_in_the_input_queue_and_the_step_thread_takes_no_callers_lock(
+    trained_exports: dict[str, Path],
+) -> None:
+    """Callers reach the step thread through its input queue (vLLM's EngineCore input queue): requests sent while a
+    step runs count against the queue's bound before the step thread has taken them, and the step thread finishes
+    requests while a caller holds the senders' lock (it never takes it)."""
+    export = trained_exports["none"]
+    prompt = [5, 6, 7]
+    want = Generator(export).generate([prompt], 6, eos_token_id=-1)[0, len(prompt) :].tolist()
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with Engine(export, slots=1, max_context=64, max_queue=1, warm_up=0, **EXACT) as engine:
+        entered, release = threading.Event(), threading.Event()
+        execute = engine.runner.execute
+
+        def paused(*args: Any, **kwargs: Any) -> Any:
+            entered.set()
+            assert release.wait(30), "the test never released the step"
+            return execute(*args, **kwargs)
+
+        engine.runner.execute = paused  # type: ignore[method-assign]
+        first = engine.submit(prompt, greedy)
+        assert entered.wait(30)  # the step thread is inside the first request's step
+        second = engine.submit(prompt, greedy)  # the one place the queue has (max_queue 1, no slot free)
+        with pytest.raises(EngineFull, match="^1 requests are waiting for a slot; retry shortly$"):
+            engine.submit(prompt, greedy)  # the step thread has not taken the second yet: it counts all the same
+        engine.runner.execute = execute  # type: ignore[method-assign]
+        results: list[Any] = []
+        finisher = threading.Thread(target=lambda: results.extend(s.result()[0] for s in (first, second)), daemon=True)
+        with engine._sending:  # a caller in the middle of sending: the step path must not wait for it
+            release.set()
+            finisher.start()
+            finisher.join(60)
+            assert not finisher.is_alive(), "the step thread waited for the senders' lock"
+        assert results == [want, want]
+        assert engine.stats().finished == {"length": 2}
+
+
 @pytest.mark.parametrize(
     ("prompt", "params", "message"),
     [

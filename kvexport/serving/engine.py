@@ -32,8 +32,11 @@ them into tokens and returns an :class:`~kvexport.serving.output.OutputBatch` (w
 requests took which tokens, which ended and why), and the scheduler updates from both
 (:meth:`~kvexport.serving.scheduler.Scheduler.update_from_output`) before the events go
 to the callers. Each part returns data; only the scheduler changes request and cache
-state, and the engine takes its lock once a step, to hand the scheduler the last step's
-outputs and take the next plan.
+state, and only the step thread touches the scheduler: callers' requests, prefixes, and
+``close`` reach it through an input queue it drains between steps (vLLM's ``EngineCore``
+input queue), so the step path takes no lock. A caller judges the queue's bound against
+what the step thread last published (waiting requests and free slots) plus what it has sent
+since (:meth:`Engine._enqueue`).
 
 The scheduler plans in rounds: a round admits waiting requests into free slots, reusing
 any cached prefix of the prompt, and prefills prompt tokens, the oldest admitted prompts
@@ -56,12 +59,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from tokenizers import Tokenizer
 
@@ -224,6 +229,8 @@ class _Step:
     outputs: OutputBatch
 
 
+_T = TypeVar("_T")
+
 ALL_LOGITS_BYTES = 256 << 20  # an --all-logits graph's shared prefill call returns at most this many bytes of logits
 
 
@@ -320,9 +327,14 @@ class Engine:
         self.output = OutputProcessor(self.tokenizer, opened.eos_token_ids, self.vocab_size)
         self._listeners: list[EngineListener] = []
         self._ids_counter = itertools.count()
-        self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._closing = False
+        # callers -> the step thread: commands it runs between steps (vLLM's EngineCore input queue)
+        self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._sending = threading.Lock()  # callers' only: one sender at a time judges the bound (the step thread never takes it)
+        self._sent = self._taken = 0  # requests put into the inbox by callers / taken out of it by the step thread
+        self._room = (0, 0, self.scheduler.request_slots)  # the step thread's last word: (taken, waiting, free slots), one tuple
+        self._stats = self.scheduler.stats()  # and its last stats
+        self._closing = False  # set by close(), under _sending: nothing is sent after the close command
+        self._stopping = False  # set by the step thread when it runs the close command
         if config.warm_up:  # in this thread, before the loop's starts: a warm-up that fails leaves no thread behind
             self._warm_up(config.warm_up)
         self._thread = threading.Thread(target=self._loop, name="kvexport-engine", daemon=True)
@@ -407,21 +419,75 @@ class Engine:
             states.append(RequestState(request_id, ids, child, cancelled=cancelled, prompt_logprobs=shared))
 
     def _enqueue(self, requests: list[Request], states: list[RequestState], *, bounded: bool = True) -> None:
-        """Hand the requests to the scheduler and their streams to the output processor, all or none."""
-        for state in states:  # outside the lock: a grammar's matcher takes milliseconds
+        """Send the requests to the step thread, all or none: :class:`EngineFull` where the queue's bound refuses them.
+
+        The bound is the scheduler's (``max_queue`` waiting beyond the free slots), judged against the
+        step thread's last word (:attr:`_room`) plus the requests sent since, which it has not taken yet.
+        ``bounded`` False: past the bound too (the warm-up).
+        """
+        for state in states:  # in the caller's thread: a grammar's matcher takes milliseconds
             self.output.prepare(state)
-        with self._lock:
+        with self._sending:
             if self._closing:
                 raise EngineClosed("the server is shutting down; send the request to another replica")
-            self.scheduler.add_all(requests, bounded=bounded)
-            for state in states:
-                self.output.add_request(state)
-            self._wake.notify()
+            taken, waiting, free = self._room
+            waiting += self._sent - taken
+            limit = self.max_queue + max(0, free)
+            if bounded and waiting + len(requests) > limit:
+                raise EngineFull(f"{max(waiting, limit)} requests are waiting for a slot; retry shortly")
+            self._sent += len(requests)
+            self._inbox.put(lambda: self._add(requests, states))
+
+    def _add(self, requests: list[Request], states: list[RequestState]) -> None:
+        """On the step thread: the requests to the scheduler, their streams to the output processor."""
+        self._taken += len(requests)
+        self.scheduler.add_all(requests, bounded=False)  # the sender judged the bound
+        for state in states:
+            self.output.add_request(state)
+
+    def _call(self, command: Callable[[], _T]) -> _T:
+        """Run ``command`` on the step thread, between steps, and return what it returns (or raise what it raises)."""
+        future: Future[_T] = Future()
+
+        def run() -> None:
+            try:
+                future.set_result(command())
+            except Exception as exc:
+                future.set_exception(exc)
+
+        with self._sending:
+            if self._closing:
+                raise EngineClosed("the server is shutting down; send the request to another replica")
+            self._inbox.put(run)
+        return future.result()
+
+    def _drain(self, timeout: float | None = 0.0) -> bool:
+        """On the step thread: run what callers sent, waiting up to ``timeout`` seconds for the first (None: until one comes).
+
+        Then publish what the queue's bound is judged against (:attr:`_room`) and the stats. False where nothing came.
+        """
+        try:
+            command = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
+        except queue.Empty:
+            return False
+        while True:
+            command()
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+        self._publish_room()
+        return True
+
+    def _publish_room(self) -> None:
+        """On the step thread: what callers judge the queue's bound and read the stats from, each one assignment."""
+        scheduler = self.scheduler
+        self._room = (self._taken, scheduler.queued, scheduler.request_slots - len(scheduler.active))
+        self._stats = scheduler.stats()
 
     def check_fits(self, requests: int) -> None:
         """Refuse ``requests`` sent together that could never all be queued (a 503 would never clear)."""
-        with self._lock:
-            self.scheduler.check_fits(requests)
+        self.scheduler.check_fits(requests)  # reads the slots and the pinned count: ints the step thread writes whole
 
     def _checked(self, prompt: str | Sequence[int], params: SamplingParams) -> list[int]:
         params.validate(self.vocab_size, self.config.max_logprobs)
@@ -454,11 +520,7 @@ class Engine:
         ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
         check_prompt(ids, self.vocab_size, 1, self.capacity)
         job = PrefixJob(ids)
-        with self._lock:
-            if self._closing:
-                raise EngineClosed("the server is shutting down; send the request to another replica")
-            self.scheduler.add_prefix(job)
-            self._wake.notify()
+        self._call(lambda: self.scheduler.add_prefix(job))
         job.done.wait()
         if job.error is not None:
             raise KvexportError(f"the prefix was not cached ({job.error})")
@@ -467,26 +529,29 @@ class Engine:
     def unregister_prefix(self, prefix: str | Sequence[int]) -> bool:
         """Free the slot kept for ``prefix`` (its rows stay cached until reused); False if none was."""
         ids = self.encode(prefix) if isinstance(prefix, str) else [int(t) for t in prefix]
-        with self._lock:
-            return self.scheduler.unpin(ids)
+        return self._call(lambda: self.scheduler.unpin(ids))
 
     def add_listener(self, listener: EngineListener) -> None:
         """Also tell ``listener`` of first tokens, inter-token times and finishes."""
         self._listeners.append(listener)
 
     def stats(self) -> EngineStats:
-        """What the engine holds and has done so far."""
-        with self._lock:
-            return self.scheduler.stats()
+        """What the engine holds and has done so far, as the step thread last published it (after each step, before its events)."""
+        return self._stats
 
     def close(self, *, drain: bool = True, timeout: float | None = None) -> None:
         """Take no new requests; finish the admitted and waiting ones (``drain``) or cancel them; stop the loop."""
-        with self._lock:
-            self._closing = True
+
+        def stop() -> None:
+            self._stopping = True
             if not drain:
                 for request in self.scheduler:
                     request.cancel()
-            self._wake.notify()
+
+        with self._sending:
+            if not self._closing:
+                self._closing = True
+                self._inbox.put(stop)
         self._thread.join(timeout)
 
     def __enter__(self) -> Engine:
@@ -527,10 +592,10 @@ class Engine:
                 ) from exc
             for state in states[group]:
                 state.result()
-        with self._lock:
-            self.scheduler.forget()
-            self.runner.shrink_arenas()
-            self.runner.cache.banks.release_memory()  # the rows it wrote are forgotten: their pages go back
+        self.scheduler.forget()
+        self.runner.shrink_arenas()
+        self.runner.cache.banks.release_memory()  # the rows it wrote are forgotten: their pages go back
+        self._publish_room()
 
     # ---------------------------------------------------------------- loop
 
@@ -539,16 +604,18 @@ class Engine:
         done: _Step | None = None
         while True:
             plan: CallPlan | None = None
-            try:
-                with self._lock:  # once a step: the last step's outputs in, this step's plan out
-                    if done is None:
-                        while self.scheduler.idle and not self._closing:
-                            self._wake.wait()
+            try:  # between steps: the last step's outputs in, what callers sent in, this step's plan out
+                if done is None:
+                    while self.scheduler.idle and not self._stopping:
+                        self._drain(timeout=None)
+                    self._drain()
+                    plan = self._plan()
+                else:
+                    self.scheduler.update_from_output(done.plan, done.ran, done.outputs)
+                    self._drain()
+                    if not self.scheduler.at_rest:  # at rest, a burst may be gathered: its callers hear first
                         plan = self._plan()
-                    else:
-                        self.scheduler.update_from_output(done.plan, done.ran, done.outputs)
-                        if not self.scheduler.at_rest:  # at rest, a burst may be gathered: its callers hear first
-                            plan = self._plan()
+                self._publish_room()
             except Exception as exc:  # a plan that could not be made: the queue ends too
                 if done is not None:
                     self._publish_or_fail(done)
@@ -568,10 +635,11 @@ class Engine:
         """Step in this thread until nothing is left (the warm-up, before the loop's thread starts); a failed step raises."""
         done: _Step | None = None
         while True:
-            with self._lock:
-                if done is not None:
-                    self.scheduler.update_from_output(done.plan, done.ran, done.outputs)
-                plan = self._plan()
+            if done is not None:
+                self.scheduler.update_from_output(done.plan, done.ran, done.outputs)
+            self._drain()
+            plan = self._plan()
+            self._publish_room()
             if done is not None:
                 self._publish(done)
             if plan is None and done is None:
@@ -579,7 +647,7 @@ class Engine:
             done = self._step(plan) if plan is not None else None
 
     def _plan(self) -> CallPlan | None:
-        """With the lock held: the scheduler's next plan (None: nothing to do); a burst may be gathered first."""
+        """On the step thread: the scheduler's next plan (None: nothing to do); a burst may be gathered first."""
         for _ in range(2):  # a round that ended with no call: the next one starts now
             if self.scheduler.idle:
                 return None
@@ -591,7 +659,7 @@ class Engine:
         return None
 
     def _gather(self) -> None:
-        """With the lock held, requests waiting and none admitted: let the rest of a burst arrive (``gather_ms``).
+        """On the step thread, requests waiting and none admitted: let the rest of a burst arrive (``gather_ms``).
 
         Waits while requests keep coming less than ``gather_ms`` apart, at most ten times
         that in all, and no longer once they fill the free slots: then one step admits them
@@ -604,7 +672,7 @@ class Engine:
             left = deadline - time.monotonic()
             if left <= 0:
                 return
-            self._wake.wait(min(gap, left))
+            self._drain(timeout=min(gap, left))
             if self.scheduler.queued == seen:  # none came within the gap
                 return
             seen = self.scheduler.queued
@@ -681,16 +749,15 @@ class Engine:
         ``plan``: the call that failed; a prefix it was caching is given up too (the round no longer holds it).
         """
         message = f"{type(exc).__name__}: {first_line(exc)[:300]}"
-        with self._lock:
-            failed = [r.id for r in self.scheduler.unfinished(waiting=waiting)]
-            abandoned = self.scheduler.end_round()
-            job = plan.call if plan is not None else None
-            if isinstance(job, PrefixJob) and not job.done.is_set():
-                self.scheduler.prefix_failed(job)
-                abandoned.append(job)
+        failed = [r.id for r in self.scheduler.unfinished(waiting=waiting)]
+        abandoned = self.scheduler.end_round()
+        job = plan.call if plan is not None else None
+        if isinstance(job, PrefixJob) and not job.done.is_set():
+            self.scheduler.prefix_failed(job)
+            abandoned.append(job)
         step = _Step(CallPlan(), ModelOutput(), self.output.abort(failed, "error", message))
-        with self._lock:
-            self.scheduler.update_from_output(step.plan, None, step.outputs)
+        self.scheduler.update_from_output(step.plan, None, step.outputs)
+        self._publish_room()
         try:
             self._publish(step)
         finally:
