@@ -65,6 +65,27 @@ def _to_pool(rows: np.ndarray, table: np.ndarray, pool_blocks: int, block: int) 
     return pool
 
 
+BLOCK, CAPACITY = 8, 64  # the kernel tests' block of positions and each row's capacity
+
+
+def _problem(
+    seed: int, heads: int, kv_heads: int, size: int, tokens: int, lengths: list[int], *, half: bool = False
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]:
+    """Random queries, keys and values of ``tokens`` a row, a past of CAPACITY positions (values fp16 can hold, with
+    ``half``), rows' last positions, and a shuffled table of BLOCK-position blocks over a pool of 3 more; and its blocks."""
+    rng = np.random.default_rng(seed)
+    batch, width = len(lengths), CAPACITY // BLOCK
+    past = rng.standard_normal((2, batch, kv_heads, CAPACITY, size))
+    past = (past.astype(np.float16) if half else past).astype(np.float32)
+    q = rng.standard_normal((batch, tokens, heads * size)).astype(np.float32)
+    k = rng.standard_normal((batch, tokens, kv_heads * size)).astype(np.float32)
+    v = rng.standard_normal((batch, tokens, kv_heads * size)).astype(np.float32)
+    seqlens = np.array([n - 1 for n in lengths], np.int32)
+    pool_blocks = batch * width + 3
+    table = rng.permutation(pool_blocks)[: batch * width].reshape(batch, width).astype(np.int32)
+    return past, q, k, v, seqlens, table, pool_blocks
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "size", "tokens", "lengths", "window"),
     [
@@ -77,16 +98,8 @@ def _to_pool(rows: np.ndarray, table: np.ndarray, pool_blocks: int, block: int) 
 def test_paged_layout_matches_rows(
     library: Path, heads: int, kv_heads: int, size: int, tokens: int, lengths: list[int], window: int
 ) -> None:
-    rng = np.random.default_rng(len(lengths) * tokens + size)
-    batch, block, capacity = len(lengths), 8, 64
-    width = capacity // block
-    past = rng.standard_normal((2, batch, kv_heads, capacity, size)).astype(np.float32)
-    q = rng.standard_normal((batch, tokens, heads * size)).astype(np.float32)
-    k = rng.standard_normal((batch, tokens, kv_heads * size)).astype(np.float32)
-    v = rng.standard_normal((batch, tokens, kv_heads * size)).astype(np.float32)
-    seqlens = np.array([n - 1 for n in lengths], np.int32)
-    pool_blocks = batch * width + 3
-    table = rng.permutation(pool_blocks)[: batch * width].reshape(batch, width).astype(np.int32)
+    past, q, k, v, seqlens, table, pool_blocks = _problem(len(lengths) * tokens + size, heads, kv_heads, size, tokens, lengths)
+    block = BLOCK
 
     rows = _session(library, paged=False, heads=heads, kv_heads=kv_heads, size=size, window=window)
     out, key_rows, value_rows = rows.run(None, {"q": q, "k": k, "v": v, "past_key": past[0], "past_value": past[1], "seqlens": seqlens})
@@ -116,16 +129,8 @@ def test_fp16_pool_matches_fp32_rows(
     library: Path, heads: int, kv_heads: int, size: int, tokens: int, lengths: list[int], window: int
 ) -> None:
     """An fp16 pool reads and writes what an fp32 cache holds after rounding to fp16: the same outputs, the new rows in fp16."""
-    rng = np.random.default_rng(7 * tokens + size)
-    batch, block, capacity = len(lengths), 8, 64
-    width = capacity // block
-    past = rng.standard_normal((2, batch, kv_heads, capacity, size)).astype(np.float16).astype(np.float32)
-    q = rng.standard_normal((batch, tokens, heads * size)).astype(np.float32)
-    k = rng.standard_normal((batch, tokens, kv_heads * size)).astype(np.float32)
-    v = rng.standard_normal((batch, tokens, kv_heads * size)).astype(np.float32)
-    seqlens = np.array([n - 1 for n in lengths], np.int32)
-    pool_blocks = batch * width + 3
-    table = rng.permutation(pool_blocks)[: batch * width].reshape(batch, width).astype(np.int32)
+    past, q, k, v, seqlens, table, pool_blocks = _problem(7 * tokens + size, heads, kv_heads, size, tokens, lengths, half=True)
+    block = BLOCK
 
     rows = _session(library, paged=False, heads=heads, kv_heads=kv_heads, size=size, window=window)
     rounded = {"k": k.astype(np.float16).astype(np.float32), "v": v.astype(np.float16).astype(np.float32)}

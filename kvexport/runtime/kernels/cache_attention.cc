@@ -170,6 +170,32 @@ struct Problem {
   float scale;
 };
 
+// A decode row's scores (G heads x n keys from position start): the padding bias added, then each head's softmax.
+// Inlined into each caller, so its loops (and the exponentials) take the caller's ISA.
+__attribute__((always_inline)) inline void biased_softmax(const Problem& p, int64_t b, int64_t kvh, int64_t start, int64_t n,
+                                                          float* scores) {
+  const int64_t G = p.heads / p.kv_heads;
+  if (p.bias != nullptr)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t h = kvh * G + g;
+      const float* row = p.bias + ((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : h)) * p.bias_t + start;
+      for (int64_t t = 0; t < n; ++t) scores[g * n + t] += row[t];
+    }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    float top = std::numeric_limits<float>::lowest();  // finite: built with -ffast-math
+    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - top);
+      sum += s[t];
+    }
+    const float inverse = 1.0f / sum;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inverse;
+  }
+}
+
 // One row's KV head: scores of its group's query heads, softmax, the weighted sum of values. ``keys(at, count)`` and
 // ``values(at, count)`` give a run of the cache from offset ``at`` as fp32 (inlined: the fp32 cache's loops stay as
 // they were; a branch between the two kinds in the loops took the fp32 cache's decode call from 55 to 103 ms).
@@ -195,28 +221,9 @@ __attribute__((always_inline)) inline void attend_with(const Problem& p, int64_t
       }
     t0 += run;
   }
-  if (p.bias != nullptr) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t h = kvh * G + g;
-      const float* row = p.bias + ((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : h)) * p.bias_t + start;
-      for (int64_t t = 0; t < n; ++t) scores[g * n + t] += row[t];
-    }
-  }
+  biased_softmax(p, b, kvh, start, n, scores.data());
   float* out = p.output + (b * p.heads + kvh * G) * D;
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * n;
-    float top = std::numeric_limits<float>::lowest();  // finite: built with -ffast-math
-    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = std::exp(s[t] - top);
-      sum += s[t];
-    }
-    const float inverse = 1.0f / sum;
-    for (int64_t t = 0; t < n; ++t) s[t] *= inverse;
-    std::fill(out + g * D, out + (g + 1) * D, 0.0f);
-  }
+  std::fill(out, out + G * D, 0.0f);
   for (int64_t t0 = 0; t0 < n;) {
     const int64_t run = p.layout.run(start + t0, n - t0);
     const float* v = values(p.layout.at(b, kvh, start + t0), run * D);
@@ -293,25 +300,7 @@ __attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t 
     }
     t0 += run;
   }
-  if (p.bias != nullptr)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t h = kvh * G + g;
-      const float* row = p.bias + ((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : h)) * p.bias_t + start;
-      for (int64_t t = 0; t < n; ++t) scores[g * n + t] += row[t];
-    }
-  for (int64_t g = 0; g < G; ++g) {
-    float* s = scores.data() + g * n;
-    float top = std::numeric_limits<float>::lowest();
-    for (int64_t t = 0; t < n; ++t) top = std::max(top, s[t]);
-    float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < n; ++t) {
-      s[t] = std::exp(s[t] - top);
-      sum += s[t];
-    }
-    const float inverse = 1.0f / sum;
-    for (int64_t t = 0; t < n; ++t) s[t] *= inverse;
-  }
+  biased_softmax(p, b, kvh, start, n, scores.data());
   __m512 out[kMaxGroup * kMaxChunks / 4];  // the group's outputs, 4 chunks of D at a time, kept in registers over the row
   float* output = p.output + (b * p.heads + kvh * G) * D;
   for (int64_t c0 = 0; c0 < chunks; c0 += 4) {
