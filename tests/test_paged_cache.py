@@ -8,6 +8,9 @@ past, fresh prompts, a window; outputs equal and the new rows written where the 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -170,6 +173,41 @@ def test_fp16_writes_round_as_numpy(library: Path) -> None:
         want = row.astype(np.float16)
     np.testing.assert_array_equal(keys[0, 1, 0].view(np.uint16), want.view(np.uint16))
     np.testing.assert_array_equal(values[0, 1, 0].view(np.uint16), (-want).view(np.uint16))
+
+
+KERNEL_TESTS = [  # the kernel's outputs and cache against references: decode, pieces, prompts, windows, fp16 pools
+    "tests/test_paged_cache.py::test_paged_layout_matches_rows",
+    "tests/test_paged_cache.py::test_fp16_pool_matches_fp32_rows",
+    "tests/test_paged_cache.py::test_fp16_writes_round_as_numpy",
+    "tests/passes/test_cache_attention.py::test_the_kernel_gives_group_query_attentions_output_and_cache",
+]
+
+
+@pytest.mark.parametrize(("path", "flag"), [("generic", None), ("f16c", "f16c")])
+def test_each_narrower_kernel_path_passes_the_kernel_tests(library: Path, path: str, flag: str | None) -> None:
+    """The kernel's hand-written paths are chosen at run time: the in-process tests run the CPU's best (AVX-512's loops
+    and conversions where it has them); here the kernel tests run again with KVEXPORT_ATTENTION_PATH narrowing it: F16C's
+    conversions (skipped by name where the CPU has none) and the portable path, on every host."""
+    if flag is not None and flag not in Path("/proc/cpuinfo").read_text().split():
+        pytest.skip(f"this CPU has no {flag}: the {path} path is tested where it has")
+    env = {**os.environ, "KVEXPORT_ATTENTION_PATH": path, "KVEXPORT_KERNELS": str(library)}
+    root = Path(__file__).parent.parent
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
+        env=env, cwd=root, capture_output=True, text=True, timeout=600, check=False,
+    )
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout
+
+
+def test_an_unknown_or_missing_kernel_path_is_refused_in_one_line(library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVEXPORT_ATTENTION_PATH", "sse9")
+    with pytest.raises(Exception, match="KVEXPORT_ATTENTION_PATH=sse9 is not avx512, f16c, generic or auto"):
+        _session(library, paged=True, heads=2, kv_heads=1, size=16, window=-1)
+    if "avx512f" not in Path("/proc/cpuinfo").read_text().split():
+        monkeypatch.setenv("KVEXPORT_ATTENTION_PATH", "avx512")
+        with pytest.raises(Exception, match="KVEXPORT_ATTENTION_PATH=avx512 but this CPU has no AVX-512"):
+            _session(library, paged=True, heads=2, kv_heads=1, size=16, window=-1)
 
 
 def test_paged_table_outside_the_pool_is_refused(library: Path) -> None:

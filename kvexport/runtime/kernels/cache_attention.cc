@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <mutex>
@@ -64,8 +65,27 @@ struct Layout {
 };
 
 // ---- an fp16 cache: stored as IEEE half, read a run at a time into fp32 ----
-const bool kAvx512 = __builtin_cpu_supports("avx512f");
-const bool kF16c = __builtin_cpu_supports("f16c");
+// The hand-written paths, the CPU's best unless KVEXPORT_ATTENTION_PATH=avx512|f16c|generic narrows them when the ops
+// are registered (choose_paths): the fp16 conversions and the AVX-512 loops; the loops the compiler vectorizes stay
+// (target_clones). Tests run every path the host has.
+bool kAvx512 = __builtin_cpu_supports("avx512f");
+bool kF16c = __builtin_cpu_supports("f16c");
+
+void choose_paths() {
+  const char* forced = std::getenv("KVEXPORT_ATTENTION_PATH");
+  const std::string choice = forced != nullptr ? forced : "";
+  if (choice.empty() || choice == "auto") return;
+  if (choice == "generic") {
+    kAvx512 = kF16c = false;
+  } else if (choice == "f16c") {
+    if (!__builtin_cpu_supports("f16c")) throw std::runtime_error("CacheAttention: KVEXPORT_ATTENTION_PATH=f16c but this CPU has no F16C");
+    kAvx512 = false;
+  } else if (choice == "avx512") {
+    if (!kAvx512) throw std::runtime_error("CacheAttention: KVEXPORT_ATTENTION_PATH=avx512 but this CPU has no AVX-512");
+  } else {
+    throw std::runtime_error("CacheAttention: KVEXPORT_ATTENTION_PATH=" + choice + " is not avx512, f16c, generic or auto");
+  }
+}
 
 float half_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff;
@@ -724,6 +744,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
   try {
     static Ort::CustomOpDomain domain{"kvexport"};
     static std::once_flag added;
+    choose_paths();
     std::call_once(added, [] {
       domain.Add(&op);
       domain.Add(&half_op);
