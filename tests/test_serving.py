@@ -322,8 +322,8 @@ def test_requests_sent_during_a_step_wait_in_the_input_queue_and_the_step_thread
     trained_exports: dict[str, Path],
 ) -> None:
     """Callers reach the step thread through its input queue (vLLM's EngineCore input queue): requests sent while a
-    step runs count against the queue's bound before the step thread has taken them, and the step thread finishes
-    requests while a caller holds the senders' lock (it never takes it)."""
+    step runs count against the queue's bound before the step thread has taken them, a cancelled one no more, at once;
+    and the step thread finishes requests while a caller holds the senders' lock (it never takes it)."""
     export = trained_exports["none"]
     prompt = [5, 6, 7]
     want = Generator(export).generate([prompt], 6, eos_token_id=-1)[0, len(prompt) :].tolist()
@@ -343,16 +343,19 @@ def test_requests_sent_during_a_step_wait_in_the_input_queue_and_the_step_thread
         second = engine.submit(prompt, greedy)  # the one place the queue has (max_queue 1, no slot free)
         with pytest.raises(EngineFull, match="^1 requests are waiting for a slot; retry shortly$"):
             engine.submit(prompt, greedy)  # the step thread has not taken the second yet: it counts all the same
+        second.cancel()
+        third = engine.submit(prompt, greedy)  # the cancelled one left the queue's count at once, the step still running
         engine.runner.execute = execute  # type: ignore[method-assign]
         results: list[Any] = []
-        finisher = threading.Thread(target=lambda: results.extend(s.result()[0] for s in (first, second)), daemon=True)
+        finisher = threading.Thread(target=lambda: results.extend(s.result()[0] for s in (first, third)), daemon=True)
         with engine._sending:  # a caller in the middle of sending: the step path must not wait for it
             release.set()
             finisher.start()
             finisher.join(60)
             assert not finisher.is_alive(), "the step thread waited for the senders' lock"
         assert results == [want, want]
-        assert engine.stats().finished == {"length": 2}
+        assert second.result()[2] == "cancelled"
+        assert engine.stats().finished == {"length": 2, "cancelled": 1}
 
 
 @pytest.mark.parametrize(

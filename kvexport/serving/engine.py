@@ -57,6 +57,7 @@ change a request's output.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import queue
@@ -330,8 +331,11 @@ class Engine:
         # callers -> the step thread: commands it runs between steps (vLLM's EngineCore input queue)
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._sending = threading.Lock()  # callers' only: one sender at a time judges the bound (the step thread never takes it)
-        self._sent = self._taken = 0  # requests put into the inbox by callers / taken out of it by the step thread
-        self._room = (0, 0, self.scheduler.request_slots)  # the step thread's last word: (taken, waiting, free slots), one tuple
+        self._taken = 0  # requests the step thread has taken out of the inbox
+        # the step thread's last word, one tuple: (taken, the requests waiting for a slot, free slots)
+        self._room: tuple[int, tuple[Request, ...], int] = (0, (), self.scheduler.request_slots)
+        self._in_flight: collections.deque[Request] = collections.deque()  # callers': sent, not yet taken (after _dropped)
+        self._dropped = 0  # callers': requests dropped from the front of _in_flight, once taken
         self._stats = self.scheduler.stats()  # and its last stats
         self._closing = False  # set by close(), under _sending: nothing is sent after the close command
         self._stopping = False  # set by the step thread when it runs the close command
@@ -422,7 +426,8 @@ class Engine:
         """Send the requests to the step thread, all or none: :class:`EngineFull` where the queue's bound refuses them.
 
         The bound is the scheduler's (``max_queue`` waiting beyond the free slots), judged against the
-        step thread's last word (:attr:`_room`) plus the requests sent since, which it has not taken yet.
+        step thread's last word (:attr:`_room`) plus the requests sent since, which it has not taken yet;
+        a request its caller cancelled counts no more, at once (the step thread drops it at its next round).
         ``bounded`` False: past the bound too (the warm-up).
         """
         for state in states:  # in the caller's thread: a grammar's matcher takes milliseconds
@@ -430,12 +435,15 @@ class Engine:
         with self._sending:
             if self._closing:
                 raise EngineClosed("the server is shutting down; send the request to another replica")
-            taken, waiting, free = self._room
-            waiting += self._sent - taken
+            taken, queued, free = self._room
+            for _ in range(taken - self._dropped):
+                self._in_flight.popleft()
+            self._dropped = taken
+            waiting = sum(not request.cancelled for request in (*queued, *self._in_flight))
             limit = self.max_queue + max(0, free)
             if bounded and waiting + len(requests) > limit:
                 raise EngineFull(f"{max(waiting, limit)} requests are waiting for a slot; retry shortly")
-            self._sent += len(requests)
+            self._in_flight.extend(requests)
             self._inbox.put(lambda: self._add(requests, states))
 
     def _add(self, requests: list[Request], states: list[RequestState]) -> None:
@@ -482,7 +490,7 @@ class Engine:
     def _publish_room(self) -> None:
         """On the step thread: what callers judge the queue's bound and read the stats from, each one assignment."""
         scheduler = self.scheduler
-        self._room = (self._taken, scheduler.queued, scheduler.request_slots - len(scheduler.active))
+        self._room = (self._taken, tuple(scheduler.waiting), scheduler.request_slots - len(scheduler.active))
         self._stats = scheduler.stats()
 
     def check_fits(self, requests: int) -> None:
