@@ -28,10 +28,15 @@ _NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.
 _CACHE_DTYPES: dict[str, type[np.generic]] = {**_NP_DTYPES, "int8": np.int8, "int4": np.uint8}
 
 
-def pool_manifest(manifest: Manifest, dtype: str) -> Manifest:
-    """``manifest`` as a paged pool of ``dtype`` (:data:`POOL_DTYPES`) sees it: the same, with that cache dtype."""
+def check_pool_dtype(dtype: str) -> None:
+    """One line where a paged pool can't hold ``dtype`` (:data:`POOL_DTYPES`: what kvexport's kernel reads)."""
     if dtype not in POOL_DTYPES:
         raise ManifestError(f"a paged cache of {dtype}: choose {', '.join(POOL_DTYPES)}")
+
+
+def pool_manifest(manifest: Manifest, dtype: str) -> Manifest:
+    """``manifest`` as a paged pool of ``dtype`` (:data:`POOL_DTYPES`) sees it: the same, with that cache dtype."""
+    check_pool_dtype(dtype)
     return dataclasses.replace(manifest, cache={**manifest.cache, "dtype": dtype})
 
 

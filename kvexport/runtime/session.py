@@ -26,8 +26,8 @@ from kvexport.passes.vocabulary import (
     MATMUL_INTEGER_TO_FLOAT,
     MATMUL_NBITS,
     MS_DOMAIN,
-    POOL_DTYPES,
 )
+from kvexport.runtime.cache import check_pool_dtype
 from kvexport.runtime.kernels import KERNELS_VARIABLE, library_path
 
 if TYPE_CHECKING:
@@ -335,8 +335,7 @@ def page_cache(model: Any, graph_path: Path, dtype: str) -> None:
 
     from kvexport.passes import PagedCachePass, PassInputError
 
-    if dtype not in POOL_DTYPES:
-        raise ManifestError(f"a paged cache of {dtype}: choose {', '.join(POOL_DTYPES)}")
+    check_pool_dtype(dtype)
     try:
         PagedCachePass(ir.DataType.FLOAT16 if dtype == "fp16" else None)(model)
     except PassInputError as exc:

@@ -454,14 +454,21 @@ class Engine:
             self.output.add_request(state)
 
     def _call(self, command: Callable[[], _T]) -> _T:
-        """Run ``command`` on the step thread, between steps, and return what it returns (or raise what it raises)."""
+        """Run ``command`` on the step thread, between steps, and return what it returns (or raise what it raises).
+
+        The step thread publishes its word (:meth:`_publish_room`: the stats too) before the caller resumes, so
+        what the caller reads next already holds the command's effect, whether the engine was busy or idle.
+        """
         future: Future[_T] = Future()
 
         def run() -> None:
             try:
-                future.set_result(command())
+                result = command()
             except Exception as exc:
                 future.set_exception(exc)
+                return
+            self._publish_room()
+            future.set_result(result)
 
         with self._sending:
             if self._closing:
@@ -469,23 +476,22 @@ class Engine:
             self._inbox.put(run)
         return future.result()
 
-    def _drain(self, timeout: float | None = 0.0) -> bool:
+    def _drain(self, timeout: float | None = 0.0) -> None:
         """On the step thread: run what callers sent, waiting up to ``timeout`` seconds for the first (None: until one comes).
 
-        Then publish what the queue's bound is judged against (:attr:`_room`) and the stats. False where nothing came.
+        The requests it takes still count in the senders' bound as sent (:attr:`_in_flight`) until the
+        step thread's next word (:meth:`_publish_room`, once the step's plan is made).
         """
         try:
             command = self._inbox.get(timeout=timeout) if timeout != 0 else self._inbox.get_nowait()
         except queue.Empty:
-            return False
+            return
         while True:
             command()
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
                 break
-        self._publish_room()
-        return True
 
     def _publish_room(self) -> None:
         """On the step thread: what callers judge the queue's bound and read the stats from, each one assignment."""
