@@ -285,8 +285,13 @@ void attend_half(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& s
 }
 
 // ---- one token a row on AVX-512 (a head size of a multiple of 16, at most 256): the cache's runs read once, fp32 or
-// fp16 converted in registers; a KV head's query heads (at most 8) share each load ----
-constexpr int64_t kMaxGroup = 8, kMaxChunks = 16;
+// fp16; a KV head's query heads (at most 8) share each run ----
+// The scores take 16 keys at a time: 16 accumulators of q . k, summed across their lanes into one vector (sum16), not
+// one horizontal sum a key (whose latency bound the old loop: 9.7 GB/s read of 13 over an fp16 pool); an fp16 run is
+// converted once into a buffer the group's heads read from L1; a paged row's next block is prefetched. 64 rows at 582
+// positions over an fp16 pool, SmolLM2-135M's 30 layers (2 Xeon cores): 88 -> 58-66 ms with the blocks in order,
+// 116 -> 76-89 ms shuffled (a pool after churn; 2 KB blocks read at random stream worse than in order).
+constexpr int64_t kMaxGroup = 8, kMaxChunks = 16, kKeys = 16;
 
 template <bool Half>
 __attribute__((target("avx512f"), always_inline)) inline __m512 load16(const void* cache, int64_t at) {
@@ -296,27 +301,68 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load16(const voi
     return _mm512_loadu_ps(static_cast<const float*>(cache) + at);
 }
 
+// lane i of the result: the sum of v[i]'s 16 lanes
+__attribute__((target("avx512f"), always_inline)) inline __m512 sum16(const __m512* v) {
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // lanes 0-1: v[2i]'s halves summed, lanes 2-3: v[2i+1]'s
+    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // 128-bit lane L: v[4i+L]'s four partial sums
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44), _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));  // 4L+e: v[4e+L]
+  return _mm512_permutexvar_ps(_mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0), d);
+}
+
+// A paged row's block kAhead blocks after position t's (the first time, every block up to it) into L1, ahead of its
+// reading; ``end``: the row's positions stop there.
+constexpr int64_t kAhead = 1;
+
+template <bool Half>
+__attribute__((always_inline)) inline void prefetch_ahead(const Problem& p, const void* cache, int64_t b, int64_t kvh, int64_t t,
+                                                          int64_t end, bool first) {
+  const int64_t bs = p.layout.block_size, block = t / bs;
+  for (int64_t j = first ? block + 1 : block + kAhead; j <= block + kAhead && j * bs < end; ++j) {
+    const char* line = static_cast<const char*>(cache) + p.layout.at(b, kvh, j * bs) * (Half ? 2 : 4);
+    const int64_t bytes = std::min(bs, end - j * bs) * p.layout.head_size * (Half ? 2 : 4);
+    for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(line + at, _MM_HINT_T0);
+  }
+}
+
 template <bool Half>
 __attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores) {
   const int64_t D = p.head_size, G = p.heads / p.kv_heads, chunks = D / 16;
   const int64_t last = p.seqlens[b];
   const int64_t start = p.window > 0 ? std::max<int64_t>(0, last + 1 - p.window) : 0;
   const int64_t n = last + 1 - start;
-  scores.resize(static_cast<size_t>(G * n));
+  const bool paged = p.layout.table != nullptr;
+  scores.resize(static_cast<size_t>(G * n + kKeys));
+  alignas(64) float keys_f32[kKeys * 16 * kMaxChunks];  // a run of 16 keys as fp32 (fp16 runs, and every run's tail)
   const void* keys = Half ? static_cast<const void*>(p.past_key.f16) : static_cast<const void*>(p.past_key.f32);
   const void* values = Half ? static_cast<const void*>(p.past_value.f16) : static_cast<const void*>(p.past_value.f32);
   const float* q = p.query + (b * p.heads + kvh * G) * D;
   for (int64_t t0 = 0; t0 < n;) {
     const int64_t run = p.layout.run(start + t0, n - t0);
-    int64_t at = p.layout.at(b, kvh, start + t0);
-    for (int64_t t = t0; t < t0 + run; ++t, at += D) {
-      __m512 acc[kMaxGroup];
-      for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
-      for (int64_t c = 0; c < chunks; ++c) {
-        const __m512 k = load16<Half>(keys, at + 16 * c);
-        for (int64_t g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + 16 * c), k, acc[g]);
+    const int64_t at0 = p.layout.at(b, kvh, start + t0);
+    if (paged) prefetch_ahead<Half>(p, keys, b, kvh, start + t0, start + n, t0 == 0);
+    for (int64_t sub = 0; sub < run; sub += kKeys) {
+      const int64_t m = std::min<int64_t>(kKeys, run - sub), at = at0 + sub * D;
+      const float* k = static_cast<const float*>(keys) + at;
+      if (Half || m < kKeys) {
+        for (int64_t i = 0; i < m * chunks; ++i) _mm512_store_ps(keys_f32 + 16 * i, load16<Half>(keys, at + 16 * i));
+        std::fill(keys_f32 + m * D, keys_f32 + kKeys * D, 0.0f);
+        k = keys_f32;
       }
-      for (int64_t g = 0; g < G; ++g) scores[g * n + t] = _mm512_reduce_add_ps(acc[g]) * p.scale;
+      for (int64_t g = 0; g < G; ++g) {
+        __m512 acc[kKeys];
+        for (int64_t i = 0; i < kKeys; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m512 qc = _mm512_loadu_ps(q + g * D + 16 * c);
+          for (int64_t i = 0; i < kKeys; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k + i * D + 16 * c), acc[i]);
+        }
+        _mm512_mask_storeu_ps(scores.data() + g * n + t0 + sub, static_cast<__mmask16>((1u << m) - 1),
+                              _mm512_mul_ps(sum16(acc), _mm512_set1_ps(p.scale)));
+      }
     }
     t0 += run;
   }
@@ -328,12 +374,16 @@ __attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t 
     for (int64_t i = 0; i < G * 4; ++i) out[i] = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < n;) {
       const int64_t run = p.layout.run(start + t0, n - t0);
+      if (paged) prefetch_ahead<Half>(p, values, b, kvh, start + t0, start + n, t0 == 0);
       int64_t at = p.layout.at(b, kvh, start + t0) + 16 * c0;
-      for (int64_t t = t0; t < t0 + run; ++t, at += D)
+      for (int64_t t = t0; t < t0 + run; ++t, at += D) {
+        __m512 weight[kMaxGroup];
+        for (int64_t g = 0; g < G; ++g) weight[g] = _mm512_set1_ps(scores[g * n + t]);
         for (int64_t c = 0; c < width; ++c) {
           const __m512 v = load16<Half>(values, at + 16 * c);
-          for (int64_t g = 0; g < G; ++g) out[g * 4 + c] = _mm512_fmadd_ps(_mm512_set1_ps(scores[g * n + t]), v, out[g * 4 + c]);
+          for (int64_t g = 0; g < G; ++g) out[g * 4 + c] = _mm512_fmadd_ps(weight[g], v, out[g * 4 + c]);
         }
+      }
       t0 += run;
     }
     for (int64_t g = 0; g < G; ++g)
