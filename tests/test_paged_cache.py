@@ -263,6 +263,33 @@ def test_paged_engine_gives_the_slot_layouts_tokens(llama: Path) -> None:
     assert stats.prefix_hits > 0 and stats.preemptions == 0  # type: ignore[attr-defined]
 
 
+def test_paged_decode_calls_run_only_the_running_rows(llama: Path) -> None:
+    """A paged decode call gathers its running requests' table rows: no row runs for a free or prefilling slot below one."""
+    from kvexport.serving.engine import Engine
+    from kvexport.serving.request import SamplingParams
+    from kvexport.serving.scheduler import CallPlan
+
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)  # the first request's slot frees early
+    prompts = _prompts(4, 7)
+    in_slots = [_run(llama, [prompt], short if i == 0 else params, slots=4, max_context=128, kv_layout="slots")[0][0] for i, prompt in enumerate(prompts)]
+    calls: list[tuple[int, list[int]]] = []
+    with Engine(llama, slots=4, max_context=128, kv_cache_dtype="fp32", warm_up=0) as engine:
+        execute = engine.runner.execute
+
+        def recorded(plan: CallPlan, **kwargs: object) -> object:
+            decode = plan.decode
+            if decode is not None and decode.speculative is None:
+                calls.append((decode.rows, sorted(r.slot for r in decode.requests)))
+            return execute(plan, **kwargs)  # type: ignore[arg-type]
+
+        engine.runner.execute = recorded  # type: ignore[method-assign,assignment]
+        tokens = [state.result()[0] for state in [engine.submit(prompt, short if i == 0 else params) for i, prompt in enumerate(prompts)]]
+    assert tokens == in_slots
+    assert calls and all(rows == len(slots) for rows, slots in calls)
+    assert any(max(slots) + 1 > rows for rows, slots in calls)  # a slot below a running one did not run
+
+
 def test_an_fp16_pool_keeps_the_fp32_caches_greedy_tokens_and_logprobs(llama: Path) -> None:
     """The default pool holds fp16: on the trained model its greedy tokens are the fp32 cache's, log-probabilities within 5e-3 (fp16 keeps 11 bits)."""
     from kvexport.serving.engine import Engine

@@ -269,14 +269,17 @@ class PagedCache(SlotCache):
         """Bytes the pool reserves (every layer, K and V); the blocks no slot ever wrote take no memory."""
         return len(self.past) * self.blocks * self.block_bytes
 
-    def bind(self, binding: ort.IOBinding, first: int, rows: int, *, prefix: str = "") -> None:
-        """Bind every tensor's pool as past and present, and rows ``first..first+rows`` of the tables as ``block_table``."""
+    def bind(self, binding: ort.IOBinding, first: int, rows: int, *, prefix: str = "", table: np.ndarray | None = None) -> None:
+        """Bind every tensor's pool as past and present, and rows ``first..first+rows`` of the tables as ``block_table``.
+
+        ``table``: bind that one instead (int32 ``[rows, W]``, kept alive by the caller): slots' rows gathered for a call.
+        """
         shape = list(self.pool_shape)
         for index, (past, present) in enumerate(zip(self.past, self.present, strict=True)):
             pointer = self.banks.pointers[0][index]
             binding.bind_input(prefix + past, "cpu", 0, self.cache_dtype, shape, pointer)
             binding.bind_output(prefix + present, "cpu", 0, self.cache_dtype, shape, pointer)
-        table = self.tables[first : first + rows]
+        table = self.tables[first : first + rows] if table is None else table
         binding.bind_input(prefix + BLOCK_TABLE, "cpu", 0, np.int32, list(table.shape), table.ctypes.data)
 
     @property

@@ -165,7 +165,9 @@ class ModelRunner:
         self._positions = np.zeros((slots, 1), np.int64)
         self._mask = np.zeros((slots, capacity), np.int64)
         self._logits = np.zeros((slots, 1, self.vocab_size), self.dtype)
-        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # (id of the session, rows) -> its decode binding
+        self._bindings: dict[tuple[int, int, bool], ort.IOBinding] = {}  # (id of the session, rows, gathered) -> its decode binding
+        # the paged cache's table rows of a call's chosen slots (decode with ``slots``), bound by address
+        self._gathered_tables = np.zeros_like(self.cache.tables) if isinstance(self.cache, PagedCache) else np.zeros((0, 0), np.int32)
         self._mixed_bindings: dict[tuple[int, int], ort.IOBinding] = {}
 
     def execute(self, plan: CallPlan, *, sampling: tuple[SamplingConfig, np.random.Generator] | None = None) -> ModelOutput:
@@ -197,7 +199,7 @@ class ModelRunner:
             prompt, output.decode = self.mixed(chunk.request.slot, chunk.tokens, chunk.start, decode.tokens, decode.positions)
             output.prompt = [prompt]
         elif isinstance(call, DecodePlan):
-            output.decode = self.decode(call.tokens, call.positions)
+            output.decode = self.decode(call.tokens, call.positions, call.slots)
         elif isinstance(call, SpeculativePlan):
             self._speculate(call, output, sampling)
         output.seconds = time.perf_counter() - started
@@ -288,20 +290,26 @@ class ModelRunner:
         session = self.prompt_session if self.prompt_session is not None else self.session
         return self.cache.run_rows(session, first, pieces, start, self._uncaptured)
 
-    def decode(self, tokens: Sequence[int], positions: Sequence[int]) -> np.ndarray:
+    def decode(self, tokens: Sequence[int], positions: Sequence[int], slots: Sequence[int] | None = None) -> np.ndarray:
         """One call over slots ``0..len(tokens)-1``: row i feeds ``tokens[i]`` at ``positions[i]``.
 
-        Returns the logits [rows, V] in the session's dtype: a view, valid until the next call.
+        ``slots`` (the paged cache): row i is slot ``slots[i]``'s instead, its table row gathered
+        into the call's (no row runs for a slot that does not decode). Returns the logits
+        [rows, V] in the session's dtype: a view, valid until the next call.
         """
         rows = len(tokens)
         self._set_decode_rows(tokens, positions)
+        if slots is not None:
+            if not isinstance(self.cache, PagedCache):
+                raise ValueError("decode rows of chosen slots read a paged cache's tables; this runner's cache is in slots")
+            np.take(self.cache.tables, slots, axis=0, out=self._gathered_tables[:rows])
         if self.cuda_graph or self.static_decode:
             logits = self._fixed_decode(rows).run(self._ids[:rows], self._mask[:rows], self._positions[:rows])
             return logits[:, 0, :]
         session = self.session
         if self.prompt_session is not None and 0 < self.bf16_decode_rows <= rows:
             session = self.prompt_session
-        session.run_with_iobinding(self._decode_binding(session, rows))
+        session.run_with_iobinding(self._decode_binding(session, rows, gathered=slots is not None))
         return self._logits[:rows, 0, :]
 
     def _fixed_decode(self, rows: int) -> FixedDecode:
@@ -353,15 +361,19 @@ class ModelRunner:
         for row, position in enumerate(positions):
             self._mask[row, : position + 1] = 1
 
-    def _decode_binding(self, session: ort.InferenceSession, rows: int) -> ort.IOBinding:
-        """``session``'s binding of the first ``rows`` slots, made once per session and row count and kept."""
-        binding = self._bindings.get((id(session), rows))
+    def _decode_binding(self, session: ort.InferenceSession, rows: int, *, gathered: bool = False) -> ort.IOBinding:
+        """``session``'s binding of the first ``rows`` slots (``gathered``: of the gathered table's rows), made once per session, row count and kind, and kept."""
+        key = (id(session), rows, gathered)
+        binding = self._bindings.get(key)
         if binding is not None:
             return binding
         binding = session.io_binding()
         for name, array in (("input_ids", self._ids), ("position_ids", self._positions), ("attention_mask", self._mask)):
             binding.bind_input(name, "cpu", 0, np.int64, [rows, *array.shape[1:]], array.ctypes.data)
         binding.bind_output("logits", "cpu", 0, self.dtype, [rows, 1, self.vocab_size], self._logits.ctypes.data)
-        self.cache.bind(binding, 0, rows)
-        self._bindings[(id(session), rows)] = binding
+        if gathered and isinstance(self.cache, PagedCache):
+            self.cache.bind(binding, 0, rows, table=self._gathered_tables[:rows])
+        else:
+            self.cache.bind(binding, 0, rows)
+        self._bindings[key] = binding
         return binding

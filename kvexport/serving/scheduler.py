@@ -172,11 +172,12 @@ class StepPlan:
 
 @dataclass
 class DecodePlan:
-    """One decode call over slots ``0..rows-1``, or one speculative round (``speculative``).
+    """One decode call over slots ``0..rows-1``, or over the running requests' slots (``slots``), or one speculative round (``speculative``).
 
     Row ``i`` feeds ``tokens[i]`` at ``positions[i]`` and attends over its first
     ``positions[i] + 1`` rows; rows not in ``requests`` (free or still prefilling) write one
-    harmless row where their next real row will go.
+    harmless row where their next real row will go. ``slots`` (the paged cache, a call of
+    its own): row ``i`` is ``requests[i]`` in slot ``slots[i]``, and no other row runs.
     """
 
     rows: int = 0
@@ -184,6 +185,11 @@ class DecodePlan:
     tokens: list[int] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
     speculative: SpeculativePlan | None = None
+    slots: list[int] | None = None
+
+    def row_of(self, index: int) -> int:
+        """The call's row of ``requests[index]``."""
+        return index if self.slots is not None else self.requests[index].slot
 
 
 @dataclass(frozen=True)
@@ -726,6 +732,14 @@ class Scheduler:
         alone = running[0]
         if speculate and len(self.active) == 1 and not self.waiting and _plain(alone):
             return DecodePlan(speculative=self._speculative_plan(alone))
+        if self.table.blocks is not None and beside is None:  # paged: each row reads its slot's table, so only the running run
+            plan = DecodePlan(rows=len(running), requests=running, slots=[r.slot for r in running])
+            for each in running:
+                plan.tokens.append(each.next_token)
+                plan.positions.append(each.length)
+                self.table.wrote(each.slot, each.length, [each.next_token])
+                each.length += 1
+            return plan
         plan = DecodePlan(rows=max(r.slot for r in running) + 1, requests=running)
         for slot in range(plan.rows):
             request = self.active.get(slot)
