@@ -28,7 +28,7 @@ def library() -> Path:
 
 
 def _session(
-    library: Path, *, paged: bool, heads: int, kv_heads: int, size: int, window: int, cache: int = TensorProto.FLOAT
+    library: Path, *, paged: bool, heads: int, kv_heads: int, size: int, window: int, cache: int = TensorProto.FLOAT, tiles: bool = False
 ) -> ort.InferenceSession:
     float_ = TensorProto.FLOAT
     names = ["q", "k", "v", "past_key", "past_value", "seqlens", "", *(["block_table"] if paged else [])]
@@ -48,7 +48,7 @@ def _session(
     ]
     node = helper.make_node(
         "CacheAttention", names, ["out", "present_key", "present_value"], domain="kvexport",
-        num_heads=heads, kv_num_heads=kv_heads, scale=0.0, local_window_size=window,
+        num_heads=heads, kv_num_heads=kv_heads, scale=0.0, local_window_size=window, **({"bf16_tiles": 1} if tiles else {}),
     )
     graph = helper.make_graph([node], "paged", inputs, outputs)
     model = helper.make_model(graph, ir_version=10, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("kvexport", 1)])
@@ -175,6 +175,64 @@ def test_fp16_writes_round_as_numpy(library: Path) -> None:
     np.testing.assert_array_equal(values[0, 1, 0].view(np.uint16), (-want).view(np.uint16))
 
 
+def _has_amx() -> bool:
+    flags = Path("/proc/cpuinfo").read_text().split()
+    return "amx_tile" in flags and "amx_bf16" in flags
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size", "tokens", "lengths", "window", "half"),
+    [
+        (6, 2, 64, 7, [30, 7, 44], -1, False),  # pieces after pasts, and a fresh one
+        (9, 3, 64, 40, [40, 64], -1, True),  # three query heads a KV head (48 rows a block of queries), an fp16 pool
+        (4, 1, 32, 33, [33, 40], 20, False),  # long pieces, a window, a head size of 32
+        (2, 1, 128, 17, [17, 50], -1, True),  # a head size of 128: two passes of 64 values
+    ],
+)
+def test_prompts_on_amx_tiles_are_attention_in_bf16(
+    library: Path, monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, size: int, tokens: int, lengths: list[int], window: int,
+    half: bool,
+) -> None:
+    """KVEXPORT_ATTENTION_PATH=amx: the prompt session's nodes (bf16_tiles) run prompts on AMX tiles: against float64
+    attention of the same inputs within bf16's rounding of the weights and values, where the fp32 path is within 1e-5;
+    skipped by name where the CPU has no AMX. Without the variable the nodes keep the fp32 path."""
+    if not _has_amx():
+        pytest.skip("this CPU has no AMX tiles: the bf16 prompt attention is tested where it has")
+    past, q, k, v, seqlens, table, pool_blocks = _problem(len(lengths) * tokens + size, heads, kv_heads, size, tokens, lengths, half=half)
+    cache = TensorProto.FLOAT16 if half else TensorProto.FLOAT
+    dtype = np.float16 if half else np.float32
+    feeds = {
+        "q": q, "k": k, "v": v, "seqlens": seqlens, "block_table": table,
+        "past_key": _to_pool(past[0], table, pool_blocks, BLOCK).astype(dtype), "past_value": _to_pool(past[1], table, pool_blocks, BLOCK).astype(dtype),
+    }
+    outs = {}
+    by_default = _session(library, paged=True, heads=heads, kv_heads=kv_heads, size=size, window=window, cache=cache, tiles=True)
+    unasked = by_default.run(None, feeds)[0]
+    monkeypatch.setenv("KVEXPORT_ATTENTION_PATH", "amx")
+    for tiles in (False, True):
+        session = _session(library, paged=True, heads=heads, kv_heads=kv_heads, size=size, window=window, cache=cache, tiles=tiles)
+        outs[tiles] = session.run(None, feeds)[0]
+    np.testing.assert_array_equal(unasked, outs[False])
+    want = np.zeros_like(q, dtype=np.float64)  # float64 attention: the keys and values the cache holds after the call
+    group = heads // kv_heads
+    for b, n in enumerate(lengths):
+        keys, values = past[0][b].astype(np.float64), past[1][b].astype(np.float64)
+        start = n - tokens
+        for s in range(tokens):
+            position = start + s
+            for h in range(heads):
+                kvh = h // group
+                key = np.concatenate([keys[kvh, :start], k[b, :, kvh * size : (kvh + 1) * size].astype(np.float16 if half else np.float32)])
+                value = np.concatenate([values[kvh, :start], v[b, :, kvh * size : (kvh + 1) * size].astype(np.float16 if half else np.float32)])
+                first = max(0, position + 1 - window) if window > 0 else 0
+                scores = key[first : position + 1] @ q[b, s, h * size : (h + 1) * size].astype(np.float64) / np.sqrt(size)
+                weights = np.exp(scores - scores.max())
+                want[b, s, h * size : (h + 1) * size] = weights @ value[first : position + 1] / weights.sum()
+    np.testing.assert_allclose(outs[False], want, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(outs[True], want, rtol=0, atol=2.5e-2)
+    assert np.abs(outs[True] - outs[False]).max() > 1e-4  # the tiles ran: bf16's rounding shows
+
+
 KERNEL_TESTS = [  # the kernel's outputs and cache against references: decode, pieces, prompts, windows, fp16 pools
     "tests/test_paged_cache.py::test_paged_layout_matches_rows",
     "tests/test_paged_cache.py::test_fp16_pool_matches_fp32_rows",
@@ -202,7 +260,7 @@ def test_each_narrower_kernel_path_passes_the_kernel_tests(library: Path, path: 
 
 def test_an_unknown_or_missing_kernel_path_is_refused_in_one_line(library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVEXPORT_ATTENTION_PATH", "sse9")
-    with pytest.raises(Exception, match="KVEXPORT_ATTENTION_PATH=sse9 is not avx512, f16c, generic or auto"):
+    with pytest.raises(Exception, match="KVEXPORT_ATTENTION_PATH=sse9 is not amx, avx512, f16c, generic or auto"):
         _session(library, paged=True, heads=2, kv_heads=1, size=16, window=-1)
     if "avx512f" not in Path("/proc/cpuinfo").read_text().split():
         monkeypatch.setenv("KVEXPORT_ATTENTION_PATH", "avx512")

@@ -452,6 +452,9 @@ def open_prompt_session(
     products = PromptProductsPass(skip_width, placeholders=True)
     if not products(model).modified:
         return None
+    for node in model.graph:  # its attention's prompts on AMX tiles too (bf16, as its products; the kernel keeps fp32 elsewhere)
+        if node.domain == KVEXPORT_DOMAIN and node.op_type == "CacheAttention":
+            node.attributes["bf16_tiles"] = ir.AttrInt64("bf16_tiles", 1)
     if paged:
         page_cache(model, graph_path, paged)
     options = options or session_options()

@@ -46,6 +46,8 @@
 #include <string>
 #include <vector>
 
+bool kvexport_amx_allowed();  // prompt_matmul.cc: the CPU has AMX-BF16 and the OS granted its tile data
+
 namespace {
 
 // Where a row's cached positions live: rows of their own ([B, Nkv, C, D]) or a block table's
@@ -70,11 +72,23 @@ struct Layout {
 // (target_clones). Tests run every path the host has.
 bool kAvx512 = __builtin_cpu_supports("avx512f");
 bool kF16c = __builtin_cpu_supports("f16c");
+// Prompts on AMX tiles where a node asks (bf16_tiles: the prompt session's) and the CPU and OS allow them: asked for by
+// name only (KVEXPORT_ATTENTION_PATH=amx). 0.65x the attention's time, but the weights' and values' bf16 rounding moved
+// SmolLM2-135M int8's mean KL against fp32 up by 0.5-2% (docs/benchmarks.md): not the default while it is worse.
+bool kTiles = false;
 
 void choose_paths() {
   const char* forced = std::getenv("KVEXPORT_ATTENTION_PATH");
   const std::string choice = forced != nullptr ? forced : "";
+  kAvx512 = __builtin_cpu_supports("avx512f");  // each registration reads the variable afresh
+  kF16c = __builtin_cpu_supports("f16c");
+  kTiles = false;
   if (choice.empty() || choice == "auto") return;
+  if (choice == "amx") {
+    if (!kvexport_amx_allowed()) throw std::runtime_error("CacheAttention: KVEXPORT_ATTENTION_PATH=amx but this CPU (or the OS) gives no AMX tiles");
+    kTiles = true;
+    return;
+  }
   if (choice == "generic") {
     kAvx512 = kF16c = false;
   } else if (choice == "f16c") {
@@ -83,7 +97,7 @@ void choose_paths() {
   } else if (choice == "avx512") {
     if (!kAvx512) throw std::runtime_error("CacheAttention: KVEXPORT_ATTENTION_PATH=avx512 but this CPU has no AVX-512");
   } else {
-    throw std::runtime_error("CacheAttention: KVEXPORT_ATTENTION_PATH=" + choice + " is not avx512, f16c, generic or auto");
+    throw std::runtime_error("CacheAttention: KVEXPORT_ATTENTION_PATH=" + choice + " is not amx, avx512, f16c, generic or auto");
   }
 }
 
@@ -591,6 +605,256 @@ void prompt_task(void* data, size_t index) {
     weighted_generic(scores.data(), stride, from, keys, values, D, outs.data(), inverses.data(), rows);
 }
 
+// ---- several tokens a row on AMX tiles (the prompt session's nodes, ``tiles`` set) ----
+// Scores: queries and keys each split into two bf16 parts (x = hi + lo, 16 significant bits together, an fp16 key
+// exactly), three tile products (hi.hi + hi.lo + lo.hi) summed in fp32: the fp32 path's scores to about 2^-16. With
+// one bf16 product (queries and keys rounded) a 512-token prompt's attention took 28 ms instead of 57, but SmolLM2-135M
+// int8's top-1 moved by -0.14 to -0.44 points and its KL up to 3.5%: a score's error is the rounding times the norms.
+// The softmax in fp32; its weights and the values rounded to bf16 for the weighted sums (a weight's error is its own).
+// Keys and values are laid out once a call in the tiles' pair layout: keys [2 (hi, lo), D/2, T_pad, 2] (a B tile: 16
+// pairs of D x 16 keys), values [T_pad/2, D, 2].
+
+struct TileConfig {
+  uint8_t palette = 1, start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+struct TilePrompt {
+  const float* query;      // [B, S, N*D]
+  float* output;
+  const uint16_t* keys;    // [B, Nkv, 2, D/2, T_pad, 2]: hi, then lo
+  const uint16_t* values;  // [B, Nkv, T_pad/2, D, 2]
+  const int32_t* seqlens;
+  const float* bias;
+  int64_t bias_b, bias_h, bias_s, bias_t;
+  int64_t tokens, heads, kv_heads, head_size, window, t_pad, blocks;
+  float scale;
+};
+
+// One row's KV head's keys and values, up to its last, in the tiles' pair layout (zero past the last).
+struct TileLayout {
+  CacheView keys, values;
+  uint16_t* keys_out;
+  uint16_t* values_out;
+  const int32_t* seqlens;
+  Layout layout;
+  int64_t t_pad;
+};
+
+// 16 floats to bf16, rounded to nearest even (as PromptMatMul rounds its input)
+__attribute__((target("avx512f,avx512bf16"), always_inline)) inline __m256i bf16x16(const float* in) {
+  return (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in));
+}
+
+// 16 floats as two bf16 parts: hi their rounding, lo the rounding of what is left
+__attribute__((target("avx512f,avx512bf16"), always_inline)) inline void split16(const float* in, uint16_t* hi, uint16_t* lo) {
+  const __m512 x = _mm512_loadu_ps(in);
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(x);
+  const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), h);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lo), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(x, back)));
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void tile_layout_task(void* data, size_t index) {
+  thread_local std::vector<float> buffer;
+  thread_local std::vector<uint16_t> run;  // 16 keys' (or values') bf16 rows
+  const TileLayout& p = *static_cast<const TileLayout*>(data);
+  const auto i = static_cast<int64_t>(index);
+  const int64_t b = i / p.layout.kv_heads, h = i % p.layout.kv_heads, D = p.layout.head_size, pairs = D / 2;
+  const int64_t keys = static_cast<int64_t>(p.seqlens[b]) + 1;
+  uint16_t* kt = p.keys_out + i * 2 * D * p.t_pad;
+  uint16_t* vt = p.values_out + i * D * p.t_pad;
+  std::fill(kt, kt + 2 * D * p.t_pad, uint16_t{0});
+  std::fill(vt, vt + D * p.t_pad, uint16_t{0});
+  buffer.resize(static_cast<size_t>(D));
+  run.resize(static_cast<size_t>(3 * 16 * D));
+  uint16_t* krun = run.data();  // hi, then lo
+  uint16_t* vrun = run.data() + 32 * D;
+  const __m512i rows = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(static_cast<int>(pairs)));
+  for (int64_t t0 = 0; t0 < keys; t0 += 16) {
+    const int64_t n = std::min<int64_t>(16, keys - t0);
+    for (int64_t j = 0; j < 16; ++j) {
+      if (j >= n) {
+        std::fill(krun + j * D, krun + (j + 1) * D, uint16_t{0});
+        std::fill(krun + (16 + j) * D, krun + (17 + j) * D, uint16_t{0});
+        std::fill(vrun + j * D, vrun + (j + 1) * D, uint16_t{0});
+        continue;
+      }
+      const int64_t at = p.layout.at(b, h, t0 + j);
+      const float* k = p.keys.values(at, D, buffer.data());
+      for (int64_t d = 0; d < D; d += 16) split16(k + d, krun + j * D + d, krun + (16 + j) * D + d);
+      const float* v = p.values.values(at, D, buffer.data());
+      for (int64_t d = 0; d < D; d += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(vrun + j * D + d), bf16x16(v + d));
+    }
+    // keys [D/2, T_pad, 2]: pair q of the 16 keys, one 64-byte row each
+    for (int64_t part = 0; part < 2; ++part) {
+      const int* words = reinterpret_cast<const int*>(krun + part * 16 * D);
+      for (int64_t q = 0; q < pairs; ++q)
+        _mm512_storeu_si512(kt + part * D * p.t_pad + (q * p.t_pad + t0) * 2,
+                            _mm512_i32gather_epi32(_mm512_add_epi32(rows, _mm512_set1_epi32(static_cast<int>(q))), words, 4));
+    }
+    // values [T_pad/2, D, 2]: keys t and t + 1 interleaved
+    for (int64_t j = 0; j < 16; j += 2)
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrun + j * D + d)));
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrun + (j + 1) * D + d)));
+        _mm512_storeu_si512(vt + (((t0 + j) / 2) * D + d) * 2, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+  }
+}
+
+// A row's scores (scale, bias, window and causality applied), softmax in place; its inverse sum; the weights' range.
+// Not inlined into the tiles' task: the softmax's loops (and libmvec's exp) vectorize under target_clones, not there
+// (inlined, the exponentials ran one at a time: 58 of a 512-token prompt's 73 ms).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void tile_softmax(const TilePrompt& p, int64_t b, int64_t kvh, int64_t first, int64_t s, int64_t g,
+                                                        int64_t keys, int64_t stride, float* row, float& inverse) {
+  const int64_t past = std::max<int64_t>(0, static_cast<int64_t>(p.seqlens[b]) + 1 - p.tokens), last_key = p.seqlens[b];
+  const int64_t position = std::min(past + first + s, last_key), end = position + 1;  // padding queries: the last's view
+  const int64_t start = p.window > 0 ? std::max<int64_t>(0, position + 1 - p.window) : 0;
+  const int64_t G = p.heads / p.kv_heads;
+  const float* add = nullptr;
+  if (p.bias != nullptr)
+    add = p.bias + (((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : kvh * G + g)) * p.bias_s + (p.bias_s == 1 ? 0 : first + s)) *
+                       p.bias_t;
+  float top = std::numeric_limits<float>::lowest();
+  for (int64_t t = start; t < end; ++t) {
+    row[t] = row[t] * p.scale + (add != nullptr ? add[t] : 0.0f);
+    top = std::max(top, row[t]);
+  }
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = start; t < end; ++t) {
+    row[t] = std::exp(row[t] - top);
+    sum += row[t];
+  }
+  inverse = 1.0f / sum;
+  std::fill(row, row + start, 0.0f);
+  std::fill(row + end, row + std::max(keys, stride), 0.0f);
+}
+
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_prompt_task(void* data, size_t index) {
+  thread_local std::vector<float> scores;
+  thread_local std::vector<uint16_t> q16, w16;
+  thread_local std::vector<float> inverses;
+  const TilePrompt& p = *static_cast<const TilePrompt*>(data);
+  const int64_t D = p.head_size, G = p.heads / p.kv_heads, S = p.tokens, N = p.heads;
+  const auto i = static_cast<int64_t>(index);
+  const int64_t block = i % p.blocks, kvh = (i / p.blocks) % p.kv_heads, b = i / (p.blocks * p.kv_heads);
+  const int64_t first = block * kQueryBlock, count = std::min(kQueryBlock, S - first);
+  const int64_t past = std::max<int64_t>(0, static_cast<int64_t>(p.seqlens[b]) + 1 - S), last_key = p.seqlens[b];
+  const int64_t keys = std::min(past + first + count - 1, last_key) + 1;
+  const int64_t stride = (keys + 31) / 32 * 32;  // whole 32-key steps of the weighted sum
+  const int64_t rows = count * G, groups = (rows + 15) / 16;
+  scores.resize(static_cast<size_t>(groups * 16 * stride));
+  q16.assign(static_cast<size_t>(2 * groups * 16 * D), 0);  // hi, then lo
+  uint16_t* q_lo = q16.data() + groups * 16 * D;
+  w16.resize(static_cast<size_t>(groups * 16 * stride));
+  inverses.resize(static_cast<size_t>(groups * 16));
+  for (int64_t s = 0; s < count; ++s)  // rows: the block's queries x the group's heads
+    for (int64_t g = 0; g < G; ++g) {
+      const float* q = p.query + ((b * S + first + s) * N + kvh * G + g) * D;
+      for (int64_t d = 0; d < D; d += 16) split16(q + d, q16.data() + (s * G + g) * D + d, q_lo + (s * G + g) * D + d);
+    }
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {  // tmm0-3: C (16 x 16 fp32); tmm4-5: A (16 x 32 bf16); tmm6-7: B (16 pairs x 16 x 2)
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+  const uint16_t* kt = p.keys + (b * p.kv_heads + kvh) * 2 * D * p.t_pad;
+  const uint16_t* kt_lo = kt + D * p.t_pad;
+  for (int64_t rg = 0; rg < groups; ++rg)  // scores: 16 rows x 64 keys (4 C tiles), D in steps of 32
+    for (int64_t k0 = 0; k0 < stride; k0 += 64) {
+      const int64_t width = std::min<int64_t>(4, (stride - k0) / 16);  // stride: whole 32s, so 2 or 4
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {  // hi.hi + hi.lo + lo.hi
+        _tile_loadd(4, q16.data() + rg * 16 * D + d0, D * 2);
+        _tile_loadd(5, q_lo + rg * 16 * D + d0, D * 2);
+        const int64_t at = ((d0 / 2) * p.t_pad + k0) * 2;
+        _tile_loadd(6, kt + at, p.t_pad * 4);
+        _tile_loadd(7, kt_lo + at, p.t_pad * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(0, 4, 7);
+        _tile_dpbf16ps(0, 5, 6);
+        _tile_loadd(6, kt + at + 32, p.t_pad * 4);
+        _tile_loadd(7, kt_lo + at + 32, p.t_pad * 4);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(1, 5, 6);
+        if (width > 2) {
+          _tile_loadd(6, kt + at + 64, p.t_pad * 4);
+          _tile_loadd(7, kt_lo + at + 64, p.t_pad * 4);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_dpbf16ps(2, 4, 7);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_loadd(6, kt + at + 96, p.t_pad * 4);
+          _tile_loadd(7, kt_lo + at + 96, p.t_pad * 4);
+          _tile_dpbf16ps(3, 4, 6);
+          _tile_dpbf16ps(3, 4, 7);
+          _tile_dpbf16ps(3, 5, 6);
+        }
+      }
+      float* out = scores.data() + rg * 16 * stride + k0;
+      _tile_stored(0, out, stride * 4);
+      _tile_stored(1, out + 16, stride * 4);
+      if (width > 2) {
+        _tile_stored(2, out + 32, stride * 4);
+        _tile_stored(3, out + 48, stride * 4);
+      }
+    }
+  for (int64_t s = 0; s < count; ++s)
+    for (int64_t g = 0; g < G; ++g) {
+      float* row = scores.data() + (s * G + g) * stride;
+      tile_softmax(p, b, kvh, first, s, g, keys, stride, row, inverses[s * G + g]);
+      for (int64_t t = 0; t < stride; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16.data() + (s * G + g) * stride + t), bf16x16(row + t));
+    }
+  for (int64_t r = rows; r < groups * 16; ++r) std::fill(w16.begin() + r * stride, w16.begin() + (r + 1) * stride, uint16_t{0});
+  const uint16_t* vt = p.values + (b * p.kv_heads + kvh) * D * p.t_pad;
+  alignas(64) float tile[16 * 16];
+  for (int64_t rg = 0; rg < groups; ++rg)  // weighted sums: 16 rows x 64 values (4 C tiles), keys in steps of 32
+    for (int64_t c0 = 0; c0 < D; c0 += 64) {
+      const int64_t width = std::min<int64_t>(4, (D - c0) / 16);
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t0 = 0; t0 < stride; t0 += 32) {
+        _tile_loadd(4, w16.data() + rg * 16 * stride + t0, stride * 2);
+        const uint16_t* v = vt + ((t0 / 2) * D + c0) * 2;
+        _tile_loadd(6, v, D * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_loadd(7, v + 32, D * 4);  // width >= 2: D is a multiple of 32
+        _tile_dpbf16ps(1, 4, 7);
+        if (width > 2) {
+          _tile_loadd(6, v + 64, D * 4);
+          _tile_dpbf16ps(2, 4, 6);
+          _tile_loadd(7, v + 96, D * 4);
+          _tile_dpbf16ps(3, 4, 7);
+        }
+      }
+      for (int64_t c = 0; c < width; ++c) {
+        switch (c) {
+          case 0: _tile_stored(0, tile, 64); break;
+          case 1: _tile_stored(1, tile, 64); break;
+          case 2: _tile_stored(2, tile, 64); break;
+          default: _tile_stored(3, tile, 64); break;
+        }
+        for (int64_t r = 0; r < 16 && rg * 16 + r < rows; ++r) {
+          const int64_t row = rg * 16 + r, s = row / G, g = row % G;
+          float* out = p.output + ((b * S + first + s) * N + kvh * G + g) * D + c0 + 16 * c;
+          const __m512 inverse = _mm512_set1_ps(inverses[row]);
+          _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_load_ps(tile + 16 * r), inverse));
+        }
+      }
+    }
+  _tile_release();
+}
+
 struct Transpose {
   CacheView keys;    // present
   CacheView values;  // present; gathered into values_out where that is set (paged, or fp16)
@@ -631,9 +895,14 @@ void transpose_task(void* data, size_t index) {
 struct CacheAttentionKernel {
   int64_t heads, kv_heads, window;
   float scale;
+  bool tiles = false;  // prompts (several tokens a row) on AMX tiles in bf16: the prompt session's nodes (attribute bf16_tiles)
 
   CacheAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo kernel_info(info);
+    try {
+      tiles = kernel_info.GetAttribute<int64_t>("bf16_tiles") != 0 && kTiles && kvexport_amx_allowed();
+    } catch (const Ort::Exception&) {  // absent: fp32
+    }
     heads = kernel_info.GetAttribute<int64_t>("num_heads");
     kv_heads = kernel_info.GetAttribute<int64_t>("kv_num_heads");
     scale = kernel_info.GetAttribute<float>("scale");
@@ -714,6 +983,18 @@ struct CacheAttentionKernel {
     const float used_scale = scale != 0.0f ? scale : 1.0f / std::sqrt(static_cast<float>(D));
     std::vector<int64_t> bias_shape{1, 1, 1, 0};
     const float* bias_data = bias_of(context, B, S, longest, bias_shape);
+    if (S > 1 && tiles && D % 32 == 0 && D <= 256) {
+      const int64_t t_pad = (longest + 31) / 32 * 32;
+      std::vector<uint16_t> keys_t(static_cast<size_t>(2 * B * kv_heads * D * t_pad)), values_t(keys_t.size() / 2);
+      TileLayout tile_layout{keys, values, keys_t.data(), values_t.data(), lengths, layout, t_pad};
+      context.ParallelFor(tile_layout_task, static_cast<size_t>(B * kv_heads), 0, &tile_layout);
+      const int64_t blocks = (S + kQueryBlock - 1) / kQueryBlock;
+      TilePrompt prompt{query.GetTensorData<float>(), output.GetTensorMutableData<float>(), keys_t.data(), values_t.data(), lengths,
+                        bias_data, bias_shape[0], bias_shape[1], bias_shape[2], bias_shape[3],
+                        S, heads, kv_heads, D, window, t_pad, blocks, used_scale};
+      context.ParallelFor(tile_prompt_task, static_cast<size_t>(B * kv_heads * blocks), 0, &prompt);
+      return;
+    }
     if (S > 1) {
       const int64_t t_pad = (longest + 31) / 32 * 32;
       const bool gather = layout.table != nullptr || half;  // a paged or fp16 cache's values, row by row in fp32

@@ -361,6 +361,9 @@ extern "C" __attribute__((visibility("default"))) const char* KvexportPromptGemm
   }
 }
 
+// For CacheAttention's prompts on tiles (cache_attention.cc).
+bool kvexport_amx_allowed() { return amx_allowed(); }
+
 void add_prompt_matmul(Ort::CustomOpDomain& domain) {
   static PromptMatMulOp op;
   domain.Add(&op);
