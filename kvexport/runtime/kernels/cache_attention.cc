@@ -439,7 +439,23 @@ struct Prompt {
   float scale;
 };
 
-inline int64_t past_of(const Prompt& p, int64_t b) { return std::max<int64_t>(0, static_cast<int64_t>(p.seqlens[b]) + 1 - p.tokens); }
+template <class P>
+int64_t past_of(const P& p, int64_t b) { return std::max<int64_t>(0, static_cast<int64_t>(p.seqlens[b]) + 1 - p.tokens); }
+
+// A prompt task's share: row b's KV head kvh, queries first..first+count-1, over the keys before ``keys`` (up to its
+// last query's position, or the row's last key)
+struct QueryBlock {
+  int64_t b, kvh, first, count, keys;
+};
+
+template <class P>
+QueryBlock query_block(const P& p, size_t index) {
+  const auto i = static_cast<int64_t>(index);
+  const int64_t block = i % p.blocks, kvh = (i / p.blocks) % p.kv_heads, b = i / (p.blocks * p.kv_heads);
+  const int64_t first = block * kQueryBlock, count = std::min(kQueryBlock, p.tokens - first);
+  const int64_t keys = std::min(past_of(p, b) + first + count - 1, static_cast<int64_t>(p.seqlens[b])) + 1;
+  return {b, kvh, first, count, keys};
+}
 
 // scores[r][t] = scale * q_r . k_t for 8 rows and 32 keys at a time (16 accumulators); rows padded to 8, keys to 32
 __attribute__((target("avx512f"))) void scores_avx512(const float* const* q, const float* kt, int64_t t_pad, int64_t D,
@@ -546,12 +562,8 @@ void prompt_task(void* data, size_t index) {
   thread_local std::vector<float> inverses;
   const Prompt& p = *static_cast<const Prompt*>(data);
   const int64_t D = p.head_size, G = p.heads / p.kv_heads, S = p.tokens, N = p.heads;
-  const auto i = static_cast<int64_t>(index);
-  const int64_t block = i % p.blocks, kvh = (i / p.blocks) % p.kv_heads, b = i / (p.blocks * p.kv_heads);
-  const int64_t first = block * kQueryBlock, count = std::min(kQueryBlock, S - first);
+  const auto [b, kvh, first, count, keys] = query_block(p, index);
   const int64_t past = past_of(p, b), last_key = p.seqlens[b];
-  // keys the block reads: up to its last query's position (or the row's last key)
-  const int64_t keys = std::min(past + first + count - 1, last_key) + 1;
   const int64_t stride = (keys + 31) / 32 * 32;
   const int64_t rows = count * G;
   scores.resize(static_cast<size_t>(rows * stride));
@@ -710,7 +722,7 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_layout_task(void* data, 
 // (inlined, the exponentials ran one at a time: 58 of a 512-token prompt's 73 ms).
 __attribute__((target_clones("avx512f", "avx2", "default"))) void tile_softmax(const TilePrompt& p, int64_t b, int64_t kvh, int64_t first, int64_t s, int64_t g,
                                                         int64_t keys, int64_t stride, float* row, float& inverse) {
-  const int64_t past = std::max<int64_t>(0, static_cast<int64_t>(p.seqlens[b]) + 1 - p.tokens), last_key = p.seqlens[b];
+  const int64_t past = past_of(p, b), last_key = p.seqlens[b];
   const int64_t position = std::min(past + first + s, last_key), end = position + 1;  // padding queries: the last's view
   const int64_t start = p.window > 0 ? std::max<int64_t>(0, position + 1 - p.window) : 0;
   const int64_t G = p.heads / p.kv_heads;
@@ -734,17 +746,24 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void tile_softmax(c
   std::fill(row + end, row + std::max(keys, stride), 0.0f);
 }
 
+// C tile ``C`` += the queries' parts in tmm4 (hi) and tmm5 (lo) times 16 keys' parts at ``hi`` and ``lo``: hi.hi + hi.lo +
+// lo.hi. A macro: GCC's tile intrinsics paste their register numbers into the assembly, so they take literals only.
+#define KVEXPORT_SPLIT_SCORES(C, hi, lo, pitch) \
+  do {                                          \
+    _tile_loadd(6, hi, pitch);                  \
+    _tile_loadd(7, lo, pitch);                  \
+    _tile_dpbf16ps(C, 4, 6);                    \
+    _tile_dpbf16ps(C, 4, 7);                    \
+    _tile_dpbf16ps(C, 5, 6);                    \
+  } while (0)
+
 __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_prompt_task(void* data, size_t index) {
   thread_local std::vector<float> scores;
   thread_local std::vector<uint16_t> q16, w16;
   thread_local std::vector<float> inverses;
   const TilePrompt& p = *static_cast<const TilePrompt*>(data);
   const int64_t D = p.head_size, G = p.heads / p.kv_heads, S = p.tokens, N = p.heads;
-  const auto i = static_cast<int64_t>(index);
-  const int64_t block = i % p.blocks, kvh = (i / p.blocks) % p.kv_heads, b = i / (p.blocks * p.kv_heads);
-  const int64_t first = block * kQueryBlock, count = std::min(kQueryBlock, S - first);
-  const int64_t past = std::max<int64_t>(0, static_cast<int64_t>(p.seqlens[b]) + 1 - S), last_key = p.seqlens[b];
-  const int64_t keys = std::min(past + first + count - 1, last_key) + 1;
+  const auto [b, kvh, first, count, keys] = query_block(p, index);
   const int64_t stride = (keys + 31) / 32 * 32;  // whole 32-key steps of the weighted sum
   const int64_t rows = count * G, groups = (rows + 15) / 16;
   scores.resize(static_cast<size_t>(groups * 16 * stride));
@@ -775,28 +794,12 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_prompt
       for (int64_t d0 = 0; d0 < D; d0 += 32) {  // hi.hi + hi.lo + lo.hi
         _tile_loadd(4, q16.data() + rg * 16 * D + d0, D * 2);
         _tile_loadd(5, q_lo + rg * 16 * D + d0, D * 2);
-        const int64_t at = ((d0 / 2) * p.t_pad + k0) * 2;
-        _tile_loadd(6, kt + at, p.t_pad * 4);
-        _tile_loadd(7, kt_lo + at, p.t_pad * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(0, 4, 7);
-        _tile_dpbf16ps(0, 5, 6);
-        _tile_loadd(6, kt + at + 32, p.t_pad * 4);
-        _tile_loadd(7, kt_lo + at + 32, p.t_pad * 4);
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(1, 5, 6);
+        const int64_t at = ((d0 / 2) * p.t_pad + k0) * 2, pitch = p.t_pad * 4;
+        KVEXPORT_SPLIT_SCORES(0, kt + at, kt_lo + at, pitch);
+        KVEXPORT_SPLIT_SCORES(1, kt + at + 32, kt_lo + at + 32, pitch);
         if (width > 2) {
-          _tile_loadd(6, kt + at + 64, p.t_pad * 4);
-          _tile_loadd(7, kt_lo + at + 64, p.t_pad * 4);
-          _tile_dpbf16ps(2, 4, 6);
-          _tile_dpbf16ps(2, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_loadd(6, kt + at + 96, p.t_pad * 4);
-          _tile_loadd(7, kt_lo + at + 96, p.t_pad * 4);
-          _tile_dpbf16ps(3, 4, 6);
-          _tile_dpbf16ps(3, 4, 7);
-          _tile_dpbf16ps(3, 5, 6);
+          KVEXPORT_SPLIT_SCORES(2, kt + at + 64, kt_lo + at + 64, pitch);
+          KVEXPORT_SPLIT_SCORES(3, kt + at + 96, kt_lo + at + 96, pitch);
         }
       }
       float* out = scores.data() + rg * 16 * stride + k0;
