@@ -426,6 +426,19 @@ def prompt_session_for(
     return session, path if session is not None else "no block-quantized products in the graph"
 
 
+def _ask_for_tiles(model: Any) -> None:
+    """Mark the prompt graph's attention for AMX tiles (``bf16_tiles``: taken only under ``KVEXPORT_ATTENTION_PATH=amx``).
+
+    A function of its own, so no loop variable outlives it: a node held past ``del model`` kept
+    the graph's tensors, and the export's data file they map, alive (0.14 GB more RSS for SmolLM2-135M).
+    """
+    import onnx_ir as ir
+
+    for node in model.graph:
+        if node.domain == KVEXPORT_DOMAIN and node.op_type == "CacheAttention":
+            node.attributes["bf16_tiles"] = ir.AttrInt64("bf16_tiles", 1)
+
+
 def open_prompt_session(
     graph_path: Path, options: ort.SessionOptions | None = None, *, skip_width: int | None = None, paged: str | None = None
 ) -> ort.InferenceSession | None:
@@ -452,9 +465,7 @@ def open_prompt_session(
     products = PromptProductsPass(skip_width, placeholders=True)
     if not products(model).modified:
         return None
-    for node in model.graph:  # its attention's prompts on AMX tiles too (bf16, as its products; the kernel keeps fp32 elsewhere)
-        if node.domain == KVEXPORT_DOMAIN and node.op_type == "CacheAttention":
-            node.attributes["bf16_tiles"] = ir.AttrInt64("bf16_tiles", 1)
+    _ask_for_tiles(model)
     if paged:
         page_cache(model, graph_path, paged)
     options = options or session_options()
