@@ -734,7 +734,7 @@ class Engine:
                 outputs.extend(self.output.first_token(chunk.request.id, logits[-1]))
         decode = plan.decode
         if decode is not None and ran.decode is not None:
-            outputs.extend(self.output.decoded([r.id for r in decode.requests], ran.decode, [decode.row_of(i) for i in range(len(decode.requests))]))
+            outputs.extend(self.output.decoded([r.id for r in decode.requests], ran.decode, decode.request_rows))
         if isinstance(plan.call, SpeculativePlan):
             outputs.extend(self.output.accepted(plan.call.request.id, ran.accepted))
         return outputs

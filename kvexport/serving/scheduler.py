@@ -187,9 +187,10 @@ class DecodePlan:
     speculative: SpeculativePlan | None = None
     slots: list[int] | None = None
 
-    def row_of(self, index: int) -> int:
-        """The call's row of ``requests[index]``."""
-        return index if self.slots is not None else self.requests[index].slot
+    @property
+    def request_rows(self) -> list[int]:
+        """The call's row of each of ``requests``: its place among them (``slots``), else its slot."""
+        return list(range(len(self.requests))) if self.slots is not None else [r.slot for r in self.requests]
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@
 #include <vector>
 
 bool kvexport_amx_allowed();  // prompt_matmul.cc: the CPU has AMX-BF16 and the OS granted its tile data
+void kvexport_configure_tiles();  // prompt_matmul.cc: this thread's eight tiles, 16 rows of 64 bytes each
 
 namespace {
 
@@ -442,6 +443,40 @@ struct Prompt {
 template <class P>
 int64_t past_of(const P& p, int64_t b) { return std::max<int64_t>(0, static_cast<int64_t>(p.seqlens[b]) + 1 - p.tokens); }
 
+// Query s of a prompt task's block, head g of its group: its scores (times ``scale``, the bias added) as softmax weights
+// in place, zero outside its window and after its position up to ``width``; the inverse of their sum in ``inverse``.
+// Returns the first key it weighs. Inlined: its loops (and libmvec's exp) take the caller's ISA.
+template <class P>
+__attribute__((always_inline)) inline int64_t row_softmax(const P& p, int64_t b, int64_t kvh, int64_t first, int64_t s, int64_t g,
+                                                          int64_t width, float scale, float* row, float& inverse) {
+  // a right-padded row's padding queries (past its last key) see what its last query sees
+  const int64_t position = std::min(past_of(p, b) + first + s, static_cast<int64_t>(p.seqlens[b]));
+  const int64_t end = position + 1;
+  const int64_t start = p.window > 0 ? std::max<int64_t>(0, position + 1 - p.window) : 0;
+  if (scale != 1.0f)
+#pragma omp simd
+    for (int64_t t = start; t < end; ++t) row[t] *= scale;
+  if (p.bias != nullptr) {
+    const int64_t h = kvh * (p.heads / p.kv_heads) + g;
+    const float* add = p.bias + (((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : h)) * p.bias_s +
+                                 (p.bias_s == 1 ? 0 : first + s)) * p.bias_t;
+#pragma omp simd
+    for (int64_t t = start; t < end; ++t) row[t] += add[t];
+  }
+  float top = std::numeric_limits<float>::lowest();
+  for (int64_t t = start; t < end; ++t) top = std::max(top, row[t]);
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = start; t < end; ++t) {
+    row[t] = std::exp(row[t] - top);
+    sum += row[t];
+  }
+  inverse = 1.0f / sum;
+  std::fill(row, row + start, 0.0f);
+  std::fill(row + end, row + width, 0.0f);
+  return start;
+}
+
 // A prompt task's share: row b's KV head kvh, queries first..first+count-1, over the keys before ``keys`` (up to its
 // last query's position, or the row's last key)
 struct QueryBlock {
@@ -563,7 +598,6 @@ void prompt_task(void* data, size_t index) {
   const Prompt& p = *static_cast<const Prompt*>(data);
   const int64_t D = p.head_size, G = p.heads / p.kv_heads, S = p.tokens, N = p.heads;
   const auto [b, kvh, first, count, keys] = query_block(p, index);
-  const int64_t past = past_of(p, b), last_key = p.seqlens[b];
   const int64_t stride = (keys + 31) / 32 * 32;
   const int64_t rows = count * G;
   scores.resize(static_cast<size_t>(rows * stride));
@@ -582,34 +616,9 @@ void prompt_task(void* data, size_t index) {
   else
     scores_generic(queries.data(), kt, p.t_pad, D, keys, p.scale, scores.data(), stride, rows);
   int64_t from = keys;
-  for (int64_t s = 0; s < count; ++s) {
-    // a right-padded row's padding queries (past its last key) see what its last query sees
-    const int64_t position = std::min(past + first + s, last_key);
-    const int64_t end = position + 1;
-    const int64_t start = p.window > 0 ? std::max<int64_t>(0, position + 1 - p.window) : 0;
-    from = std::min(from, start);
-    for (int64_t g = 0; g < G; ++g) {
-      float* row = scores.data() + (s * G + g) * stride;
-      if (p.bias != nullptr) {
-        const int64_t h = kvh * G + g;
-        const float* add = p.bias + (((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : h)) * p.bias_s +
-                                     (p.bias_s == 1 ? 0 : first + s)) * p.bias_t;
-#pragma omp simd
-        for (int64_t t = start; t < end; ++t) row[t] += add[t];
-      }
-      float top = std::numeric_limits<float>::lowest();
-      for (int64_t t = start; t < end; ++t) top = std::max(top, row[t]);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = start; t < end; ++t) {
-        row[t] = std::exp(row[t] - top);
-        sum += row[t];
-      }
-      inverses[s * G + g] = 1.0f / sum;  // applied to the weighted sum: one pass less over the scores
-      std::fill(row, row + start, 0.0f);
-      std::fill(row + end, row + keys, 0.0f);
-    }
-  }
+  for (int64_t s = 0; s < count; ++s)
+    for (int64_t g = 0; g < G; ++g)  // the inverse sums are applied to the weighted sums: one pass less over the scores
+      from = std::min(from, row_softmax(p, b, kvh, first, s, g, keys, 1.0f, scores.data() + (s * G + g) * stride, inverses[s * G + g]));
   const float* values = p.values + (b * p.kv_heads + kvh) * p.values_stride * D;
   if (kAvx512 && D % 64 == 0)
     weighted_avx512(scores.data(), stride, from, keys, values, D, outs.data(), inverses.data(), rows);
@@ -625,13 +634,6 @@ void prompt_task(void* data, size_t index) {
 // The softmax in fp32; its weights and the values rounded to bf16 for the weighted sums (a weight's error is its own).
 // Keys and values are laid out once a call in the tiles' pair layout: keys [2 (hi, lo), D/2, T_pad, 2] (a B tile: 16
 // pairs of D x 16 keys), values [T_pad/2, D, 2].
-
-struct TileConfig {
-  uint8_t palette = 1, start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 struct TilePrompt {
   const float* query;      // [B, S, N*D]
@@ -717,33 +719,11 @@ __attribute__((target("avx512f,avx512bf16"))) void tile_layout_task(void* data, 
   }
 }
 
-// A row's scores (scale, bias, window and causality applied), softmax in place; its inverse sum; the weights' range.
-// Not inlined into the tiles' task: the softmax's loops (and libmvec's exp) vectorize under target_clones, not there
-// (inlined, the exponentials ran one at a time: 58 of a 512-token prompt's 73 ms).
-__attribute__((target_clones("avx512f", "avx2", "default"))) void tile_softmax(const TilePrompt& p, int64_t b, int64_t kvh, int64_t first, int64_t s, int64_t g,
-                                                        int64_t keys, int64_t stride, float* row, float& inverse) {
-  const int64_t past = past_of(p, b), last_key = p.seqlens[b];
-  const int64_t position = std::min(past + first + s, last_key), end = position + 1;  // padding queries: the last's view
-  const int64_t start = p.window > 0 ? std::max<int64_t>(0, position + 1 - p.window) : 0;
-  const int64_t G = p.heads / p.kv_heads;
-  const float* add = nullptr;
-  if (p.bias != nullptr)
-    add = p.bias + (((p.bias_b == 1 ? 0 : b) * p.bias_h + (p.bias_h == 1 ? 0 : kvh * G + g)) * p.bias_s + (p.bias_s == 1 ? 0 : first + s)) *
-                       p.bias_t;
-  float top = std::numeric_limits<float>::lowest();
-  for (int64_t t = start; t < end; ++t) {
-    row[t] = row[t] * p.scale + (add != nullptr ? add[t] : 0.0f);
-    top = std::max(top, row[t]);
-  }
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = start; t < end; ++t) {
-    row[t] = std::exp(row[t] - top);
-    sum += row[t];
-  }
-  inverse = 1.0f / sum;
-  std::fill(row, row + start, 0.0f);
-  std::fill(row + end, row + std::max(keys, stride), 0.0f);
+// The tiles' softmax (their scores unscaled), out of line: inlined into the tiles' task its exponentials ran one at a
+// time (58 of a 512-token prompt's 73 ms); here target_clones vectorizes them.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void tile_softmax(const TilePrompt& p, int64_t b, int64_t kvh, int64_t first,
+                                                                             int64_t s, int64_t g, int64_t stride, float* row, float& inverse) {
+  row_softmax(p, b, kvh, first, s, g, stride, p.scale, row, inverse);
 }
 
 // C tile ``C`` += the queries' parts in tmm4 (hi) and tmm5 (lo) times 16 keys' parts at ``hi`` and ``lo``: hi.hi + hi.lo +
@@ -776,12 +756,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_prompt
       const float* q = p.query + ((b * S + first + s) * N + kvh * G + g) * D;
       for (int64_t d = 0; d < D; d += 16) split16(q + d, q16.data() + (s * G + g) * D + d, q_lo + (s * G + g) * D + d);
     }
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {  // tmm0-3: C (16 x 16 fp32); tmm4-5: A (16 x 32 bf16); tmm6-7: B (16 pairs x 16 x 2)
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
+  kvexport_configure_tiles();  // tmm0-3: C (16 x 16 fp32); tmm4-5: A (16 x 32 bf16); tmm6-7: B (16 pairs x 16 x 2)
   const uint16_t* kt = p.keys + (b * p.kv_heads + kvh) * 2 * D * p.t_pad;
   const uint16_t* kt_lo = kt + D * p.t_pad;
   for (int64_t rg = 0; rg < groups; ++rg)  // scores: 16 rows x 64 keys (4 C tiles), D in steps of 32
@@ -813,7 +788,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16"))) void tile_prompt
   for (int64_t s = 0; s < count; ++s)
     for (int64_t g = 0; g < G; ++g) {
       float* row = scores.data() + (s * G + g) * stride;
-      tile_softmax(p, b, kvh, first, s, g, keys, stride, row, inverses[s * G + g]);
+      tile_softmax(p, b, kvh, first, s, g, stride, row, inverses[s * G + g]);
       for (int64_t t = 0; t < stride; t += 16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16.data() + (s * G + g) * stride + t), bf16x16(row + t));
     }
   for (int64_t r = rows; r < groups * 16; ++r) std::fill(w16.begin() + r * stride, w16.begin() + (r + 1) * stride, uint16_t{0});

@@ -33,6 +33,8 @@
 #include <string>
 #include <vector>
 
+void kvexport_configure_tiles();  // below: every tile 16 rows of 64 bytes (both kernels' only shape)
+
 namespace {
 
 constexpr int64_t kGroup = 16;  // W's columns a group; a tile's and a zmm's fp32 columns
@@ -178,12 +180,7 @@ __attribute__((target("amx-tile,avx512f"))) inline void store_tile(const Product
 
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_task(void* data, size_t index) {
   const Product& p = *static_cast<const Product*>(data);
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {  // tmm0-3: C (16 x 16 fp32); tmm4-5: A (16 x 32 bf16); tmm6-7: W (16 pairs x 16 x 2)
-    config.rows[t] = 16;
-    config.colsb[t] = 64;
-  }
-  _tile_loadconfig(&config);
+  kvexport_configure_tiles();  // tmm0-3: C (16 x 16 fp32); tmm4-5: A (16 x 32 bf16); tmm6-7: W (16 pairs x 16 x 2)
   alignas(64) float tile[kGroup * kGroup];
   const int64_t pairs_total = (p.groups + 1) / 2;
   const int64_t n_chunks = (pairs_total + kChunkPairs - 1) / kChunkPairs;
@@ -363,6 +360,18 @@ extern "C" __attribute__((visibility("default"))) const char* KvexportPromptGemm
 
 // For CacheAttention's prompts on tiles (cache_attention.cc).
 bool kvexport_amx_allowed() { return amx_allowed(); }
+
+__attribute__((target("amx-tile"))) void kvexport_configure_tiles() {
+  alignas(64) TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  // GCC's _tile_loadconfig tells the compiler it reads 8 bytes, not 64: without this the rows and widths were dropped
+  // as dead stores once the configuration moved into a function of its own (ldtilecfg then faulted)
+  __asm__ volatile("" : : "m"(config));
+  _tile_loadconfig(&config);
+}
 
 void add_prompt_matmul(Ort::CustomOpDomain& domain) {
   static PromptMatMulOp op;
