@@ -29,6 +29,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
+#include <new>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -311,10 +313,14 @@ struct PromptMatMulKernel {
     auto y = context.GetOutput(0, y_shape);
     if (m == 0) return;
     const int64_t m_blocks = (m + kRows - 1) / kRows;
-    std::vector<uint16_t> a_bf16(static_cast<size_t>(m_blocks * kRows * k_pad));
-    Convert convert{a.GetTensorData<float>(), a_bf16.data(), m, k, k_pad};
+    // 64-byte aligned: a tile's rows are whole cache lines (std::vector's 16 bytes split each across two; a 512-token
+    // prompt of SmolLM2-135M took 1.18x the time)
+    std::unique_ptr<uint16_t, decltype(&std::free)> a_bf16(
+        static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(m_blocks * kRows * k_pad) * sizeof(uint16_t))), &std::free);
+    if (a_bf16 == nullptr) throw std::bad_alloc();
+    Convert convert{a.GetTensorData<float>(), a_bf16.get(), m, k, k_pad};
     context.ParallelFor(convert_task, static_cast<size_t>(m_blocks * kRows), 0, &convert);
-    Product product{a_bf16.data(), static_cast<const uint16_t*>(w.GetTensorRawData()), bias,
+    Product product{a_bf16.get(), static_cast<const uint16_t*>(w.GetTensorRawData()), bias,
                     y.GetTensorMutableData<float>(), m, n, k_pad, groups, m_blocks};
     switch (path) {
       case Path::kAmx:
