@@ -22,7 +22,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from kvexport.errors import ManifestError
 from kvexport.passes import PromptProductsPass, QuantizationConfig, QuantizeWeightsPass, vocabulary
-from kvexport.passes.prompt_products import bf16_bits, dequantize_nbits, pack_bf16
+from kvexport.passes.prompt_products import bf16_bits, dequantize_nbits, pack_bf16, pack_gated
 from kvexport.runtime import kernels
 from kvexport.runtime.opened import open_export
 from kvexport.serving.runner import ModelRunner
@@ -84,6 +84,57 @@ def test_the_kernel_gives_the_bf16_product(library: Path, monkeypatch: pytest.Mo
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4 * np.abs(expected).max())
 
 
+def _fused_graph(k: int, packed: np.ndarray, widths: list[int], attributes: dict[str, object]) -> bytes:
+    initializers = [helper.make_tensor("w", TensorProto.BFLOAT16, packed.shape, packed.tobytes(), raw=True)]
+    outputs = [f"y{i}" for i in range(len(widths))]
+    node = helper.make_node(vocabulary.PROMPT_MATMUL, ["a", "w"], outputs, domain=vocabulary.KVEXPORT_DOMAIN, K=k, **attributes)
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["s", k])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, ["s", n]) for name, n in zip(outputs, widths, strict=True)], initializers,
+    )
+    opsets = [helper.make_opsetid("", 18), helper.make_opsetid(vocabulary.KVEXPORT_DOMAIN, 1)]
+    return helper.make_model(graph, opset_imports=opsets, ir_version=10).SerializeToString()
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("rows", "k", "n"), [(64, 96, 64), (77, 100, 40), (1, 64, 16), (130, 160, 200)])
+def test_the_gated_kernel_gives_silu_of_the_gate_times_up(library: Path, monkeypatch: pytest.MonkeyPatch, path: str, rows: int, k: int, n: int) -> None:
+    _use_path(path, monkeypatch)
+    rng = np.random.default_rng(rows + n)
+    gate, up = (rng.standard_normal((k, n)).astype(np.float32) * 0.3 for _ in range(2))
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    got = _session(_fused_graph(k, pack_gated(gate, up), [n], {"N": n, "gated": 1}), library).run(None, {"a": a})[0]
+    rows64 = _bf16(a).astype(np.float64)
+    g, u = rows64 @ _bf16(gate).astype(np.float64), rows64 @ _bf16(up).astype(np.float64)
+    expected = g / (1 + np.exp(-g)) * u
+    assert got.shape == (rows, n)
+    np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize(("rows", "widths"), [(64, [576 // 9, 32, 32]), (45, [48, 16, 20]), (1, [16, 7])])
+def test_the_split_kernel_gives_each_product_its_own_output(
+    library: Path, monkeypatch: pytest.MonkeyPatch, path: str, rows: int, widths: list[int]
+) -> None:
+    _use_path(path, monkeypatch)
+    rng = np.random.default_rng(rows)
+    k = 96
+    weights = [rng.standard_normal((k, n)).astype(np.float32) for n in widths]
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    attributes = {"N": sum(widths), "splits": widths}
+    got = _session(_fused_graph(k, pack_bf16(np.concatenate(weights, axis=1)), widths, attributes), library).run(None, {"a": a})
+    for output, weight in zip(got, weights, strict=True):
+        expected = _bf16(a).astype(np.float64) @ _bf16(weight).astype(np.float64)
+        np.testing.assert_allclose(output, expected, rtol=1e-5, atol=1e-4 * np.abs(expected).max())
+
+
+def test_splits_that_do_not_fit_the_kernel_are_refused(library: Path) -> None:
+    with pytest.raises(Exception, match="splits must be positive, each but the last a multiple of 16"):
+        _session(_fused_graph(32, pack_bf16(np.ones((32, 40), np.float32)), [20, 20], {"N": 40, "splits": [20, 20]}), library)
+    with pytest.raises(Exception, match="splits must sum to N"):
+        _session(_fused_graph(32, pack_bf16(np.ones((32, 48), np.float32)), [16, 16], {"N": 48, "splits": [16, 16]}), library)
+
+
 def test_an_unknown_or_missing_path_is_refused_in_one_line(library: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(kernels.PROMPT_GEMM_VARIABLE, "tiles")
     assert kernels.prompt_gemm_path() == "unavailable"
@@ -137,6 +188,54 @@ def test_the_pass_puts_the_kernel_in_each_products_place_but_the_heads(library: 
     # bf16 rounds the activations and the blocks' values by at most 2**-9 each
     np.testing.assert_allclose(got[0], blocks[0], rtol=0, atol=2e-2 * np.abs(blocks[0]).max())
     assert np.abs(got[0] - blocks[0]).mean() < 3e-3 * np.abs(blocks[0]).mean()
+
+
+def _layer_graph() -> ir.Model:
+    """A layer's products as a Llama exports them, int8 blocks: q, k, v of the same rows, then down(silu(gate(x)) * up(x))."""
+    rng = np.random.default_rng(11)
+    k, widths = 64, {"q": 64, "k": 32, "v": 32, "gate": 96, "up": 96}
+    weights = {name: rng.standard_normal((k, n)).astype(np.float32) * 0.1 for name, n in widths.items()}
+    weights["down"] = rng.standard_normal((96, k)).astype(np.float32) * 0.1
+    nodes = [helper.make_node("MatMul", ["a", f"w_{name}"], [name]) for name in ("q", "k", "v", "gate", "up")]
+    nodes += [
+        helper.make_node("Sigmoid", ["gate"], ["sig"]),
+        helper.make_node("Mul", ["gate", "sig"], ["silu"]),
+        helper.make_node("Mul", ["silu", "up"], ["hidden"]),
+        helper.make_node("MatMul", ["hidden", "w_down"], ["down"]),
+        helper.make_node("Concat", ["q", "k", "v", "down"], ["y"], axis=-1),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["s", k])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["s", 64 + 32 + 32 + k])],
+        [numpy_helper.from_array(w, f"w_{name}") for name, w in weights.items()],
+    )
+    model = ir.from_proto(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=10))
+    QuantizeWeightsPass(QuantizationConfig(bits=8, block_size=32, symmetric=True, accuracy_level=4, head_bits=8))(model)
+    return model
+
+
+def test_the_pass_fuses_products_of_the_same_rows_and_the_swiglu(library: Path) -> None:
+    if kernels.prompt_gemm_path() not in kernels.FAST_PROMPT_GEMMS:
+        pytest.skip("this CPU has neither AMX nor AVX512-BF16: the fused kernels are checked above on the portable path")
+    a = np.random.default_rng(4).standard_normal((70, 64)).astype(np.float32)
+    results = {}
+    for fuse in (True, False):
+        model = _layer_graph()
+        products = PromptProductsPass(fuse=fuse)
+        assert products(model).modified and products.counts["nodes"] == 6
+        ops = [node.op_type for node in model.graph]
+        if fuse:
+            assert products.counts == {"nodes": 6, "kernels": 3, "gated": 1, "split": 1}
+            assert "Sigmoid" not in ops and "Mul" not in ops
+            kernels_written = [node for node in model.graph if node.op_type == vocabulary.PROMPT_MATMUL]
+            assert [len(node.outputs) for node in kernels_written] == [3, 1, 1]
+            assert list(kernels_written[0].attributes["splits"].value) == [64, 32, 32]
+            assert kernels_written[1].attributes["gated"].value == 1 and kernels_written[1].attributes["N"].value == 96
+        else:
+            assert ops.count(vocabulary.PROMPT_MATMUL) == 6 and "Sigmoid" in ops
+        results[fuse] = _session(ir.to_proto(model).SerializeToString(), library).run(None, {"a": a})[0]
+    # the same bf16 products; only the activation's arithmetic differs (the kernel's exp against ONNX Runtime's Sigmoid)
+    np.testing.assert_allclose(results[True], results[False], rtol=1e-4, atol=1e-5 * np.abs(results[False]).max())
 
 
 @pytest.mark.parametrize("bits", [4, 8])

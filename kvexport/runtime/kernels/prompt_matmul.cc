@@ -4,8 +4,11 @@
 //   inputs  A [..., K] float, W [N/16 (rounded up), K/2 (rounded up to 16), 16, 2] bf16: W's columns in groups of
 //           16, each group's rows in pairs (the "VNNI" layout both AMX tiles and AVX512-BF16's dot products read),
 //           zero past K and N; bias [N] float (optional)
-//   outputs Y [..., N] float
-//   attributes K, N
+//   outputs Y [..., N] float, or with `splits` one output a width: Y_i [..., splits[i]] (columns in order)
+//   attributes K, N; splits (optional ints, summing to N, each but the last a multiple of 16: the projections that read
+//           the same rows, e.g. a layer's query, key and value, as one product); gated (optional 0/1: W holds
+//           2 * ceil(N/16) groups, a gate's and an up projection's 16 columns alternating, and Y = silu(A @ Wg) * (A @ Wu),
+//           the SwiGLU MLP's first half in one pass over A, its activation applied as the tiles are stored; no bias)
 // A is rounded to bf16 (round to nearest even); the sums are fp32. Where the weight came from int8 blocks
 // (llama.cpp's Q8_0 grid) the bf16 value is the block's code times its scale rounded to 8 significant bits.
 //
@@ -26,6 +29,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -95,13 +99,41 @@ inline float from_bf16(uint16_t value) {
   return out;
 }
 
+constexpr int64_t kMaxOutputs = 8;
+
+struct Output {
+  float* y;                // [M, width]
+  int64_t begin, width;    // its columns among the product's
+};
+
 struct Product {
   const uint16_t* a;  // [M_pad, K_pad] bf16, zero past M and K
   const uint16_t* w;  // [groups, K_pad/2, 16, 2]
   const float* bias;  // null or [N]
-  float* y;           // [M, N]
-  int64_t m, n, k_pad, groups, m_blocks;
+  Output outs[kMaxOutputs];
+  int64_t n_outs;
+  bool gated;         // pair p of groups (gate, up) gives the output's columns 16p .. 16p + 15 (outs[0] only)
+  int64_t m, n, k_pad, groups, m_blocks;  // n: the product's columns (gated: the output's)
 };
+
+// The output that holds the product's column `col` (each output's columns start at a multiple of 16).
+inline const Output& output_of(const Product& p, int64_t col) {
+  int64_t i = 0;
+  while (i + 1 < p.n_outs && col >= p.outs[i + 1].begin) ++i;
+  return p.outs[i];
+}
+
+// silu(gate) * up for `rows` rows of `cols` (<= 16) columns: gate and up rows `in_ld` apart, out's `ld` apart.
+__attribute__((target_clones("avx512f", "avx2", "default"))) void swiglu_rows(const float* gate, const float* up, int64_t in_ld,
+                                                                               float* out, int64_t ld, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate + r * in_ld;
+    const float* u = up + r * in_ld;
+    float* y = out + r * ld;
+#pragma omp simd
+    for (int64_t c = 0; c < cols; ++c) y[c] = g[c] / (1.0f + std::exp(-g[c])) * u[c];
+  }
+}
 
 // The rows' A in bf16, padded with zeros to whole blocks and steps.
 struct Convert {
@@ -135,10 +167,11 @@ void convert_task(void* data, size_t index) {
 
 // Y's block (rows, 16 columns) from a [rows, 16] fp32 tile, with the bias, only the valid rows and columns.
 inline void store_block(const Product& p, const float* tile, int64_t row0, int64_t rows, int64_t col0) {
+  const Output& out = output_of(p, col0);
   const int64_t valid_rows = std::min<int64_t>(rows, p.m - row0);
-  const int64_t cols = std::min<int64_t>(kGroup, p.n - col0);
+  const int64_t cols = std::min<int64_t>(kGroup, out.begin + out.width - col0);
   for (int64_t r = 0; r < valid_rows; ++r) {
-    float* y = p.y + (row0 + r) * p.n + col0;
+    float* y = out.y + (row0 + r) * out.width + (col0 - out.begin);
     const float* t = tile + r * kGroup;
     if (p.bias != nullptr)
       for (int64_t c = 0; c < cols; ++c) y[c] = t[c] + p.bias[col0 + c];
@@ -160,13 +193,15 @@ struct TileConfig {
 
 // C tile t of the 32 x 32 block at (row0, col0) into Y: straight where it is whole and has no bias, else through a copy.
 __attribute__((target("amx-tile,avx512f"))) inline void store_tile(const Product& p, int t, int64_t row0, int64_t col0, float* tile) {
-  if (row0 + 16 <= p.m && col0 + kGroup <= p.n && p.bias == nullptr) {
-    float* y = p.y + row0 * p.n + col0;
+  const Output& out = output_of(p, col0);
+  if (row0 + 16 <= p.m && col0 + kGroup <= out.begin + out.width && p.bias == nullptr) {
+    float* y = out.y + row0 * out.width + (col0 - out.begin);
+    const int64_t stride = out.width * 4;
     switch (t) {
-      case 0: _tile_stored(0, y, p.n * 4); break;
-      case 1: _tile_stored(1, y, p.n * 4); break;
-      case 2: _tile_stored(2, y, p.n * 4); break;
-      default: _tile_stored(3, y, p.n * 4); break;
+      case 0: _tile_stored(0, y, stride); break;
+      case 1: _tile_stored(1, y, stride); break;
+      case 2: _tile_stored(2, y, stride); break;
+      default: _tile_stored(3, y, stride); break;
     }
     return;
   }
@@ -180,10 +215,31 @@ __attribute__((target("amx-tile,avx512f"))) inline void store_tile(const Product
   store_block(p, tile, row0, 16, col0);
 }
 
+// Gated: tiles 0 and 1 (2 and 3) are the gate's and the up projection's 16 columns of the block's first (second) 16
+// rows; their silu(gate) * up goes to the output's columns 16 * pair.
+__attribute__((target("amx-tile,avx512f"))) inline void store_gated(const Product& p, int64_t row0, int64_t pair, float* tiles) {
+  const int64_t col0 = pair * kGroup, cols = std::min<int64_t>(kGroup, p.n - col0);
+  float* gate = tiles;
+  float* up = tiles + kGroup * kGroup;
+  const Output& out = p.outs[0];
+  for (int half = 0; half < 2; ++half) {
+    const int64_t row = row0 + half * 16;
+    if (row >= p.m) return;
+    if (half == 0) {
+      _tile_stored(0, gate, 64);
+      _tile_stored(1, up, 64);
+    } else {
+      _tile_stored(2, gate, 64);
+      _tile_stored(3, up, 64);
+    }
+    swiglu_rows(gate, up, kGroup, out.y + row * out.width + col0, out.width, std::min<int64_t>(16, p.m - row), cols);
+  }
+}
+
 __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_task(void* data, size_t index) {
   const Product& p = *static_cast<const Product*>(data);
   kvexport_configure_tiles();  // tmm0-3: C (16 x 16 fp32); tmm4-5: A (16 x 32 bf16); tmm6-7: W (16 pairs x 16 x 2)
-  alignas(64) float tile[kGroup * kGroup];
+  alignas(64) float tile[2 * kGroup * kGroup];
   const int64_t pairs_total = (p.groups + 1) / 2;
   const int64_t n_chunks = (pairs_total + kChunkPairs - 1) / kChunkPairs;
   const int64_t mc = static_cast<int64_t>(index) / n_chunks, nc = static_cast<int64_t>(index) % n_chunks;
@@ -212,6 +268,10 @@ __attribute__((target("amx-tile,amx-bf16,avx512f"))) void amx_task(void* data, s
         _tile_dpbf16ps(3, 5, 7);
       }
       const int64_t row0 = mb * kRows, col0 = g0 * kGroup;
+      if (p.gated) {
+        store_gated(p, row0, pair, tile);
+        continue;
+      }
       store_tile(p, 0, row0, col0, tile);
       store_tile(p, 1, row0, col0 + kGroup, tile);
       store_tile(p, 2, row0 + 16, col0, tile);
@@ -276,8 +336,29 @@ void generic_task(void* data, size_t index) {
   }
 }
 
+// An optional attribute's value, or `fallback` where the node does not carry it.
+template <class T>
+T optional_attribute(const Ort::ConstKernelInfo& info, const char* name, T fallback) {
+  try {
+    return info.GetAttribute<T>(name);
+  } catch (const Ort::Exception&) {
+    return fallback;
+  }
+}
+
+// The gated product's silu(gate) * up from the alternating groups the fallback paths computed into `full` [M, groups * 16].
+void gate_rows(const float* full, int64_t groups, float* y, int64_t m, int64_t n) {
+  const int64_t ld = groups * kGroup;
+  for (int64_t pair = 0; pair < groups / 2; ++pair) {
+    const int64_t col0 = pair * kGroup;
+    swiglu_rows(full + 2 * col0, full + 2 * col0 + kGroup, ld, y + col0, n, m, std::min<int64_t>(kGroup, n - col0));
+  }
+}
+
 struct PromptMatMulKernel {
   int64_t k, n;
+  bool gated;
+  std::vector<int64_t> splits;  // the outputs' widths
   Path path;
 
   PromptMatMulKernel(const OrtApi&, const OrtKernelInfo* info) : path(pick_path()) {
@@ -285,6 +366,23 @@ struct PromptMatMulKernel {
     k = kernel_info.GetAttribute<int64_t>("K");
     n = kernel_info.GetAttribute<int64_t>("N");
     if (k <= 0 || n <= 0) throw std::invalid_argument("PromptMatMul: K and N must be positive");
+    gated = optional_attribute<int64_t>(kernel_info, "gated", 0) != 0;
+    try {
+      splits = kernel_info.GetAttributes<int64_t>("splits");
+    } catch (const Ort::Exception&) {  // absent: one output
+      splits = {n};
+    }
+    int64_t total = 0;
+    for (size_t i = 0; i < splits.size(); ++i) {
+      if (splits[i] <= 0 || (i + 1 < splits.size() && splits[i] % kGroup != 0))
+        throw std::invalid_argument("PromptMatMul: splits must be positive, each but the last a multiple of 16");
+      total += splits[i];
+    }
+    if (total != n) throw std::invalid_argument("PromptMatMul: splits must sum to N");
+    if (static_cast<int64_t>(splits.size()) > kMaxOutputs) throw std::invalid_argument("PromptMatMul: at most 8 splits");
+    if (gated && splits.size() > 1) throw std::invalid_argument("PromptMatMul: a gated product has one output");
+    if (static_cast<int64_t>(kernel_info.GetOutputCount()) != static_cast<int64_t>(splits.size()))
+      throw std::invalid_argument("PromptMatMul: one output a split");
   }
 
   void Compute(OrtKernelContext* raw) {
@@ -293,14 +391,16 @@ struct PromptMatMulKernel {
     auto a_shape = a.GetTensorTypeAndShapeInfo().GetShape();
     if (a_shape.empty() || a_shape.back() != k)
       throw std::invalid_argument("PromptMatMul: A's last dimension must be K = " + std::to_string(k));
-    const int64_t k_pad = (k + kStep - 1) / kStep * kStep, groups = (n + kGroup - 1) / kGroup;
+    const int64_t k_pad = (k + kStep - 1) / kStep * kStep, groups = (n + kGroup - 1) / kGroup * (gated ? 2 : 1);
     const std::vector<int64_t> w_shape{groups, k_pad / 2, kGroup, 2};
     if (w.GetTensorTypeAndShapeInfo().GetShape() != w_shape)
-      throw std::invalid_argument("PromptMatMul: W must be [N/16, K/2, 16, 2] (rounded up to whole groups and steps)");
+      throw std::invalid_argument(gated ? "PromptMatMul: a gated W must be [2 * N/16, K/2, 16, 2] (rounded up to whole groups and steps)"
+                                        : "PromptMatMul: W must be [N/16, K/2, 16, 2] (rounded up to whole groups and steps)");
     const float* bias = nullptr;
     if (context.GetInputCount() > 2) {
       auto b = context.GetInput(2);
       if (b != nullptr) {
+        if (gated) throw std::invalid_argument("PromptMatMul: a gated product takes no bias");
         if (b.GetTensorTypeAndShapeInfo().GetElementCount() != static_cast<size_t>(n))
           throw std::invalid_argument("PromptMatMul: bias must hold N values");
         bias = b.GetTensorData<float>();
@@ -308,23 +408,34 @@ struct PromptMatMulKernel {
     }
     int64_t m = 1;
     for (size_t i = 0; i + 1 < a_shape.size(); ++i) m *= a_shape[i];
-    auto y_shape = a_shape;
-    y_shape.back() = n;
-    auto y = context.GetOutput(0, y_shape);
+    Product product{nullptr, static_cast<const uint16_t*>(w.GetTensorRawData()), bias, {}, static_cast<int64_t>(splits.size()),
+                    gated && path == Path::kAmx, m, n, k_pad, groups, (m + kRows - 1) / kRows};
+    int64_t begin = 0;
+    for (size_t i = 0; i < splits.size(); ++i) {
+      auto y_shape = a_shape;
+      y_shape.back() = splits[i];
+      product.outs[i] = Output{context.GetOutput(i, y_shape).GetTensorMutableData<float>(), begin, splits[i]};
+      begin += splits[i];
+    }
     if (m == 0) return;
-    const int64_t m_blocks = (m + kRows - 1) / kRows;
     // 64-byte aligned: a tile's rows are whole cache lines (std::vector's 16 bytes split each across two; a 512-token
     // prompt of SmolLM2-135M took 1.18x the time)
     std::unique_ptr<uint16_t, decltype(&std::free)> a_bf16(
-        static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(m_blocks * kRows * k_pad) * sizeof(uint16_t))), &std::free);
+        static_cast<uint16_t*>(std::aligned_alloc(64, static_cast<size_t>(product.m_blocks * kRows * k_pad) * sizeof(uint16_t))), &std::free);
     if (a_bf16 == nullptr) throw std::bad_alloc();
     Convert convert{a.GetTensorData<float>(), a_bf16.get(), m, k, k_pad};
-    context.ParallelFor(convert_task, static_cast<size_t>(m_blocks * kRows), 0, &convert);
-    Product product{a_bf16.get(), static_cast<const uint16_t*>(w.GetTensorRawData()), bias,
-                    y.GetTensorMutableData<float>(), m, n, k_pad, groups, m_blocks};
+    context.ParallelFor(convert_task, static_cast<size_t>(product.m_blocks * kRows), 0, &convert);
+    product.a = a_bf16.get();
+    std::vector<float> full;  // the fallback paths' gated product, before its activation
+    float* gated_y = product.outs[0].y;
+    if (gated && path != Path::kAmx) {
+      full.resize(static_cast<size_t>(m * groups * kGroup));
+      product.outs[0] = Output{full.data(), 0, groups * kGroup};
+      product.n = groups * kGroup;
+    }
     switch (path) {
       case Path::kAmx:
-        context.ParallelFor(amx_task, static_cast<size_t>(((m_blocks + kChunkBlocks - 1) / kChunkBlocks) *
+        context.ParallelFor(amx_task, static_cast<size_t>(((product.m_blocks + kChunkBlocks - 1) / kChunkBlocks) *
                                                           (((groups + 1) / 2 + kChunkPairs - 1) / kChunkPairs)), 0, &product);
         break;
       case Path::kAvx512Bf16:
@@ -334,6 +445,7 @@ struct PromptMatMulKernel {
         context.ParallelFor(generic_task, static_cast<size_t>(groups), 0, &product);
         break;
     }
+    if (!full.empty()) gate_rows(full.data(), groups, gated_y, m, n);
   }
 };
 
@@ -351,6 +463,9 @@ struct PromptMatMulOp : Ort::CustomOpBase<PromptMatMulOp, PromptMatMulKernel> {
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  OrtCustomOpInputOutputCharacteristic GetOutputCharacteristic(size_t) const {
+    return OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_VARIADIC;  // one output a split
+  }
 };
 
 }  // namespace
