@@ -75,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     tokenizer = open_export(args.fp32, "cpu").tokenizer.tokenizer
     assert tokenizer is not None
-    ids = tokenizer.encode(heldout_text()).ids
+    ids = tokenizer.encode(heldout_text(chars=args.windows * args.length * 6)).ids  # ~4 characters a token: enough text
+    if len(ids) < args.windows * args.length:
+        parser.error(f"the held-out text has {len(ids)} tokens: fewer than {args.windows} windows of {args.length}")
     windows = [ids[i * args.length : (i + 1) * args.length] for i in range(args.windows)]
     targets = np.array([w[p + 1] for w in windows for p in range(args.prompt - 1, args.length - 1)])
     reference, _ = served_logits(args.fp32, windows, args.prompt, False)

@@ -193,9 +193,9 @@ def test_prompts_on_amx_tiles_are_attention_in_bf16(
     library: Path, monkeypatch: pytest.MonkeyPatch, heads: int, kv_heads: int, size: int, tokens: int, lengths: list[int], window: int,
     half: bool,
 ) -> None:
-    """KVEXPORT_ATTENTION_PATH=amx: the prompt session's nodes (bf16_tiles) run prompts on AMX tiles: against float64
-    attention of the same inputs within 5e-5 (every operand as two bf16 parts), where the fp32 path is within 1e-5;
-    skipped by name where the CPU has no AMX. Without the variable the nodes keep the fp32 path."""
+    """The prompt session's nodes (bf16_tiles) run prompts on AMX tiles by default (and with KVEXPORT_ATTENTION_PATH=amx):
+    against float64 attention of the same inputs within 5e-5 (every operand as two bf16 parts), where the fp32 path is
+    within 1e-5; skipped by name where the CPU has no AMX. KVEXPORT_ATTENTION_PATH=avx512 keeps them on the fp32 path."""
     if not _has_amx():
         pytest.skip("this CPU has no AMX tiles: the bf16 prompt attention is tested where it has")
     past, q, k, v, seqlens, table, pool_blocks = _problem(len(lengths) * tokens + size, heads, kv_heads, size, tokens, lengths, half=half)
@@ -206,13 +206,17 @@ def test_prompts_on_amx_tiles_are_attention_in_bf16(
         "past_key": _to_pool(past[0], table, pool_blocks, BLOCK).astype(dtype), "past_value": _to_pool(past[1], table, pool_blocks, BLOCK).astype(dtype),
     }
     outs = {}
+    monkeypatch.delenv("KVEXPORT_ATTENTION_PATH", raising=False)
     by_default = _session(library, paged=True, heads=heads, kv_heads=kv_heads, size=size, window=window, cache=cache, tiles=True)
     unasked = by_default.run(None, feeds)[0]
+    monkeypatch.setenv("KVEXPORT_ATTENTION_PATH", "avx512")
+    narrowed = _session(library, paged=True, heads=heads, kv_heads=kv_heads, size=size, window=window, cache=cache, tiles=True)
     monkeypatch.setenv("KVEXPORT_ATTENTION_PATH", "amx")
     for tiles in (False, True):
         session = _session(library, paged=True, heads=heads, kv_heads=kv_heads, size=size, window=window, cache=cache, tiles=tiles)
         outs[tiles] = session.run(None, feeds)[0]
-    np.testing.assert_array_equal(unasked, outs[False])
+    np.testing.assert_array_equal(unasked, outs[True])
+    np.testing.assert_array_equal(narrowed.run(None, feeds)[0], outs[False])
     want = np.zeros_like(q, dtype=np.float64)  # float64 attention: the keys and values the cache holds after the call
     group = heads // kv_heads
     for b, n in enumerate(lengths):

@@ -427,7 +427,7 @@ def prompt_session_for(
 
 
 def _ask_for_tiles(model: Any) -> None:
-    """Mark the prompt graph's attention for AMX tiles (``bf16_tiles``: taken only under ``KVEXPORT_ATTENTION_PATH=amx``).
+    """Mark the prompt graph's attention for AMX tiles (``bf16_tiles``: taken where the CPU and OS give them, unless ``KVEXPORT_ATTENTION_PATH`` narrows the paths).
 
     A function of its own, so no loop variable outlives it: a node held past ``del model`` kept
     the graph's tensors, and the export's data file they map, alive (0.14 GB more RSS for SmolLM2-135M).

@@ -73,10 +73,10 @@ struct Layout {
 // (target_clones). Tests run every path the host has.
 bool kAvx512 = __builtin_cpu_supports("avx512f");
 bool kF16c = __builtin_cpu_supports("f16c");
-// Prompts on AMX tiles where a node asks (bf16_tiles: the prompt session's) and the CPU and OS allow them: asked for by
-// name only (KVEXPORT_ATTENTION_PATH=amx). Every operand as two bf16 parts (about 2^-16 of fp32's results): a 512-token
-// prompt of SmolLM2-135M 0.93x the time, its served mean KL against fp32 unchanged, its perplexity on 2,048 tokens within
-// the measure's noise but not yet shown equal (docs/benchmarks.md): not the default until it is.
+// Prompts on AMX tiles where a node asks (bf16_tiles: the prompt session's) and the CPU and OS allow them, unless
+// KVEXPORT_ATTENTION_PATH narrows the paths (avx512, f16c, generic: fp32). Every operand as two bf16 parts (about 2^-16
+// of fp32's results): a 512-token prompt of SmolLM2-135M 0.93x the time; served on 4,096 tokens its perplexity, top-1
+// and mean KL against fp32 within the fp32 path's own noise, both ways (docs/benchmarks.md).
 bool kTiles = false;
 
 void choose_paths() {
@@ -85,7 +85,10 @@ void choose_paths() {
   kAvx512 = __builtin_cpu_supports("avx512f");  // each registration reads the variable afresh
   kF16c = __builtin_cpu_supports("f16c");
   kTiles = false;
-  if (choice.empty() || choice == "auto") return;
+  if (choice.empty() || choice == "auto") {
+    kTiles = kvexport_amx_allowed();
+    return;
+  }
   if (choice == "amx") {
     if (!kvexport_amx_allowed()) throw std::runtime_error("CacheAttention: KVEXPORT_ATTENTION_PATH=amx but this CPU (or the OS) gives no AMX tiles");
     kTiles = true;
