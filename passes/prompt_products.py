@@ -133,8 +133,10 @@ class PromptProductsPass(InPlacePass):
         """Each gate and up pair among ``products`` as one gated kernel; the products left."""
         left = list(products)
         for gate, gate_weight in products:
+            if all(node is not gate for node, _ in left):
+                continue  # already taken as another pair's up
             match = _swiglu(gate, [node for node, _ in left if node is not gate])
-            if match is None or all(node is not gate for node, _ in left):
+            if match is None:
                 continue
             up, ends = match
             up_weight = next(weight for node, weight in left if node is up)

@@ -887,7 +887,7 @@ struct CacheAttentionKernel {
   CacheAttentionKernel(const OrtApi&, const OrtKernelInfo* info) {
     Ort::ConstKernelInfo kernel_info(info);
     try {
-      tiles = kernel_info.GetAttribute<int64_t>("bf16_tiles") != 0 && kTiles && kvexport_amx_allowed();
+      tiles = kernel_info.GetAttribute<int64_t>("bf16_tiles") != 0 && kTiles;  // kTiles: only where AMX is allowed
     } catch (const Ort::Exception&) {  // absent: fp32
     }
     heads = kernel_info.GetAttribute<int64_t>("num_heads");
