@@ -9,6 +9,7 @@ cache), the same way: perplexity delta, top-1 agreement and mean KL. The fp32 ex
 over an fp16 paged cache (the cache alone); each quantized export runs with its prompts through its
 own blocks (``--prompt-products off``), in bf16 (``auto``), then over an fp16 paged cache
 (``--kv-cache-dtype fp16``), and with its decode calls' products in bf16 too (a many-row decode call).
+``--pools fp16,q8`` runs the paged rows once a pool dtype (q8: int8 codes and a scale a position and head).
 
     .venv/bin/python benchmarks/prompt_quality.py --fp32 /tmp/smol-fp32 --export int8=/tmp/smol-int8 [--windows 8]
 
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--length", type=int, default=512)
     parser.add_argument("--prompt", type=int, default=256)
     parser.add_argument("--name", default="smollm2-135m")
+    parser.add_argument("--pools", default="fp16", help="comma-separated paged pool dtypes to judge (fp16, q8, fp32)")
     parser.add_argument("--results", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args(argv)
     tokenizer = open_export(args.fp32, "cpu").tokenizer.tokenizer
@@ -87,14 +89,18 @@ def main(argv: list[str] | None = None) -> int:
         "fp32_perplexity": round(float(np.exp(ref_nll)), 4), "rows": {},
     }
     print(f"fp32: perplexity {np.exp(ref_nll):.4f} over {len(targets)} tokens ({args.windows} windows, prompts of {args.prompt})")
-    runs = [("fp32, fp16 paged cache", args.fp32, False, "fp16", False)]
+    pools = args.pools.split(",")
+    runs = [(f"fp32, {pool} paged cache", args.fp32, False, pool, False) for pool in pools]
     for label, _, folder in (item.partition("=") for item in args.export):
         runs += [
             (f"{label}, prompts through the blocks", Path(folder), False, None, False),
             (f"{label}, prompts in bf16", Path(folder), True, None, False),
-            (f"{label}, prompts in bf16, fp16 paged cache", Path(folder), True, "fp16", False),
-            (f"{label}, prompts and decode in bf16, fp16 paged cache", Path(folder), True, "fp16", True),
         ]
+        for pool in pools:
+            runs += [
+                (f"{label}, prompts in bf16, {pool} paged cache", Path(folder), True, pool, False),
+                (f"{label}, prompts and decode in bf16, {pool} paged cache", Path(folder), True, pool, True),
+            ]
     for key, folder, products, pool, bf16_decode in runs:
         logprobs, path = served_logits(folder, windows, args.prompt, products, pool, bf16_decode)
         nll = -logprobs[np.arange(len(targets)), targets].mean()

@@ -10,7 +10,9 @@ ran) and ``Shape`` nodes that read its first dimension (the batch), and makes th
 - the cache inputs and outputs become the pool, ``[H, kv_blocks, block_size, D]`` (head-major:
   a KV head's consecutive blocks are one run of memory), one buffer per tensor shared by every
   row; with ``dtype`` (``FLOAT16``) the pool holds that type, which the kernel converts as it
-  reads and writes (the queries, keys and values it computes with stay fp32);
+  reads and writes (the queries, keys and values it computes with stay fp32); with ``INT8``
+  it holds q8 positions: a head's D int8 codes, then their fp32 scale (4 bytes), so the pool's
+  last dimension is ``D + 4``;
 - a ``Shape`` that read the batch from a cache input reads it from the call's
   ``attention_mask`` (``decode.attention_mask``) instead: the pool's first dimension is its
   blocks.
@@ -26,7 +28,7 @@ import onnx_ir as ir
 from onnx_ir.passes import InPlacePass, PassResult
 
 from .errors import PassInputError
-from .vocabulary import BLOCK_TABLE, CACHE_ATTENTION, KVEXPORT_DOMAIN
+from .vocabulary import BLOCK_TABLE, CACHE_ATTENTION, KVEXPORT_DOMAIN, Q8_SCALE_BYTES
 
 _PREFIXES = ("decode.", "")  # the mixed step's decode half first: "decode.past." also ends in "past."
 
@@ -84,7 +86,7 @@ class PagedCachePass(InPlacePass):
         return PassResult(model, modified=bool(tables))
 
     def _as_pool(self, value: ir.Value) -> None:
-        value.shape = _pool_shape(value.shape)
+        value.shape = _pool_shape(value.shape, self.dtype == ir.DataType.INT8)
         if self.dtype is not None:
             value.type = ir.TensorType(self.dtype)
 
@@ -109,7 +111,10 @@ def _reads_batch(node: ir.Node) -> bool:
     return start is not None and start.value == 0 and end is not None and end.value == 1
 
 
-def _pool_shape(shape: ir.Shape | None) -> ir.Shape:
-    """``[H, kv_blocks, block_size, D]`` from a cache's ``[batch, H, capacity, D]``."""
+def _pool_shape(shape: ir.Shape | None, scaled: bool = False) -> ir.Shape:
+    """``[H, kv_blocks, block_size, D]`` from a cache's ``[batch, H, capacity, D]`` (``scaled``: q8, ``D + 4``)."""
     dims = list(shape) if shape is not None else [None, None, None, None]
-    return ir.Shape([dims[1], "kv_blocks", "block_size", dims[3]])
+    last: int | str | ir.SymbolicDim | None = dims[3]
+    if scaled:
+        last = last + Q8_SCALE_BYTES if isinstance(last, int) else "q8_position"
+    return ir.Shape([dims[1], "kv_blocks", "block_size", last])

@@ -32,5 +32,7 @@ ROWS_AFTER_PAST = "kvexport.rows_after_past"
 # pool (kvexport.runtime.cache.PagedCache) and the engine's block manager (kvexport.serving.blocks) both count in
 BLOCK_TABLE = "block_table"
 PAGE_TOKENS = 16  # vLLM's default block size too
-# what a paged pool may hold: kvexport's kernel reads both, converting an fp16 pool as it reads and writes it
-POOL_DTYPES = ("fp32", "fp16")
+# what a paged pool may hold: kvexport's kernel reads each, converting an fp16 or q8 pool as it reads and writes it
+# (q8: a position's head as int8 codes followed by its fp32 scale, Q8_SCALE_BYTES more a position)
+POOL_DTYPES = ("fp32", "fp16", "q8")
+Q8_SCALE_BYTES = 4

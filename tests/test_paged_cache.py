@@ -32,19 +32,20 @@ def _session(
 ) -> ort.InferenceSession:
     float_ = TensorProto.FLOAT
     names = ["q", "k", "v", "past_key", "past_value", "seqlens", "", *(["block_table"] if paged else [])]
+    stored = size + 4 if cache == TensorProto.INT8 else size  # a q8 position: the codes, then the scale's 4 bytes
     inputs = [
         helper.make_tensor_value_info("q", float_, ["B", "S", heads * size]),
         helper.make_tensor_value_info("k", float_, ["B", "S", kv_heads * size]),
         helper.make_tensor_value_info("v", float_, ["B", "S", kv_heads * size]),
-        helper.make_tensor_value_info("past_key", cache, ["P0", "P1", "C", size]),
-        helper.make_tensor_value_info("past_value", cache, ["P0", "P1", "C", size]),
+        helper.make_tensor_value_info("past_key", cache, ["P0", "P1", "C", stored]),
+        helper.make_tensor_value_info("past_value", cache, ["P0", "P1", "C", stored]),
         helper.make_tensor_value_info("seqlens", TensorProto.INT32, ["B"]),
         *([helper.make_tensor_value_info("block_table", TensorProto.INT32, ["B", "W"])] if paged else []),
     ]
     outputs = [
         helper.make_tensor_value_info("out", float_, ["B", "S", heads * size]),
-        helper.make_tensor_value_info("present_key", cache, ["P0", "P1", "C", size]),
-        helper.make_tensor_value_info("present_value", cache, ["P0", "P1", "C", size]),
+        helper.make_tensor_value_info("present_key", cache, ["P0", "P1", "C", stored]),
+        helper.make_tensor_value_info("present_value", cache, ["P0", "P1", "C", stored]),
     ]
     node = helper.make_node(
         "CacheAttention", names, ["out", "present_key", "present_value"], domain="kvexport",
@@ -175,6 +176,60 @@ def test_fp16_writes_round_as_numpy(library: Path) -> None:
     np.testing.assert_array_equal(values[0, 1, 0].view(np.uint16), (-want).view(np.uint16))
 
 
+def _to_q8(values: np.ndarray) -> np.ndarray:
+    """fp32 positions [..., D] as a q8 pool holds them: D int8 codes (the largest magnitude as 127, ties to even), then
+    the fp32 scale's 4 bytes."""
+    top = np.abs(values).max(axis=-1, keepdims=True).astype(np.float32)
+    inverse = np.divide(np.float32(127), top, out=np.zeros_like(top), where=top > 0)
+    with np.errstate(invalid="ignore"):  # the blocks no row owns hold NaN (a stray read shows): their codes are moot
+        codes = np.rint(np.clip(values * inverse, -127, 127)).astype(np.int8)
+    return np.concatenate([codes, (top / np.float32(127)).astype(np.float32).view(np.int8)], axis=-1)
+
+
+def _from_q8(pool: np.ndarray) -> np.ndarray:
+    """A q8 pool's positions [..., D + 4] back as fp32 [..., D]: codes times scale."""
+    codes, scale = pool[..., :-4].astype(np.float32), np.ascontiguousarray(pool[..., -4:]).view(np.float32)
+    return codes * scale
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "size", "tokens", "lengths", "window", "tiles"),
+    [
+        (6, 2, 64, 1, [5, 40, 17], -1, False),  # decode rows (AVX-512's loop where the CPU has it)
+        (3, 3, 20, 1, [1, 63], 9, False),  # a head size the vector loops don't divide (the converting loop), a window
+        (6, 2, 64, 7, [30, 7, 44], -1, False),  # pieces after pasts
+        (4, 1, 32, 33, [33, 40], 20, True),  # long pieces, a window, on AMX tiles where the CPU has them
+    ],
+)
+def test_q8_pool_is_the_fp32_attention_of_what_it_holds(
+    library: Path, heads: int, kv_heads: int, size: int, tokens: int, lengths: list[int], window: int, tiles: bool
+) -> None:
+    """A q8 pool writes each new position as numpy's reference quantization does (codes within one step where a product
+    lands on a tie, scales within an ulp) and attends over what it holds: the fp32 row layout's output over the dequantized
+    past and new rows, within 1e-5 (5e-5 on tiles)."""
+    past, q, k, v, seqlens, table, pool_blocks = _problem(11 * tokens + size, heads, kv_heads, size, tokens, lengths)
+    q8 = _session(library, paged=True, heads=heads, kv_heads=kv_heads, size=size, window=window, cache=TensorProto.INT8, tiles=tiles)
+    pools = [_to_q8(_to_pool(past[i], table, pool_blocks, BLOCK)) for i in range(2)]
+    feeds = {"q": q, "k": k, "v": v, "seqlens": seqlens, "block_table": table, "past_key": pools[0], "past_value": pools[1]}
+    q8_out, key_pool, value_pool = q8.run(None, feeds)
+    assert key_pool.dtype == np.int8 and key_pool.shape[-1] == size + 4
+    new = {"k": np.empty_like(k), "v": np.empty_like(v)}
+    for name, pool, fresh in (("k", key_pool, k), ("v", value_pool, v)):
+        for b, n in enumerate(lengths):
+            for s in range(tokens):
+                t = n - tokens + s
+                got = pool[:, table[b, t // BLOCK], t % BLOCK]  # [Nkv, D + 4]
+                want = _to_q8(fresh[b, s].reshape(kv_heads, size))
+                assert np.abs(got[:, :size].astype(np.int32) - want[:, :size]).max() <= 1
+                scales = (np.ascontiguousarray(x[:, size:]).view(np.float32) for x in (got, want))
+                np.testing.assert_allclose(*scales, rtol=2e-7)
+                new[name][b, s] = _from_q8(got).reshape(-1)
+    held = [np.stack([_from_q8(pools[i])[:, table[b]].reshape(kv_heads, CAPACITY, size) for b in range(len(lengths))]) for i in range(2)]
+    rows = _session(library, paged=False, heads=heads, kv_heads=kv_heads, size=size, window=window)
+    want = rows.run(None, {"q": q, "k": new["k"], "v": new["v"], "past_key": held[0], "past_value": held[1], "seqlens": seqlens})[0]
+    np.testing.assert_allclose(q8_out, want, rtol=0, atol=5e-5 if tiles and _has_amx() else 1e-5)
+
+
 def _has_amx() -> bool:
     flags = Path("/proc/cpuinfo").read_text().split()
     return "amx_tile" in flags and "amx_bf16" in flags
@@ -241,6 +296,7 @@ KERNEL_TESTS = [  # the kernel's outputs and cache against references: decode, p
     "tests/test_paged_cache.py::test_paged_layout_matches_rows",
     "tests/test_paged_cache.py::test_fp16_pool_matches_fp32_rows",
     "tests/test_paged_cache.py::test_fp16_writes_round_as_numpy",
+    "tests/test_paged_cache.py::test_q8_pool_is_the_fp32_attention_of_what_it_holds",
     "tests/passes/test_cache_attention.py::test_the_kernel_gives_group_query_attentions_output_and_cache",
 ]
 
@@ -368,6 +424,41 @@ def test_an_fp16_pool_keeps_the_fp32_caches_greedy_tokens_and_logprobs(llama: Pa
     for full, half in zip(results["fp32"], results["fp16"], strict=True):
         assert [token for token, _ in half] == [token for token, _ in full] and len(full) == 24
         np.testing.assert_allclose([lp for _, lp in half], [lp for _, lp in full], atol=5e-3)
+
+
+def test_a_q8_pool_keeps_the_fp32_caches_greedy_tokens(llama: Path) -> None:
+    """A q8 pool (int8 codes and a scale a position and head) serves the trained model's greedy tokens as the fp32 cache
+    does, prefix sharing included, up to a near tie (the fp32 cache's top two within 0.05), with log-probabilities within
+    0.15 (0.03 on average: 8 bits a value, where fp16 keeps 11); its blocks take (D + 4) / (4 D) of the fp32 pool's bytes."""
+    from kvexport.runtime.opened import open_export
+    from kvexport.serving.engine import Engine
+    from kvexport.serving.request import SamplingParams
+
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    prompts = _prompts(6, 5) + _prompts(3, 6, shared=37)
+    results: dict[str, list[list[tuple[int, float, float]]]] = {}
+    blocks: dict[str, int] = {}
+    for dtype in ("fp32", "q8"):
+        with Engine(llama, slots=4, max_context=128, kv_cache_dtype=dtype, warm_up=0) as engine:
+            assert engine.cache_dtype == dtype
+            blocks[dtype] = engine.runner.cache.block_bytes
+            states = [engine.submit(prompt, params) for prompt in prompts]
+            results[dtype] = [
+                [(e.token_id, e.logprob.logprob, e.logprob.top[0][1] - e.logprob.top[1][1]) for e in state if e.logprob is not None]  # type: ignore[misc]
+                for state in states
+            ]
+    head_dim = open_export(llama, "cpu").manifest.dims.head_dim
+    assert blocks["q8"] * 4 * head_dim == blocks["fp32"] * (head_dim + 4)
+    differences = []
+    for full, q8 in zip(results["fp32"], results["q8"], strict=True):
+        assert len(full) == len(q8) == 24
+        for (token, logprob, margin), (q8_token, q8_logprob, _) in zip(full, q8, strict=True):
+            if margin < 0.05:  # a near tie: the two caches may choose either, and the rest differs from there
+                break
+            assert q8_token == token
+            differences.append(abs(q8_logprob - logprob))
+    assert len(differences) >= 24 * len(prompts) // 2  # most positions compared: the check has teeth
+    assert max(differences) < 0.15 and float(np.mean(differences)) < 0.03
 
 
 def test_preempted_requests_finish_with_the_uninterrupted_tokens(llama: Path) -> None:

@@ -21,11 +21,12 @@ import onnxruntime as ort
 from kvexport.bundle.manifest import Manifest
 from kvexport.errors import ManifestError
 from kvexport.passes.cache_names import cache_names
-from kvexport.passes.vocabulary import BLOCK_TABLE, PAGE_TOKENS, POOL_DTYPES
+from kvexport.passes.vocabulary import BLOCK_TABLE, PAGE_TOKENS, POOL_DTYPES, Q8_SCALE_BYTES
 
 _NP_DTYPES: dict[str, type[np.floating[Any]]] = {"fp32": np.float32, "fp16": np.float16}
-# a cache's element type: the graph's float, or int8 / int4 (two 4-bit values a uint8)
-_CACHE_DTYPES: dict[str, type[np.generic]] = {**_NP_DTYPES, "int8": np.int8, "int4": np.uint8}
+# a cache's element type: the graph's float, or int8 / int4 (two 4-bit values a uint8), or a paged pool's q8 (int8
+# codes and each position's fp32 scale as 4 more bytes)
+_CACHE_DTYPES: dict[str, type[np.generic]] = {**_NP_DTYPES, "int8": np.int8, "int4": np.uint8, "q8": np.int8}
 
 
 def check_pool_dtype(dtype: str) -> None:
@@ -48,12 +49,16 @@ def numpy_dtype(dtype: str) -> type[np.floating[Any]]:
 
 
 def cache_layout_of(manifest: Manifest) -> tuple[type[np.generic], int]:
-    """The cache's numpy element type and its elements per cached row of one head (``head_dim``, halved at int4)."""
+    """The cache's numpy element type and its elements per cached position of one head.
+
+    ``head_dim``; halved at int4; a q8 pool's 4 scale bytes after its ``head_dim`` codes.
+    """
     kind = manifest.cache_dtype
     if kind not in _CACHE_DTYPES:
         raise ManifestError(f"manifest cache dtype {kind!r} is not one the runner knows ({', '.join(_CACHE_DTYPES)})")
     head_dim = manifest.dims.head_dim
-    return _CACHE_DTYPES[kind], head_dim // 2 if kind == "int4" else head_dim
+    stored = {"int4": head_dim // 2, "q8": head_dim + Q8_SCALE_BYTES}.get(kind, head_dim)
+    return _CACHE_DTYPES[kind], stored
 
 
 def cache_row_bytes(manifest: Manifest, capacity: int) -> int:

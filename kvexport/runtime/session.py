@@ -325,7 +325,7 @@ def cpu_rewrites(model: Any, *, signed: bool | None = None, products: bool | Non
 
 
 def page_cache(model: Any, graph_path: Path, dtype: str) -> None:
-    """Make ``model``'s in-place cache a pool of ``dtype`` (fp32, fp16) blocks read through a block table (:class:`~kvexport.passes.PagedCachePass`).
+    """Make ``model``'s in-place cache a pool of ``dtype`` (fp32, fp16, q8) blocks read through a block table (:class:`~kvexport.passes.PagedCachePass`).
 
     Run after :func:`cpu_rewrites`: only kvexport's attention kernel reads a paged cache, so a
     graph where another op reads the cache (an 8-bit cache's), or where the kernel library is
@@ -336,8 +336,9 @@ def page_cache(model: Any, graph_path: Path, dtype: str) -> None:
     from kvexport.passes import PagedCachePass, PassInputError
 
     check_pool_dtype(dtype)
+    pool_type = {"fp16": ir.DataType.FLOAT16, "q8": ir.DataType.INT8}.get(dtype)
     try:
-        PagedCachePass(ir.DataType.FLOAT16 if dtype == "fp16" else None)(model)
+        PagedCachePass(pool_type)(model)
     except PassInputError as exc:
         raise ManifestError(f"{graph_path}: no paged cache for this graph ({first_line(exc)})") from exc
 

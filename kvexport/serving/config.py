@@ -65,7 +65,9 @@ class EngineConfig:
         kv_cache_dtype: the paged pool's element type: ``auto`` (the default: fp16 over the
             paged cache of an export with quantized weights, else the export's own cache dtype),
             ``fp16`` (half the bytes of an fp32 export's cache: the kernel converts keys and values
-            as it writes and reads them, and computes in fp32) or ``fp32``. Over slots only the
+            as it writes and reads them, and computes in fp32), ``q8`` (each position's head as int8
+            codes and one fp32 scale, its largest magnitude as 127, set as it is written: (D + 4) / 4D
+            of the fp32 bytes) or ``fp32``. Over slots only the
             export's own is taken.
         max_queue: requests that may wait for a slot; more are refused.
         chunk: the most tokens of one prompt in one prefill call (prompts that share a call,
@@ -163,8 +165,8 @@ class EngineConfig:
     kv_cache_dtype: str = setting(
         "auto",
         "What the paged cache holds: fp16 (half an fp32 export's cache bytes; kvexport's kernel converts as it reads "
-        "and writes, and computes in fp32), fp32, or auto (fp16 over the paged cache of a quantized export, else the "
-        "export's own).",
+        "and writes, and computes in fp32), q8 (int8 codes and a scale a position and head, 0.27x the fp32 bytes at a "
+        "head size of 64), fp32, or auto (fp16 over the paged cache of a quantized export, else the export's own).",
         flag="--kv-cache-dtype",
         choices=("auto", *POOL_DTYPES),
     )

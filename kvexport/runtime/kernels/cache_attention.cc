@@ -56,11 +56,12 @@ namespace {
 struct Layout {
   const int32_t* table;  // null: the row layout
   int64_t width, block_size, kv_heads, head_size, blocks;  // block_size: C for rows; blocks: P
+  int64_t row;  // elements a cached position takes: head_size, or (an 8-bit pool) head_size + its scale's 4 bytes
 
-  // offset of row b's KV head h at position t, in floats
+  // offset of row b's KV head h at position t, in the cache's elements
   int64_t at(int64_t b, int64_t h, int64_t t) const {
-    if (table == nullptr) return ((b * kv_heads + h) * block_size + t) * head_size;
-    return ((h * blocks + table[b * width + t / block_size]) * block_size + t % block_size) * head_size;
+    if (table == nullptr) return ((b * kv_heads + h) * block_size + t) * row;
+    return ((h * blocks + table[b * width + t / block_size]) * block_size + t % block_size) * row;
   }
 
   // positions from t on that lie contiguously after t's (to the end of its block), at most n
@@ -183,13 +184,51 @@ void to_half(const float* in, uint16_t* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = float_to_half(in[i]);
 }
 
-// A cache tensor as the kernel reads it: fp32 in place, or fp16 converted a run at a time into a buffer.
+// ---- an 8-bit pool (q8): a position's head as D int8 codes, then its scale (fp32, 4 bytes): x ~ code * scale, the
+// scale the head's largest magnitude / 127, set as the position is written (llama.cpp's q8_0 cache: one a 32 values) ----
+constexpr int64_t kScaleBytes = 4;
+
+inline float q8_scale(const int8_t* position, int64_t D) {
+  float scale;
+  std::memcpy(&scale, position + D, sizeof scale);
+  return scale;
+}
+
+__attribute__((target_clones("avx512f", "avx2", "default"))) void to_q8(const float* in, int8_t* out, int64_t D) {
+  float top = 0.0f;
+  for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(in[d]));
+  const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+  for (int64_t d = 0; d < D; ++d) out[d] = static_cast<int8_t>(std::nearbyint(std::min(127.0f, std::max(-127.0f, in[d] * inverse))));
+  std::memcpy(out + D, &scale, sizeof scale);
+}
+
+// ``count`` positions of D values from a q8 pool (``stride`` elements apart) as fp32, one after another in ``out``
+__attribute__((target_clones("avx512f", "avx2", "default"))) void q8_to_float(const int8_t* in, int64_t stride, int64_t D, int64_t count,
+                                                                               float* out) {
+  for (int64_t r = 0; r < count; ++r, in += stride, out += D) {
+    const float scale = q8_scale(in, D);
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<float>(in[d]) * scale;
+  }
+}
+
+enum class Kind { kF32, kF16, kQ8 };
+
+// A cache tensor as the kernel reads it: fp32 in place, or fp16 / q8 converted a run at a time into a buffer.
 struct CacheView {
   const float* f32;
-  const uint16_t* f16;  // set for an fp16 cache (f32 is then null)
+  const uint16_t* f16;  // set for an fp16 cache (the others null)
+  const int8_t* q8;     // set for an 8-bit pool
+  int64_t head_size, row;  // D, and the elements a position takes (q8: D + the scale's bytes)
 
-  // ``count`` values from offset ``at`` as fp32: the cache itself, or their conversion in ``buffer``
+  Kind kind() const { return q8 != nullptr ? Kind::kQ8 : f16 != nullptr ? Kind::kF16 : Kind::kF32; }
+
+  // ``count`` values (whole positions, a multiple of D) from offset ``at`` as fp32: the cache itself, or their
+  // conversion in ``buffer``
   const float* values(int64_t at, int64_t count, float* buffer) const {
+    if (q8 != nullptr) {
+      q8_to_float(q8 + at, row, head_size, count / head_size, buffer);
+      return buffer;
+    }
     if (f16 == nullptr) return f32 + at;
     to_float(f16 + at, buffer, count);
     return buffer;
@@ -282,13 +321,10 @@ struct ReadFloat {
   const float* operator()(int64_t at, int64_t) const { return cache + at; }
 };
 
-struct ReadHalf {  // converts a run (at most a block, or a row's every position) into the buffer
-  const uint16_t* cache;
+struct ReadConverted {  // converts a run (at most a block, or a row's every position) into the buffer
+  CacheView cache;
   float* buffer;
-  const float* operator()(int64_t at, int64_t count) const {
-    to_float(cache + at, buffer, count);
-    return buffer;
-  }
+  const float* operator()(int64_t at, int64_t count) const { return cache.values(at, count, buffer); }
 };
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
@@ -297,10 +333,10 @@ void attend(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores
 }
 
 __attribute__((target_clones("avx512f", "avx2", "default")))
-void attend_half(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores, std::vector<float>& buffer) {
+void attend_converted(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores, std::vector<float>& buffer) {
   const int64_t last = p.seqlens[b], window = p.window > 0 ? std::min<int64_t>(p.window, last + 1) : last + 1;
   buffer.resize(static_cast<size_t>((p.layout.table == nullptr ? window : std::min(window, p.layout.block_size)) * p.head_size));
-  attend_with(p, b, kvh, scores, ReadHalf{p.past_key.f16, buffer.data()}, ReadHalf{p.past_value.f16, buffer.data()});
+  attend_with(p, b, kvh, scores, ReadConverted{p.past_key, buffer.data()}, ReadConverted{p.past_value, buffer.data()});
 }
 
 // ---- one token a row on AVX-512 (a head size of a multiple of 16, at most 256): the cache's runs read once, fp32 or
@@ -312,13 +348,18 @@ void attend_half(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& s
 // 116 -> 76-89 ms shuffled (a pool after churn; 2 KB blocks read at random stream worse than in order).
 constexpr int64_t kMaxGroup = 8, kMaxChunks = 16, kKeys = 16;
 
-template <bool Half>
-__attribute__((target("avx512f"), always_inline)) inline __m512 load16(const void* cache, int64_t at) {
-  if constexpr (Half)
+template <Kind K>
+__attribute__((target("avx512f"), always_inline)) inline __m512 load16(const void* cache, int64_t at) {  // q8: the codes, unscaled
+  if constexpr (K == Kind::kF16)
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(cache) + at)));
+  else if constexpr (K == Kind::kQ8)
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const int8_t*>(cache) + at))));
   else
     return _mm512_loadu_ps(static_cast<const float*>(cache) + at);
 }
+
+template <Kind K>
+constexpr int64_t kElementBytes = K == Kind::kF32 ? 4 : K == Kind::kF16 ? 2 : 1;
 
 // lane i of the result: the sum of v[i]'s 16 lanes
 __attribute__((target("avx512f"), always_inline)) inline __m512 sum16(const __m512* v) {
@@ -337,38 +378,49 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 sum16(const __m5
 // reading; ``end``: the row's positions stop there.
 constexpr int64_t kAhead = 1;
 
-template <bool Half>
+template <Kind K>
 __attribute__((always_inline)) inline void prefetch_ahead(const Problem& p, const void* cache, int64_t b, int64_t kvh, int64_t t,
                                                           int64_t end, bool first) {
   const int64_t bs = p.layout.block_size, block = t / bs;
   for (int64_t j = first ? block + 1 : block + kAhead; j <= block + kAhead && j * bs < end; ++j) {
-    const char* line = static_cast<const char*>(cache) + p.layout.at(b, kvh, j * bs) * (Half ? 2 : 4);
-    const int64_t bytes = std::min(bs, end - j * bs) * p.layout.head_size * (Half ? 2 : 4);
+    const char* line = static_cast<const char*>(cache) + p.layout.at(b, kvh, j * bs) * kElementBytes<K>;
+    const int64_t bytes = std::min(bs, end - j * bs) * p.layout.row * kElementBytes<K>;
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(line + at, _MM_HINT_T0);
   }
 }
 
-template <bool Half>
+template <Kind K>
 __attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t b, int64_t kvh, std::vector<float>& scores) {
-  const int64_t D = p.head_size, G = p.heads / p.kv_heads, chunks = D / 16;
+  const int64_t D = p.head_size, G = p.heads / p.kv_heads, chunks = D / 16, row = p.layout.row;
   const int64_t last = p.seqlens[b];
   const int64_t start = p.window > 0 ? std::max<int64_t>(0, last + 1 - p.window) : 0;
   const int64_t n = last + 1 - start;
   const bool paged = p.layout.table != nullptr;
   scores.resize(static_cast<size_t>(G * n + kKeys));
   alignas(64) float keys_f32[kKeys * 16 * kMaxChunks];  // a run of 16 keys as fp32 (fp16 runs, and every run's tail)
-  const void* keys = Half ? static_cast<const void*>(p.past_key.f16) : static_cast<const void*>(p.past_key.f32);
-  const void* values = Half ? static_cast<const void*>(p.past_value.f16) : static_cast<const void*>(p.past_value.f32);
+  const auto pointer = [](const CacheView& view) -> const void* {
+    return K == Kind::kQ8 ? static_cast<const void*>(view.q8) : K == Kind::kF16 ? static_cast<const void*>(view.f16) : view.f32;
+  };
+  const void* keys = pointer(p.past_key);
+  const void* values = pointer(p.past_value);
   const float* q = p.query + (b * p.heads + kvh * G) * D;
   for (int64_t t0 = 0; t0 < n;) {
     const int64_t run = p.layout.run(start + t0, n - t0);
     const int64_t at0 = p.layout.at(b, kvh, start + t0);
-    if (paged) prefetch_ahead<Half>(p, keys, b, kvh, start + t0, start + n, t0 == 0);
+    if (paged) prefetch_ahead<K>(p, keys, b, kvh, start + t0, start + n, t0 == 0);
     for (int64_t sub = 0; sub < run; sub += kKeys) {
-      const int64_t m = std::min<int64_t>(kKeys, run - sub), at = at0 + sub * D;
+      const int64_t m = std::min<int64_t>(kKeys, run - sub), at = at0 + sub * row;
       const float* k = static_cast<const float*>(keys) + at;
-      if (Half || m < kKeys) {
-        for (int64_t i = 0; i < m * chunks; ++i) _mm512_store_ps(keys_f32 + 16 * i, load16<Half>(keys, at + 16 * i));
+      if (K == Kind::kQ8) {
+        for (int64_t j = 0; j < m; ++j) {
+          const __m512 scale = _mm512_set1_ps(q8_scale(static_cast<const int8_t*>(keys) + at + j * row, D));
+          for (int64_t c = 0; c < chunks; ++c)
+            _mm512_store_ps(keys_f32 + j * D + 16 * c, _mm512_mul_ps(load16<K>(keys, at + j * row + 16 * c), scale));
+        }
+        std::fill(keys_f32 + m * D, keys_f32 + kKeys * D, 0.0f);
+        k = keys_f32;
+      } else if (K == Kind::kF16 || m < kKeys) {
+        for (int64_t i = 0; i < m * chunks; ++i) _mm512_store_ps(keys_f32 + 16 * i, load16<K>(keys, at + 16 * i));
         std::fill(keys_f32 + m * D, keys_f32 + kKeys * D, 0.0f);
         k = keys_f32;
       }
@@ -393,13 +445,15 @@ __attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t 
     for (int64_t i = 0; i < G * 4; ++i) out[i] = _mm512_setzero_ps();
     for (int64_t t0 = 0; t0 < n;) {
       const int64_t run = p.layout.run(start + t0, n - t0);
-      if (paged) prefetch_ahead<Half>(p, values, b, kvh, start + t0, start + n, t0 == 0);
-      int64_t at = p.layout.at(b, kvh, start + t0) + 16 * c0;
-      for (int64_t t = t0; t < t0 + run; ++t, at += D) {
+      if (paged) prefetch_ahead<K>(p, values, b, kvh, start + t0, start + n, t0 == 0);
+      int64_t at = p.layout.at(b, kvh, start + t0);
+      for (int64_t t = t0; t < t0 + run; ++t, at += row) {
+        // q8: the value's scale goes into the weights (the codes are summed as they are)
+        const float scale = K == Kind::kQ8 ? q8_scale(static_cast<const int8_t*>(values) + at, D) : 1.0f;
         __m512 weight[kMaxGroup];
-        for (int64_t g = 0; g < G; ++g) weight[g] = _mm512_set1_ps(scores[g * n + t]);
+        for (int64_t g = 0; g < G; ++g) weight[g] = _mm512_set1_ps(scores[g * n + t] * scale);
         for (int64_t c = 0; c < width; ++c) {
-          const __m512 v = load16<Half>(values, at + 16 * c);
+          const __m512 v = load16<K>(values, at + 16 * (c0 + c));
           for (int64_t g = 0; g < G; ++g) out[g * 4 + c] = _mm512_fmadd_ps(weight[g], v, out[g * 4 + c]);
         }
       }
@@ -415,14 +469,16 @@ void attend_task(void* data, size_t index) {
   const Problem& p = *static_cast<const Problem*>(data);
   const auto i = static_cast<int64_t>(index);
   const int64_t b = i / p.kv_heads, kvh = i % p.kv_heads, G = p.heads / p.kv_heads;
-  const bool half = p.past_key.f16 != nullptr;
+  const Kind kind = p.past_key.kind();
   if (kAvx512 && p.head_size % 16 == 0 && p.head_size <= 16 * kMaxChunks && G <= kMaxGroup) {
-    if (half)
-      attend_avx512<true>(p, b, kvh, scores);
+    if (kind == Kind::kQ8)
+      attend_avx512<Kind::kQ8>(p, b, kvh, scores);
+    else if (kind == Kind::kF16)
+      attend_avx512<Kind::kF16>(p, b, kvh, scores);
     else
-      attend_avx512<false>(p, b, kvh, scores);
-  } else if (half) {
-    attend_half(p, b, kvh, scores, buffer);
+      attend_avx512<Kind::kF32>(p, b, kvh, scores);
+  } else if (kind != Kind::kF32) {
+    attend_converted(p, b, kvh, scores, buffer);
   } else {
     attend(p, b, kvh, scores);
   }
@@ -871,11 +927,8 @@ void transpose_task(void* data, size_t index) {
   if (p.values_out == nullptr) return;
   float* values = p.values_out + i * p.t_pad * D;
   for (int64_t t = 0; t < keys; ++t) {
-    const int64_t at = p.layout.at(b, h, t);
-    if (p.values.f16 != nullptr)
-      to_float(p.values.f16 + at, values + t * D, D);
-    else
-      std::memcpy(values + t * D, p.values.f32 + at, static_cast<size_t>(D) * sizeof(float));
+    const float* from_cache = p.values.values(p.layout.at(b, h, t), D, values + t * D);
+    if (from_cache != values + t * D) std::memcpy(values + t * D, from_cache, static_cast<size_t>(D) * sizeof(float));
   }
 }
 
@@ -906,10 +959,17 @@ struct CacheAttentionKernel {
     const auto cache_shape = past_key.GetTensorTypeAndShapeInfo().GetShape();
     if (q_shape.size() != 3 || cache_shape.size() != 4)
       throw std::invalid_argument("CacheAttention: queries [B, S, N*D] over a [B, Nkv, C, D] cache");
-    const int64_t B = q_shape[0], S = q_shape[1], D = cache_shape[3];
+    const auto element_type = past_key.GetTensorTypeAndShapeInfo().GetElementType();
+    const Kind kind = element_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8      ? Kind::kQ8
+                      : element_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16 ? Kind::kF16
+                                                                              : Kind::kF32;
+    // a q8 position: D codes and the scale's 4 bytes
+    const int64_t B = q_shape[0], S = q_shape[1], D = cache_shape[3] - (kind == Kind::kQ8 ? kScaleBytes : 0);
     if (S < 1 || D < 1)
       throw std::invalid_argument("CacheAttention: a call needs at least one token and a head size");
-    const Layout layout = layout_of(context, B, cache_shape);
+    const Layout layout = layout_of(context, B, cache_shape, D);
+    if (kind == Kind::kQ8 && layout.table == nullptr)
+      throw std::invalid_argument("CacheAttention: an 8-bit cache with a scale a position is a paged pool's only (give block_table)");
     const int64_t C = layout.table == nullptr ? cache_shape[2] : layout.width * layout.block_size;  // a row's positions
     const bool rows_fit = layout.table == nullptr ? cache_shape[0] == B && cache_shape[1] == kv_heads : cache_shape[0] == kv_heads;
     if (q_shape[2] != heads * D || !rows_fit)
@@ -942,15 +1002,23 @@ struct CacheAttentionKernel {
     auto output = context.GetOutput(0, q_shape);
     auto present_key = context.GetOutput(1, cache_shape);
     auto present_value = context.GetOutput(2, cache_shape);
-    const bool half = past_key.GetTensorTypeAndShapeInfo().GetElementType() == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
-    const size_t element = half ? sizeof(uint16_t) : sizeof(float);
+    const size_t element = kind == Kind::kQ8 ? 1 : kind == Kind::kF16 ? sizeof(uint16_t) : sizeof(float);
     void* pk = present_key.GetTensorMutableRawData();
     void* pv = present_value.GetTensorMutableRawData();
-    const size_t cache_bytes = static_cast<size_t>(cache_shape[0] * cache_shape[1] * cache_shape[2] * D) * element;
+    const size_t cache_bytes = static_cast<size_t>(cache_shape[0] * cache_shape[1] * cache_shape[2] * cache_shape[3]) * element;
     if (pk != past_key.GetTensorRawData()) std::memcpy(pk, past_key.GetTensorRawData(), cache_bytes);
     if (pv != past_value.GetTensorRawData()) std::memcpy(pv, past_value.GetTensorRawData(), cache_bytes);
-    const CacheView keys = half ? CacheView{nullptr, static_cast<const uint16_t*>(pk)} : CacheView{static_cast<const float*>(pk), nullptr};
-    const CacheView values = half ? CacheView{nullptr, static_cast<const uint16_t*>(pv)} : CacheView{static_cast<const float*>(pv), nullptr};
+    const auto view = [&](void* cache) {
+      CacheView out{nullptr, nullptr, nullptr, D, layout.row};
+      if (kind == Kind::kQ8)
+        out.q8 = static_cast<const int8_t*>(cache);
+      else if (kind == Kind::kF16)
+        out.f16 = static_cast<const uint16_t*>(cache);
+      else
+        out.f32 = static_cast<const float*>(cache);
+      return out;
+    };
+    const CacheView keys = view(pk), values = view(pv);
     const float* k = key.GetTensorData<float>();
     const float* v = value.GetTensorData<float>();
     for (int64_t b = 0; b < B; ++b) {  // the call's rows after each row's past: where the op writes them
@@ -958,7 +1026,10 @@ struct CacheAttentionKernel {
       for (int64_t s = 0; s < S; ++s)
         for (int64_t h = 0; h < kv_heads; ++h) {
           const int64_t at = layout.at(b, h, past + s), from = ((b * S + s) * kv_heads + h) * D;
-          if (half) {
+          if (kind == Kind::kQ8) {
+            to_q8(k + from, static_cast<int8_t*>(pk) + at, D);
+            to_q8(v + from, static_cast<int8_t*>(pv) + at, D);
+          } else if (kind == Kind::kF16) {
             to_half(k + from, static_cast<uint16_t*>(pk) + at, D);
             to_half(v + from, static_cast<uint16_t*>(pv) + at, D);
           } else {
@@ -984,7 +1055,7 @@ struct CacheAttentionKernel {
     }
     if (S > 1) {
       const int64_t t_pad = (longest + 31) / 32 * 32;
-      const bool gather = layout.table != nullptr || half;  // a paged or fp16 cache's values, row by row in fp32
+      const bool gather = layout.table != nullptr || kind != Kind::kF32;  // a paged or converted cache's values, row by row in fp32
       std::vector<float> keys_t(static_cast<size_t>(B * kv_heads * D * t_pad));
       std::vector<float> gathered(gather ? keys_t.size() : 0);
       Transpose transpose{keys, values, keys_t.data(), gather ? gathered.data() : nullptr, lengths, layout, t_pad};
@@ -1003,8 +1074,8 @@ struct CacheAttentionKernel {
   }
 
   // the row layout, or (a block_table given) the paged one
-  Layout layout_of(Ort::KernelContext& context, int64_t B, const std::vector<int64_t>& cache_shape) const {
-    Layout layout{nullptr, 1, cache_shape[2], kv_heads, cache_shape[3], 0};
+  Layout layout_of(Ort::KernelContext& context, int64_t B, const std::vector<int64_t>& cache_shape, int64_t D) const {
+    Layout layout{nullptr, 1, cache_shape[2], kv_heads, D, 0, cache_shape[3]};
     if (context.GetInputCount() <= 7) return layout;
     auto table = context.GetInput(7);
     if (table == nullptr) return layout;
@@ -1030,7 +1101,8 @@ struct CacheAttentionKernel {
   }
 };
 
-// The op over an fp32 cache, or (``cache`` FLOAT16) an fp16 one: past and present in that type, all else fp32.
+// The op over an fp32 cache, or (``cache`` FLOAT16) an fp16 one, or (INT8) a q8 pool: past and present in that type,
+// all else fp32.
 template <ONNXTensorElementDataType cache>
 struct CacheAttentionOp : Ort::CustomOpBase<CacheAttentionOp<cache>, CacheAttentionKernel> {
   void* CreateKernel(const OrtApi& api, const OrtKernelInfo* info) const { return new CacheAttentionKernel(api, info); }
@@ -1057,6 +1129,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
                                                                                 const OrtApiBase* api_base) {
   static CacheAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT> op;
   static CacheAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16> half_op;
+  static CacheAttentionOp<ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8> q8_op;
   static std::once_flag initialized;
   std::call_once(initialized, [api_base] { Ort::InitApi(api_base->GetApi(ORT_API_VERSION)); });
   try {
@@ -1066,6 +1139,7 @@ extern "C" __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(O
     std::call_once(added, [] {
       domain.Add(&op);
       domain.Add(&half_op);
+      domain.Add(&q8_op);
       add_prompt_matmul(domain);
     });
     Ort::UnownedSessionOptions(options).Add(domain);
