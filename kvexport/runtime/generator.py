@@ -276,7 +276,7 @@ class Generator:
         self.prompt_products = "not asked for"  # the prompt session's kernel path, or why there is none
         if prompt_products and len(graphs) == 1 and not (cuda_graph or static_decode or share_weights or prepacked):
             options = session_options(intra_op_threads, spinning=self.provider == "cpu")
-            prompt, self.prompt_products = prompt_session_for(paths["prefill"], self.provider, options)
+            prompt, self.prompt_products = prompt_session_for(paths["prefill"], self.provider, options, self.vocab_size)
             if prompt is not None:  # the prompt runs in bf16, the decode steps on the export's blocks
                 self.sessions["prefill"] = prompt
         # the prompt's runs on a capturing session are neither captured nor replayed

@@ -410,23 +410,20 @@ def open_mixed_session(
 
 
 def prompt_session_for(
-    graph_path: Path, provider: str, options: ort.SessionOptions, *, paged: str | None = None
+    graph_path: Path, provider: str, options: ort.SessionOptions, vocab_size: int, *, paged: str | None = None
 ) -> tuple[ort.InferenceSession | None, str]:
     """The session for prompts where this CPU has bf16 units (:func:`open_prompt_session`), and its kernel path or why none.
 
     None off CPU, where kvexport's kernels are not built, where the prompt product would take
     the portable loop (no AMX, and no AVX512-BF16 asked for by name: ONNX Runtime's blocks are the faster there), and
-    for a graph without block-quantized products. The LM head goes to bf16 too: a decode call of
-    many rows runs here (``bf16_decode_rows``), where the head's 64 rows through the blocks took 16
-    of a 100 ms call (SmolLM2-135M, 2 AMX cores: 88 ms with the head in bf16), and a prompt's one
-    row a sequence took no longer in bf16 (a 512-token prompt 0.98x, 16 tokens +0.4 ms).
+    for a graph without block-quantized products. The LM head (``vocab_size`` wide) keeps its blocks.
     """
     from kvexport.runtime.kernels import FAST_PROMPT_GEMMS, prompt_gemm_path
 
     path = prompt_gemm_path() if resolve_provider(provider) == "cpu" else None
     if path not in FAST_PROMPT_GEMMS:
         return None, f"no bf16 units for prompts here (kernel path: {path or 'not built, or not on CPU'})"
-    session = open_prompt_session(graph_path, options, paged=paged)
+    session = open_prompt_session(graph_path, options, skip_width=vocab_size, paged=paged)
     return session, path if session is not None else "no block-quantized products in the graph"
 
 

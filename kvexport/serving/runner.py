@@ -152,7 +152,9 @@ class ModelRunner:
         self.prompt_products = "not asked for"  # the prompt session's kernel path, or why there is none
         if prompt_products:
             options = session_options(intra_op_threads, spinning=spinning)
-            self.prompt_session, self.prompt_products = prompt_session_for(graph, opened.provider, options, paged=paged)
+            self.prompt_session, self.prompt_products = prompt_session_for(
+                graph, opened.provider, options, self.vocab_size, paged=paged
+            )
         self.cache: SlotCache = (
             PagedCache(pool_manifest(manifest, pool_dtype), opened.provider, slots, capacity, paged_blocks)
             if paged_blocks is not None
