@@ -16,7 +16,7 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
-from kvexport import verify
+from kvexport import VerifyReport, verify
 from kvexport.cli import main
 from kvexport.export.quantization import QUANTIZATION_SCHEMES, QUANTIZATION_TOLERANCES
 from kvexport.runtime import Generator
@@ -26,13 +26,23 @@ from tests.conftest import TRAINED
 HELDOUT = TRAINED / "heldout.txt"
 
 
+_REPORTS: dict[Path, VerifyReport] = {}
+
+
+def _text_report(export: Path) -> VerifyReport:
+    """``verify`` of ``export`` over 8 steps and the whole held-out text, once a session (two tests read the int8 one)."""
+    if export not in _REPORTS:
+        _REPORTS[export] = verify(export, steps=8, text=HELDOUT, text_tokens=100_000, record=False)
+    return _REPORTS[export]
+
+
 def _export_bytes(directory: Path) -> int:
     return sum(f.stat().st_size for f in directory.iterdir() if f.is_file())
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quality_within_the_scheme_tolerances(trained_exports: dict[str, Path], scheme: str) -> None:
-    report = verify(trained_exports[scheme], steps=8, text=HELDOUT, text_tokens=100_000, record=False)
+    report = _text_report(trained_exports[scheme])
     assert report.ok, report.failures()
     assert report.quantized and not report.tensors  # judged by quality, not fp32 parity
     # three cases (batch 1, left-padded batch 2, rows of different lengths in one in-place
@@ -260,7 +270,7 @@ def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: 
     assert report.ok, report.failures()
     assert report.text is not None and report.text.top1_agreement >= QUANTIZATION_TOLERANCES["int8"]["min_top1_agreement"]
     # further from fp32 than the blocks, which quantize activations per row in blocks of 32
-    blocks = verify(trained_exports["int8"], steps=1, text=HELDOUT, text_tokens=100_000, record=False)
+    blocks = _text_report(trained_exports["int8"])
     assert blocks.text is not None and report.text.mean_kl > blocks.text.mean_kl
     # without --per-channel (or with --blocks), the blocks
     for flags in ([], ["--blocks"]):

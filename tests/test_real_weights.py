@@ -30,7 +30,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     root = tmp_path_factory.mktemp("smollm2")
     checkpoint = smollm2_checkpoint(root / "hf", cache_root() / "smollm2", layers=LAYERS)
     text = root / "heldout.txt"
-    text.write_text(heldout_text(6_000), encoding="utf-8")
+    text.write_text(heldout_text(3_500), encoding="utf-8")
     return checkpoint, text
 
 
@@ -42,7 +42,7 @@ def test_int8_is_q8_0s_arithmetic_and_holds_its_tolerances_on_real_weights(real:
     export_model(per_channel, str(checkpoint), target="ort-cpu", quantize="int8", quantization=asked)
     report = verify(blocks, steps=4, text=text, record=False)
     assert report.ok, report.failures()
-    assert report.text is not None and report.text.tokens > 1_000
+    assert report.text is not None and report.text.tokens > 600
     tolerances = QUANTIZATION_TOLERANCES["int8"]
     assert report.text.top1_agreement >= tolerances["min_top1_agreement"]
     assert 0 < report.text.mean_kl <= tolerances["max_mean_kl"]
