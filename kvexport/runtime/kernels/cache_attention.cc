@@ -411,12 +411,14 @@ __attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t 
     for (int64_t sub = 0; sub < run; sub += kKeys) {
       const int64_t m = std::min<int64_t>(kKeys, run - sub), at = at0 + sub * row;
       const float* k = static_cast<const float*>(keys) + at;
-      if (K == Kind::kQ8) {
+      __m512 key_scales = _mm512_set1_ps(p.scale);
+      if (K == Kind::kQ8) {  // the codes as they are; each key's scale goes into its score
+        alignas(64) float scales[kKeys] = {};
         for (int64_t j = 0; j < m; ++j) {
-          const __m512 scale = _mm512_set1_ps(q8_scale(static_cast<const int8_t*>(keys) + at + j * row, D));
-          for (int64_t c = 0; c < chunks; ++c)
-            _mm512_store_ps(keys_f32 + j * D + 16 * c, _mm512_mul_ps(load16<K>(keys, at + j * row + 16 * c), scale));
+          scales[j] = q8_scale(static_cast<const int8_t*>(keys) + at + j * row, D) * p.scale;
+          for (int64_t c = 0; c < chunks; ++c) _mm512_store_ps(keys_f32 + j * D + 16 * c, load16<K>(keys, at + j * row + 16 * c));
         }
+        key_scales = _mm512_load_ps(scales);
         std::fill(keys_f32 + m * D, keys_f32 + kKeys * D, 0.0f);
         k = keys_f32;
       } else if (K == Kind::kF16 || m < kKeys) {
@@ -432,7 +434,7 @@ __attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t 
           for (int64_t i = 0; i < kKeys; ++i) acc[i] = _mm512_fmadd_ps(qc, _mm512_loadu_ps(k + i * D + 16 * c), acc[i]);
         }
         _mm512_mask_storeu_ps(scores.data() + g * n + t0 + sub, static_cast<__mmask16>((1u << m) - 1),
-                              _mm512_mul_ps(sum16(acc), _mm512_set1_ps(p.scale)));
+                              _mm512_mul_ps(sum16(acc), key_scales));
       }
     }
     t0 += run;
