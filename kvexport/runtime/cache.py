@@ -304,7 +304,10 @@ class PagedCache(SlotCache):
                 view[:, target] = view[:, source]
 
     def read(self, index: int, row: int, length: int) -> np.ndarray:
-        """A host copy of cache tensor ``index`` of slot ``row``, its first ``length`` positions through its table: [1, H, length, D]."""
+        """A host copy of cache tensor ``index`` of slot ``row``, its first ``length`` positions through its table: [1, H, length, D].
+
+        A q8 pool's positions come as stored: [1, H, length, D + 4], the codes then the scale's bytes.
+        """
         view = self.banks.host_view(0, index, self.pool_shape)
         blocks = self.tables[row, : -(-length // PAGE_TOKENS)]
         return np.concatenate([view[:, block] for block in blocks], axis=1)[None, :, :length].copy()

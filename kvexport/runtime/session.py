@@ -187,7 +187,7 @@ def open_session(
     ``cuda_graph``: the CUDA provider may capture runs as CUDA graphs (a run's
     ``gpu_graph_id`` says which, :func:`kvexport.runtime.cuda_graph.graph_run_options`);
     refused on CPU. ``paged``: the cache as a pool of blocks of that element type (``fp32``,
-    ``fp16``) read through a block table (:func:`page_cache`; CPU only); None: the export's cache.
+    ``fp16``, ``q8``) read through a block table (:func:`page_cache`; CPU only); None: the export's cache.
     """
     check_external_data(graph_path)
     resolved = resolve_provider(provider)

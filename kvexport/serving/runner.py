@@ -26,7 +26,8 @@ prompt chunk into its slot and decodes the running rows, the chunk's and the row
 packed into the same GEMMs. It packs the weights a second time (that session's memory).
 
 With ``paged_blocks`` (CPU, an fp32 cache kvexport's kernel reads) the cache is a pool of that
-many blocks of ``pool_dtype`` (fp32, or fp16: half the bytes, converted by the kernel as it reads and writes) (:class:`~kvexport.runtime.cache.PagedCache`) and every session reads it through
+many blocks of ``pool_dtype`` (fp32; fp16: half the bytes; q8: int8 codes and a scale a position and head; the
+kernel converts fp16 and q8 as it reads and writes) (:class:`~kvexport.runtime.cache.PagedCache`) and every session reads it through
 its ``block_table`` input (:class:`~kvexport.passes.PagedCachePass`): a slot is a row of the
 table, and the scheduler's :class:`~kvexport.serving.blocks.BlockManager` writes the table in
 place. Bindings stay as they are (the table's rows are bound by address); a prefix is shared

@@ -14,7 +14,8 @@
 // past's buffer (the in-place cache) only the new rows are written. Several rows after pasts
 // of different lengths are taken too (the op refuses them).
 //
-// Paged (a block_table given): the cache is a pool of blocks [Nkv, P, Bs, D] shared by every row,
+// Paged (a block_table given): the cache is a pool of blocks [Nkv, P, Bs, D] shared by every row (an fp32, fp16 or q8
+// pool; q8: [Nkv, P, Bs, D + 4], a position's D int8 codes then its fp32 scale, below),
 // and row b's position t lives in block block_table[b, t / Bs] at t % Bs; a row holds W * Bs
 // positions. Head-major, so a KV head's consecutive blocks are one run of memory: with the blocks
 // [P, Nkv, Bs, D], a 16-row decode call's attention read the fp32 cache 14% slower than rows of
@@ -197,7 +198,8 @@ inline float q8_scale(const int8_t* position, int64_t D) {
 __attribute__((target_clones("avx512f", "avx2", "default"))) void to_q8(const float* in, int8_t* out, int64_t D) {
   float top = 0.0f;
   for (int64_t d = 0; d < D; ++d) top = std::max(top, std::fabs(in[d]));
-  const float scale = top / 127.0f, inverse = top > 0.0f ? 127.0f / top : 0.0f;
+  // a head of (nearly) zeros keeps zero codes and scale (127 / top would overflow below FLT_MIN)
+  const float scale = top / 127.0f, inverse = top > std::numeric_limits<float>::min() ? 127.0f / top : 0.0f;
   for (int64_t d = 0; d < D; ++d) out[d] = static_cast<int8_t>(std::nearbyint(std::min(127.0f, std::max(-127.0f, in[d] * inverse))));
   std::memcpy(out + D, &scale, sizeof scale);
 }
@@ -410,7 +412,9 @@ __attribute__((target("avx512f"))) void attend_avx512(const Problem& p, int64_t 
     if (paged) prefetch_ahead<K>(p, keys, b, kvh, start + t0, start + n, t0 == 0);
     for (int64_t sub = 0; sub < run; sub += kKeys) {
       const int64_t m = std::min<int64_t>(kKeys, run - sub), at = at0 + sub * row;
-      const float* k = static_cast<const float*>(keys) + at;
+      const float* k = keys_f32;  // fp32 keys are read in place where a whole run of 16 is there (below)
+      if constexpr (K == Kind::kF32)
+        if (m == kKeys) k = static_cast<const float*>(keys) + at;
       __m512 key_scales = _mm512_set1_ps(p.scale);
       if (K == Kind::kQ8) {  // the codes as they are; each key's scale goes into its score
         alignas(64) float scales[kKeys] = {};
