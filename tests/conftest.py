@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from kvexport import VerifyReport
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -146,3 +151,12 @@ def copy_with_swapped_graphs(export: Path, out: Path) -> Path:
 
 
 
+
+
+@functools.cache
+def heldout_report(export: Path, steps: int) -> VerifyReport:
+    """``verify`` of a read-only session export over ``steps`` steps and the trained model's whole held-out text, once
+    a session: tests that compare exports read the same report."""
+    from kvexport import verify
+
+    return verify(export, steps=steps, text=TRAINED / "heldout.txt", text_tokens=100_000, record=False)

@@ -11,14 +11,14 @@ import onnx_ir as ir
 import pytest
 from click.testing import CliRunner
 
-from kvexport import VerifyReport, verify
+from kvexport import verify
 from kvexport.bundle.manifest import read_manifest
 from kvexport.cli import main
 from kvexport.export.quantization import CACHE_TOLERANCES
 from kvexport.passes.quantize_cache import CacheQuantization, QuantizeCacheError, QuantizeCachePass
 from kvexport.runtime import Generator
 from kvexport.runtime.cache import SlotCache
-from tests.conftest import TRAINED
+from tests.conftest import TRAINED, heldout_report
 
 HELDOUT = TRAINED / "heldout.txt"
 
@@ -53,16 +53,6 @@ def test_the_cache_is_quantized_in_every_attention_op_and_recorded(
     assert check.exit_code == 0, check.output
 
 
-_FLOAT_REPORTS: dict[Path, VerifyReport] = {}
-
-
-def _float_report(export: Path) -> VerifyReport:
-    """The fp32 cache's ``verify`` over the held-out text, once a session (both quantized caches compare with it)."""
-    if export not in _FLOAT_REPORTS:
-        _FLOAT_REPORTS[export] = verify(export, steps=1, text=HELDOUT, text_tokens=100_000, record=False)
-    return _FLOAT_REPORTS[export]
-
-
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_a_quantized_cache_stays_within_its_tolerances_against_pytorch_fp32(trained_exports: dict[str, Path], kind: str) -> None:
     report = verify(trained_exports[f"kv-{kind}"], steps=4, text=HELDOUT, text_tokens=100_000, record=False)
@@ -71,7 +61,7 @@ def test_a_quantized_cache_stays_within_its_tolerances_against_pytorch_fp32(trai
     assert report.text is not None
     # quantized, so not fp32-equal: some error, and int4's more than int8's
     assert report.text.mean_kl > 1e-7
-    float_cache = _float_report(trained_exports["none"])
+    float_cache = heldout_report(trained_exports["none"], 1)  # once for both caches
     assert float_cache.text is not None and float_cache.text.mean_kl < report.text.mean_kl
 
 

@@ -16,24 +16,14 @@ import onnxruntime as ort
 import pytest
 from click.testing import CliRunner
 
-from kvexport import VerifyReport, verify
+from kvexport import verify
 from kvexport.cli import main
 from kvexport.export.quantization import QUANTIZATION_SCHEMES, QUANTIZATION_TOLERANCES
 from kvexport.runtime import Generator
 from kvexport.testing import export_foreign
-from tests.conftest import TRAINED
+from tests.conftest import TRAINED, heldout_report
 
 HELDOUT = TRAINED / "heldout.txt"
-
-
-_REPORTS: dict[Path, VerifyReport] = {}
-
-
-def _text_report(export: Path) -> VerifyReport:
-    """``verify`` of ``export`` over 8 steps and the whole held-out text, once a session (two tests read the int8 one)."""
-    if export not in _REPORTS:
-        _REPORTS[export] = verify(export, steps=8, text=HELDOUT, text_tokens=100_000, record=False)
-    return _REPORTS[export]
 
 
 def _export_bytes(directory: Path) -> int:
@@ -42,7 +32,7 @@ def _export_bytes(directory: Path) -> int:
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_quality_within_the_scheme_tolerances(trained_exports: dict[str, Path], scheme: str) -> None:
-    report = _text_report(trained_exports[scheme])
+    report = heldout_report(trained_exports[scheme], 8)
     assert report.ok, report.failures()
     assert report.quantized and not report.tensors  # judged by quality, not fp32 parity
     # three cases (batch 1, left-padded batch 2, rows of different lengths in one in-place
@@ -270,7 +260,7 @@ def test_per_channel_int8_export_is_within_the_int8_tolerances(trained_exports: 
     assert report.ok, report.failures()
     assert report.text is not None and report.text.top1_agreement >= QUANTIZATION_TOLERANCES["int8"]["min_top1_agreement"]
     # further from fp32 than the blocks, which quantize activations per row in blocks of 32
-    blocks = _text_report(trained_exports["int8"])
+    blocks = heldout_report(trained_exports["int8"], 8)  # the quality test's report
     assert blocks.text is not None and report.text.mean_kl > blocks.text.mean_kl
     # without --per-channel (or with --blocks), the blocks
     for flags in ([], ["--blocks"]):
