@@ -215,6 +215,8 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void q8_to_float(co
 
 enum class Kind { kF32, kF16, kQ8 };
 
+constexpr int64_t element_bytes(Kind kind) { return kind == Kind::kF32 ? 4 : kind == Kind::kF16 ? 2 : 1; }
+
 // A cache tensor as the kernel reads it: fp32 in place, or fp16 / q8 converted a run at a time into a buffer.
 struct CacheView {
   const float* f32;
@@ -360,9 +362,6 @@ __attribute__((target("avx512f"), always_inline)) inline __m512 load16(const voi
     return _mm512_loadu_ps(static_cast<const float*>(cache) + at);
 }
 
-template <Kind K>
-constexpr int64_t kElementBytes = K == Kind::kF32 ? 4 : K == Kind::kF16 ? 2 : 1;
-
 // lane i of the result: the sum of v[i]'s 16 lanes
 __attribute__((target("avx512f"), always_inline)) inline __m512 sum16(const __m512* v) {
   __m512 a[8], b[4], c[2];
@@ -385,8 +384,8 @@ __attribute__((always_inline)) inline void prefetch_ahead(const Problem& p, cons
                                                           int64_t end, bool first) {
   const int64_t bs = p.layout.block_size, block = t / bs;
   for (int64_t j = first ? block + 1 : block + kAhead; j <= block + kAhead && j * bs < end; ++j) {
-    const char* line = static_cast<const char*>(cache) + p.layout.at(b, kvh, j * bs) * kElementBytes<K>;
-    const int64_t bytes = std::min(bs, end - j * bs) * p.layout.row * kElementBytes<K>;
+    const char* line = static_cast<const char*>(cache) + p.layout.at(b, kvh, j * bs) * element_bytes(K);
+    const int64_t bytes = std::min(bs, end - j * bs) * p.layout.row * element_bytes(K);
     for (int64_t at = 0; at < bytes; at += 64) _mm_prefetch(line + at, _MM_HINT_T0);
   }
 }
@@ -1008,7 +1007,7 @@ struct CacheAttentionKernel {
     auto output = context.GetOutput(0, q_shape);
     auto present_key = context.GetOutput(1, cache_shape);
     auto present_value = context.GetOutput(2, cache_shape);
-    const size_t element = kind == Kind::kQ8 ? 1 : kind == Kind::kF16 ? sizeof(uint16_t) : sizeof(float);
+    const auto element = static_cast<size_t>(element_bytes(kind));
     void* pk = present_key.GetTensorMutableRawData();
     void* pv = present_value.GetTensorMutableRawData();
     const size_t cache_bytes = static_cast<size_t>(cache_shape[0] * cache_shape[1] * cache_shape[2] * cache_shape[3]) * element;
